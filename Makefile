@@ -1,0 +1,30 @@
+# transformer-mt: `make help` lists every target.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   ?= .venv
+PYTHON ?= python3
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest
+
+.PHONY: help install test test-full clean
+
+help:  ## List the targets
+	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
+
+install:  ## Create .venv, install $(TORCH) first, then this package (editable) with its dev extra
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install "$(TORCH)"
+	$(PY) -m pip install -e ".[dev]"
+
+test:  ## Run the fast test suite (tests not marked slow)
+	$(PYTEST) -m "not slow"
+
+test-full:  ## Run every test, the slow ones too
+	$(PYTEST)
+
+clean:  ## Remove caches and outputs (keeps .venv)
+	rm -rf .pytest_cache outputs multirun
+	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +

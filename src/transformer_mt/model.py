@@ -1,0 +1,276 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in plain PyTorch.
+
+Read top to bottom: positions -> embeddings -> attention -> feed-forward -> layers ->
+encoder/decoder -> the model. Section numbers (§) refer to the paper.
+
+Shapes: B batch, S source length, T target length, d d_model, H heads, hd = d / H, V vocab.
+Masks: `src_pad` is a bool (B, S) tensor, True where the source token is padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
+
+
+@dataclass
+class TransformerConfig:
+    vocab_size: int
+    d_model: int = 512
+    d_ff: int = 2048
+    n_heads: int = 8
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    dropout: float = 0.1  # P_drop (§5.4): residual branches and embedding sums
+    max_positions: int = 1024
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.d_model % 2:
+            raise ValueError(f"d_model={self.d_model} must be even for sin/cos positions (§3.5)")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}")
+
+
+def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
+    """§3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same), interleaved."""
+    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
+    angle = pos / 10000.0 ** (two_i / d_model)  # (P, d/2)
+    pe = torch.empty(n_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe.float()
+
+
+class Embedding(nn.Module):
+    """§3.4 + §3.5: token embedding * sqrt(d_model) + positions, then dropout (§5.4)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        self.scale = math.sqrt(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+        # ids: (B, L) -> (B, L, d); `start` is the position of ids[:, 0] (incremental decoding)
+        end = start + ids.size(1)
+        if end > self.positions.size(0):
+            raise ValueError(
+                f"sequence of length {end} exceeds max_positions={self.positions.size(0)}; "
+                "truncate the input or raise model.max_positions"
+            )
+        x = self.tokens(ids) * self.scale + self.positions[start:end]
+        return self.dropout(x)
+
+
+def key_mask(src_pad: Tensor) -> Tensor:
+    """(B, S) pad mask -> (B, 1, 1, S) bool mask for SDPA, True where attention may look.
+
+    A boolean mask (not an additive -inf bias) keeps every dtype finite: SDPA returns zeros,
+    not NaN, for a row whose keys are all padding (tested in test_model.py).
+    """
+    return ~src_pad[:, None, None, :]
+
+
+class MultiHeadAttention(nn.Module):
+    """§3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_H) W^O, via scaled dot-product attention."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        B, L, d = x.shape
+        return x.view(B, L, self.n_heads, d // self.n_heads).transpose(1, 2)  # (B, H, L, hd)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+
+    def forward(
+        self,
+        query: Tensor,
+        kv: tuple[Tensor, Tensor],
+        mask: Tensor | None = None,
+        causal: bool = False,
+    ) -> Tensor:
+        # query: (B, Lq, d); kv: keys and values already projected, each (B, H, Lk, hd)
+        q = self.split_heads(self.q_proj(query))  # (B, H, Lq, hd)
+        k, v = kv
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, hd)
+        B, H, Lq, hd = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * hd))
+
+
+class FeedForward(nn.Module):
+    """§3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+class Residual(nn.Module):
+    """§3.1 and §5.4, post-norm: LayerNorm(x + Dropout(Sublayer(x)))."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
+
+    def forward(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+        return self.norm(x + self.dropout(sublayer_out))
+
+
+class EncoderLayer(nn.Module):
+    """§3.1: self-attention, then feed-forward, each wrapped in a post-norm residual."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg)
+        self.self_attn_res = Residual(cfg)
+        self.ffn = FeedForward(cfg)
+        self.ffn_res = Residual(cfg)
+
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+        x = self.self_attn_res(x, self.self_attn(x, self.self_attn.project_kv(x), mask=src_mask))
+        return self.ffn_res(x, self.ffn(x))
+
+
+class DecoderLayer(nn.Module):
+    """§3.1: masked self-attention, encoder-decoder attention, feed-forward; post-norm each."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg)
+        self.self_attn_res = Residual(cfg)
+        self.cross_attn = MultiHeadAttention(cfg)
+        self.cross_attn_res = Residual(cfg)
+        self.ffn = FeedForward(cfg)
+        self.ffn_res = Residual(cfg)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory_kv: tuple[Tensor, Tensor],
+        src_mask: Tensor,
+        cache: list[Tensor] | None = None,
+    ) -> Tensor:
+        # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
+        # Decoding: x is the newest position (B, 1, d); cache = [keys, values] of earlier
+        # positions, each (B, H, t, hd), extended in place. The newest query may see every
+        # cached key, so no mask is needed.
+        k, v = self.self_attn.project_kv(x)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
+        x = self.self_attn_res(x, self.self_attn(x, (k, v), causal=cache is None))
+        x = self.cross_attn_res(x, self.cross_attn(x, memory_kv, mask=src_mask))
+        return self.ffn_res(x, self.ffn(x))
+
+
+@dataclass
+class DecoderState:
+    """What incremental decoding carries between steps; rows follow the batch (or beam) order."""
+
+    src_mask: Tensor  # (B, 1, 1, S) bool
+    memory_kv: list[tuple[Tensor, Tensor]]  # per decoder layer, each (B, H, S, hd), computed once
+    self_kv: list[list[Tensor]]  # per decoder layer, [keys, values] each (B, H, t, hd); grows per step
+    length: int = 0  # target positions decoded so far
+
+    def select(self, rows: Tensor, memory: bool = True) -> DecoderState:
+        """Keep/reorder batch rows (beam search). memory=False skips the encoder-side tensors,
+        which is correct when `rows` only permutes hypotheses of the same sentence."""
+        pick = lambda t: t.index_select(0, rows)  # noqa: E731
+        return DecoderState(
+            src_mask=pick(self.src_mask) if memory else self.src_mask,
+            memory_kv=[(pick(k), pick(v)) for k, v in self.memory_kv] if memory else self.memory_kv,
+            self_kv=[[pick(t) for t in kv] for kv in self.self_kv],
+            length=self.length,
+        )
+
+
+class Transformer(nn.Module):
+    """§3: encoder-decoder with one embedding matrix shared by both inputs and the output (§3.4)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)  # shared by encoder and decoder inputs
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        self.reset_parameters()
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The pre-softmax projection (§3.4): the embedding matrix itself, not scaled by sqrt(d)."""
+        return self.embed.tokens.weight
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform linear weights with zero biases; embeddings N(0, d^-0.5), pad row zero."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        emb = self.embed.tokens.weight
+        nn.init.normal_(emb, mean=0.0, std=self.cfg.d_model**-0.5)
+        with torch.no_grad():
+            emb[self.cfg.pad_id].zero_()
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S)."""
+        src_pad = src.eq(self.cfg.pad_id)
+        src_mask = key_mask(src_pad)
+        x = self.embed(src)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return x, src_pad
+
+    def project(self, h: Tensor) -> Tensor:
+        return F.linear(h, self.output_weight)  # (..., d) -> (..., V)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
+        memory, src_pad = self.encode(src)
+        src_mask = key_mask(src_pad)
+        x = self.embed(tgt_in)
+        for layer in self.decoder_layers:
+            x = layer(x, layer.cross_attn.project_kv(memory), src_mask)
+        return self.project(x)
+
+    def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
+        """Precompute every layer's encoder-decoder keys/values once for incremental decoding."""
+        return DecoderState(
+            src_mask=key_mask(src_pad),
+            memory_kv=[layer.cross_attn.project_kv(memory) for layer in self.decoder_layers],
+            self_kv=[[] for _ in self.decoder_layers],
+        )
+
+    def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
+        """prev (B,) = the token at position state.length -> logits (B, V) for the next one.
+
+        Extends `state` in place; equal to forward()'s logits at that position.
+        """
+        x = self.embed(prev[:, None], start=state.length)  # (B, 1, d)
+        for layer, memory_kv, cache in zip(self.decoder_layers, state.memory_kv, state.self_kv):
+            x = layer(x, memory_kv, state.src_mask, cache=cache)
+        state.length += 1
+        return self.project(x[:, 0])

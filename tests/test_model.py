@@ -1,0 +1,251 @@
+"""The paper's model checked against independent references (DESIGN.md, 'oracles')."""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from conftest import CONF, random_batch, tiny_config
+from transformer_mt.model import Transformer, TransformerConfig, sinusoidal_positions
+
+
+# ---------------------------------------------------------------- oracle: torch.nn.Transformer
+
+
+def copy_attention(ours, theirs: nn.MultiheadAttention) -> None:
+    theirs.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+    theirs.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+    theirs.out_proj.load_state_dict(ours.out_proj.state_dict())
+
+
+def reference_transformer(model: Transformer) -> nn.Transformer:
+    """torch.nn.Transformer (post-norm, ReLU) holding a copy of our weights."""
+    cfg = model.cfg
+    ref = nn.Transformer(
+        d_model=cfg.d_model, nhead=cfg.n_heads, num_encoder_layers=cfg.n_encoder_layers,
+        num_decoder_layers=cfg.n_decoder_layers, dim_feedforward=cfg.d_ff, dropout=cfg.dropout,
+        activation="relu", batch_first=True, norm_first=False,
+    )
+    # nn.Transformer adds a final LayerNorm after each stack, which the paper does not have,
+    # and its nested-tensor fast path zeroes padded encoder rows: switch both off.
+    ref.encoder.norm = None
+    ref.decoder.norm = None
+    ref.encoder.use_nested_tensor = False
+    with torch.no_grad():
+        for ours, theirs in zip(model.encoder_layers, ref.encoder.layers):
+            copy_attention(ours.self_attn, theirs.self_attn)
+            theirs.linear1.load_state_dict(ours.ffn.w1.state_dict())
+            theirs.linear2.load_state_dict(ours.ffn.w2.state_dict())
+            theirs.norm1.load_state_dict(ours.self_attn_res.norm.state_dict())
+            theirs.norm2.load_state_dict(ours.ffn_res.norm.state_dict())
+        for ours, theirs in zip(model.decoder_layers, ref.decoder.layers):
+            copy_attention(ours.self_attn, theirs.self_attn)
+            copy_attention(ours.cross_attn, theirs.multihead_attn)
+            theirs.linear1.load_state_dict(ours.ffn.w1.state_dict())
+            theirs.linear2.load_state_dict(ours.ffn.w2.state_dict())
+            theirs.norm1.load_state_dict(ours.self_attn_res.norm.state_dict())
+            theirs.norm2.load_state_dict(ours.cross_attn_res.norm.state_dict())
+            theirs.norm3.load_state_dict(ours.ffn_res.norm.state_dict())
+    return ref.eval()
+
+
+def test_matches_torch_nn_transformer_with_copied_weights():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).eval()
+    # Perturb LayerNorm affine parameters and biases so that copying them is tested too.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    ref = reference_transformer(model)
+    src = random_batch([7, 4, 2], model.cfg.vocab_size, seed=1)  # padding on the source side
+    tgt = random_batch([5, 9, 3], model.cfg.vocab_size, seed=2)  # other lengths, padded too
+    src_pad, tgt_pad = src.eq(0), tgt.eq(0)
+    causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool).triu(1)  # True = blocked
+
+    with torch.no_grad():
+        memory, _ = model.encode(src)
+        logits = model(src, tgt)
+        ref_memory = ref.encoder(model.embed(src), src_key_padding_mask=src_pad)
+        ref_hidden = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal,
+                                 tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        ref_logits = ref_hidden @ model.embed.tokens.weight.T
+        ref_hidden_nopad = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal,
+                                       memory_key_padding_mask=src_pad)
+        ref_logits_nopad = ref_hidden_nopad @ model.embed.tokens.weight.T
+
+    assert memory.shape == (3, 7, 16) and logits.shape == (3, 9, 23)
+    torch.testing.assert_close(memory, ref_memory, atol=1e-5, rtol=0)
+    # With a target padding mask the reference differs only at padded target positions,
+    # whose outputs are never used; causality already hides padding from real positions.
+    real = ~tgt_pad
+    torch.testing.assert_close(logits[real], ref_logits[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, ref_logits_nopad, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- §3.5 positions
+
+
+def test_positions_known_values():
+    pe = sinusoidal_positions(4, 512)
+    torch.testing.assert_close(pe[1, :4], torch.tensor([0.8415, 0.5403, 0.8219, 0.5697]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(pe[0], torch.tensor([0.0, 1.0] * 256))  # sin 0, cos 0 interleaved
+
+
+def test_positions_shift_is_a_fixed_rotation_and_dot_depends_only_on_offset():
+    d, n = 512, 256
+    pe = sinusoidal_positions(n, d).double()
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # omega_i
+    for k in [1, 2, 7, 50]:
+        c, s = torch.cos(k * freq), torch.sin(k * freq)
+        sin_p, cos_p = pe[:-k, 0::2], pe[:-k, 1::2]
+        # One rotation per frequency, the same for every pos:
+        # [sin((p+k)w), cos((p+k)w)] = [[c, s], [-s, c]] @ [sin(pw), cos(pw)]
+        torch.testing.assert_close(pe[k:, 0::2], c * sin_p + s * cos_p, atol=1e-6, rtol=0)
+        torch.testing.assert_close(pe[k:, 1::2], -s * sin_p + c * cos_p, atol=1e-6, rtol=0)
+        dots = (pe[:-k] * pe[k:]).sum(-1)  # PE(pos) . PE(pos + k) for every pos
+        assert dots.max() - dots.min() < 1e-4
+        assert dots[0].item() == pytest.approx(torch.cos(k * freq).sum().item(), abs=1e-4)
+
+
+def test_embedding_is_scaled_by_sqrt_d_and_adds_positions(tiny_model):
+    ids = random_batch([5, 3], tiny_model.cfg.vocab_size)
+    expected = tiny_model.embed.tokens.weight[ids] * math.sqrt(16) + sinusoidal_positions(64, 16)[:5]
+    torch.testing.assert_close(tiny_model.embed(ids), expected)
+    with pytest.raises(ValueError, match="max_positions=64"):
+        tiny_model.embed(torch.ones(1, 65, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- masks
+
+
+def test_future_target_tokens_do_not_leak(tiny_model):
+    src = random_batch([6, 4], 23, seed=1)
+    tgt = random_batch([8, 8], 23, seed=2)
+    logits = tiny_model(src, tgt)
+    for t in [1, 4, 7]:
+        changed = tgt.clone()
+        changed[:, t:] = random_batch([8 - t, 8 - t], 23, seed=3 + t)
+        assert not torch.equal(changed, tgt)
+        other = tiny_model(src, changed)
+        torch.testing.assert_close(other[:, :t], logits[:, :t], atol=1e-6, rtol=0)
+        assert not torch.allclose(other[:, t:], logits[:, t:])  # the test can fail
+
+
+def test_padded_source_positions_do_not_leak(tiny_model):
+    src = random_batch([6, 3], 23, seed=1)
+    tgt = random_batch([5, 2], 23, seed=2)
+    real = tgt.ne(0)
+    logits = tiny_model(src, tgt)
+    memory, _ = tiny_model.encode(src)
+    # More padding columns change nothing.
+    wider = torch.cat([src, torch.zeros(2, 4, dtype=torch.long)], dim=1)
+    torch.testing.assert_close(tiny_model(wider, tgt), logits, atol=1e-6, rtol=0)
+    # Changing what stands at padded positions (the pad row's vector) changes no real output.
+    with torch.no_grad():
+        tiny_model.embed.tokens.weight[0] = torch.randn(16)
+    memory2, _ = tiny_model.encode(src)
+    src_real = src.ne(0)
+    assert not torch.allclose(memory2[~src_real], memory[~src_real])  # padded rows did change
+    torch.testing.assert_close(memory2[src_real], memory[src_real], atol=1e-6, rtol=0)
+    # (class 0's logit is the pad row itself through the tied projection, so it is left out)
+    torch.testing.assert_close(tiny_model(src, tgt)[real][:, 1:], logits[real][:, 1:], atol=1e-6, rtol=0)
+
+
+def test_all_padding_row_gives_finite_outputs_and_gradients():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).train()
+    src = random_batch([4, 0], 23)  # the second source is entirely padding
+    tgt = random_batch([3, 3], 23, seed=1)
+    logits = model(src, tgt)
+    assert torch.isfinite(logits).all()
+    logits.logsumexp(-1).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ---------------------------------------------------------------- incremental decoding
+
+
+def test_cached_decoding_equals_full_forward(tiny_model):
+    src = random_batch([7, 3, 5], 23, seed=1)
+    tgt = random_batch([9, 9, 9], 23, seed=2)
+    full = tiny_model(src, tgt)  # (B, T, V)
+    state = tiny_model.start_decoding(*tiny_model.encode(src))
+    for t in range(tgt.size(1)):
+        step = tiny_model.decode_step(tgt[:, t], state)
+        torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
+    assert state.length == 9 and state.self_kv[0][0].shape == (3, 4, 9, 4)
+
+
+def test_reordered_cache_continues_like_the_reordered_batch(tiny_model):
+    src = random_batch([7, 3, 5], 23, seed=1)
+    tgt = random_batch([6, 6, 6], 23, seed=2)
+    rows = torch.tensor([2, 2, 0])  # as beam search does: duplicate one row, drop another
+    full = tiny_model(src[rows], tgt[rows])
+    state = tiny_model.start_decoding(*tiny_model.encode(src))
+    for t in range(3):
+        tiny_model.decode_step(tgt[:, t], state)
+    state = state.select(rows)
+    for t in range(3, 6):
+        torch.testing.assert_close(tiny_model.decode_step(tgt[rows, t], state), full[:, t], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- §3.4 weight tying and §5 init
+
+
+def test_one_embedding_matrix_serves_encoder_decoder_and_output():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(dropout=0.0)).eval()
+    emb = model.embed.tokens.weight
+    assert model.output_weight.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()
+    vocab_shaped = [n for n, p in model.named_parameters() if p.shape[0] == 23]
+    assert vocab_shaped == ["embed.tokens.weight"]  # stored once, not three copies
+    assert [k for k in model.state_dict() if "embed" in k] == ["embed.tokens.weight"]
+
+    # Changing row 5 of that one matrix changes the encoder input, the decoder input and logit 5.
+    src, tgt_with_5, tgt_without_5 = torch.tensor([[5, 6]]), torch.tensor([[5, 7]]), torch.tensor([[8, 7]])
+    memory, _ = model.encode(src)
+    logits_5, logits_no5 = model(torch.tensor([[6]]), tgt_with_5), model(torch.tensor([[6]]), tgt_without_5)
+    with torch.no_grad():
+        emb[5] += torch.randn(16)  # not a constant: LayerNorm outputs sum to zero
+    assert not torch.allclose(model.encode(src)[0], memory)  # encoder input
+    assert not torch.allclose(model(torch.tensor([[6]]), tgt_with_5), logits_5)  # decoder input (+ output)
+    after = model(torch.tensor([[6]]), tgt_without_5)  # token 5 only as an output class
+    assert not torch.allclose(after[..., 5], logits_no5[..., 5])
+    torch.testing.assert_close(after[..., :5], logits_no5[..., :5])  # other classes unchanged
+
+
+def test_initialisation():
+    torch.manual_seed(0)
+    cfg = tiny_config(vocab_size=4000, d_model=64, d_ff=256, pad_id=3)
+    model = Transformer(cfg)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            bound = math.sqrt(6 / (module.in_features + module.out_features))  # Xavier uniform
+            w = module.weight
+            assert w.abs().max() <= bound, name
+            assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1), name
+            assert torch.count_nonzero(module.bias) == 0, name
+    emb = model.embed.tokens.weight
+    assert torch.count_nonzero(emb[3]) == 0  # pad row
+    assert emb.std().item() == pytest.approx(64**-0.5, rel=0.02)  # N(0, d^-0.5)
+    assert emb.mean().abs().item() < 0.01
+
+
+def test_config_rejects_inconsistent_values():
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerConfig(vocab_size=10, d_model=10, n_heads=4)
+    with pytest.raises(ValueError, match="pad_id"):
+        TransformerConfig(vocab_size=10, pad_id=10)
+
+
+@pytest.mark.parametrize("name, paper_params", [("base", 65e6), ("big", 213e6)])
+def test_parameter_count_matches_table_3(name, paper_params, capsys):
+    cfg = TransformerConfig(vocab_size=37000, **OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+    with torch.device("meta"):  # count without allocating 213M parameters
+        n = sum(p.numel() for p in Transformer(cfg).parameters())
+    with capsys.disabled():
+        print(f"\n{name}: {n:,} parameters with a 37,000-token shared vocabulary (paper: {paper_params / 1e6:.0f}M)")
+    assert abs(n - paper_params) / paper_params < 0.04
