@@ -13,7 +13,7 @@ PYTEST := $(PY) -m pytest
 help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
 
-install:  ## Create .venv, install $(TORCH) first, then this package (editable) with its dev extra
+install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev]
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH)"
