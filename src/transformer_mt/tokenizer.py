@@ -1,0 +1,107 @@
+"""One SentencePiece BPE vocabulary shared by source and target (§5.1: ~37k shared tokens)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+log = logging.getLogger(__name__)
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # fixed: checkpoints and the model's pad_id rely on them
+MODEL_FILE = "sentencepiece.model"
+
+
+class Tokenizer:
+    """Text <-> ids with a trained SentencePiece model; the ids exclude BOS/EOS."""
+
+    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
+    def __init__(self, model_file: str | Path):
+        self.path = Path(model_file)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
+        if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            raise ValueError(f"{self.path}: special ids (pad, unk, bos, eos) are {ids}, expected (0, 1, 2, 3)")
+
+    def __len__(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts))
+
+    def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        # Drop anything at and after EOS, and pad/BOS: search output may carry them.
+        cleaned = []
+        for seq in ids:
+            seq = list(seq)
+            if EOS_ID in seq:
+                seq = seq[: seq.index(EOS_ID)]
+            cleaned.append([i for i in seq if i not in (PAD_ID, BOS_ID)])
+        return self.sp.decode(cleaned)
+
+    def save(self, directory: str | Path) -> Path:
+        """Copy the model next to a checkpoint, so that the checkpoint alone can translate."""
+        target = Path(directory) / MODEL_FILE
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.resolve() != self.path.resolve():
+            shutil.copyfile(self.path, target)
+        return target
+
+
+def sample_sentences(sides: Iterable[Sequence[str]], max_sentences: int, seed: int) -> list[str]:
+    """All sentences of every side, or a seeded uniform sample of `max_sentences` of them."""
+    everything = [s for side in sides for s in side]
+    if len(everything) <= max_sentences:
+        return everything
+    return random.Random(seed).sample(everything, max_sentences)
+
+
+def train_tokenizer(
+    sides: Sequence[Sequence[str]],
+    directory: str | Path,
+    vocab_size: int,
+    max_sentences: int = 10_000_000,
+    seed: int = 0,
+) -> Tokenizer:
+    """Train one BPE model on the sentences of both languages; written atomically."""
+    sentences = sample_sentences(sides, max_sentences, seed)
+    if not sentences:
+        raise ValueError("cannot train SentencePiece on an empty corpus")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    proto = io.BytesIO()
+    spm.set_random_generator_seed(seed)  # reproducible sentence sampling inside the trainer
+    log.info("training SentencePiece BPE (vocab %d) on %d sentences", vocab_size, len(sentences))
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=proto,
+        model_type="bpe",
+        vocab_size=vocab_size,
+        character_coverage=1.0,  # keep every character seen; rarer ones fall back to bytes
+        byte_fallback=True,  # unseen characters become byte pieces, never <unk>
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        input_sentence_size=max_sentences,
+        shuffle_input_sentence=True,
+        num_threads=os.cpu_count() or 1,
+        minloglevel=2,
+    )
+    tmp = directory / (MODEL_FILE + ".tmp")
+    tmp.write_bytes(proto.getvalue())
+    os.replace(tmp, directory / MODEL_FILE)
+    return Tokenizer(directory / MODEL_FILE)
+
+
+def cache_key(**inputs) -> str:
+    """A short stable hash of JSON-serialisable inputs (file hashes, options)."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
