@@ -31,3 +31,30 @@ def random_batch(lengths: list[int], vocab_size: int, pad_id: int = 0, seed: int
     for row, n in enumerate(lengths):
         batch[row, :n] = torch.randint(pad_id + 1, vocab_size, (n,), generator=g)
     return batch
+
+
+requires_shared_data = pytest.mark.skipif(
+    not SHARED_DATA.is_dir(),
+    reason=f"real EN-DE text not found at {SHARED_DATA} (present on the project's machines, absent in a bare clone)",
+)
+
+
+def write_pair(directory: Path, prefix: str, src: list[str], tgt: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{prefix}.en").write_text("".join(s + "\n" for s in src), encoding="utf-8")
+    (directory / f"{prefix}.de").write_text("".join(t + "\n" for t in tgt), encoding="utf-8")
+
+
+def synthetic_corpus(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Made-up aligned sentences of varying length (German side a word-for-word 'translation')."""
+    import random
+
+    rng = random.Random(seed)
+    words = {"the": "die", "cat": "Katze", "dog": "Hund", "sees": "sieht", "a": "eine", "small": "kleine",
+             "house": "Haus", "red": "rote", "runs": "läuft", "and": "und", "big": "große", "tree": "Baum"}
+    en, de = [], []
+    for _ in range(n):
+        chosen = [rng.choice(list(words)) for _ in range(rng.randint(1, 20))]
+        en.append(" ".join(chosen) + " .")
+        de.append(" ".join(words[w] for w in chosen) + " .")
+    return en, de

@@ -83,7 +83,7 @@ def train_tokenizer(
     proto = io.BytesIO()
     spm.set_random_generator_seed(seed)  # reproducible sentence sampling inside the trainer
     log.info("training SentencePiece BPE (vocab %d) on %d sentences", vocab_size, len(sentences))
-    spm.SentencePieceTrainer.train(
+    options = dict(
         sentence_iterator=iter(sentences),
         model_writer=proto,
         model_type="bpe",
@@ -96,6 +96,11 @@ def train_tokenizer(
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
+    try:
+        spm.SentencePieceTrainer.train(**options)
+    except RuntimeError as e:  # e.g. a vocabulary too large or too small for the corpus
+        raise ValueError(f"SentencePiece could not train a {vocab_size}-token vocabulary "
+                         f"(set data.vocab_size): {e}") from None
     tmp = directory / (MODEL_FILE + ".tmp")
     tmp.write_bytes(proto.getvalue())
     os.replace(tmp, directory / MODEL_FILE)

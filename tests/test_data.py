@@ -1,0 +1,331 @@
+"""Reading, cleaning, SentencePiece, caching and token-bucket batching (issue: data)."""
+
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_pair
+from transformer_mt.data import (
+    Corpus, TokenBucketSampler, TranslationDataModule, accumulation_steps, collate, drop_empty,
+    length_filter, padding_efficiency, read_lines, read_text_pair,
+)
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+
+TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}
+
+
+def text_datamodule(tmp_path, n_train=400, **overrides) -> TranslationDataModule:
+    corpus = tmp_path / "corpus"
+    if not corpus.exists():  # written once per test; later modules reuse (or see edits to) it
+        en, de = synthetic_corpus(n_train + 60)
+        write_pair(corpus, "train", en[:n_train], de[:n_train])
+        write_pair(corpus, "valid", en[n_train : n_train + 30], de[n_train : n_train + 30])
+        write_pair(corpus, "test", en[n_train + 30 :], de[n_train + 30 :])
+    args = dict(name="synthetic", path=str(corpus), text_files=TEXT_FILES, vocab_size=400, max_len=64,
+                max_tokens=256, cache_dir=str(tmp_path / "cache"))
+    args.update(overrides)
+    return TranslationDataModule(**args)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_lines_split_on_newline_only_so_u0085_keeps_alignment(tmp_path):
+    (tmp_path / "a.en").write_text("one\u0085still one\ntwo\n", encoding="utf-8")
+    (tmp_path / "a.de").write_text("eins\nzwei\n", encoding="utf-8")
+    src, tgt = read_text_pair(tmp_path / "a.en", tmp_path / "a.de")
+    assert src == ["one\u0085still one", "two"] and tgt == ["eins", "zwei"]
+
+
+def test_misaligned_files_name_both_files_and_counts(tmp_path):
+    write_pair(tmp_path, "x", ["a", "b", "c"], ["a", "b"])
+    with pytest.raises(ValueError, match=r"x\.en has 3 lines but .*x\.de has 2"):
+        read_text_pair(tmp_path / "x.en", tmp_path / "x.de")
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.en"):
+        read_lines(tmp_path / "nope.en")
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    (tmp_path / "bad.de").write_bytes("gut\nauch gut\n".encode() + b"schlecht \xe4\n")
+    with pytest.raises(ValueError, match=r"bad\.de, line 3: invalid UTF-8"):
+        read_lines(tmp_path / "bad.de")
+
+
+def test_missing_split_names_what_was_looked_for(tmp_path):
+    write_pair(tmp_path, "train", ["a"], ["b"])
+    corpus = Corpus("c", path=str(tmp_path), text_files=TEXT_FILES)
+    with pytest.raises(FileNotFoundError, match="valid.en"):
+        corpus.load("validation")
+    write_pair(tmp_path / "half", "train", ["a"], ["b"])
+    (tmp_path / "half" / "train.de").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing .*train\.de"):
+        Corpus("c", path=str(tmp_path / "half"), text_files=TEXT_FILES).load("train")
+
+
+def test_empty_split_after_cleaning_is_an_error(tmp_path):
+    dm = text_datamodule(tmp_path, max_len=1)  # every synthetic sentence has more tokens
+    with pytest.raises(ValueError, match="empty after cleaning"):
+        dm.build()
+
+
+# ---------------------------------------------------------------- cleaning
+
+
+def test_drop_empty_strips_and_counts():
+    src, tgt, dropped = drop_empty([" a ", "", "b", "c"], ["x", "y", "  ", " z\r"])
+    assert (src, tgt, dropped) == (["a", "c"], ["x", "z"], 2)
+
+
+def test_length_filter_counts_each_rule():
+    src, tgt = np.array([3, 10, 4, 2, 6]), np.array([3, 4, 12, 7, 5])
+    rule = length_filter(src, tgt, max_len=10, max_ratio=2.0)
+    assert rule["keep"].tolist() == [True, False, False, False, True]
+    assert rule["drops"] == {"longer than 10 tokens": 1, "length ratio above 2.0": 2}
+
+
+# ---------------------------------------------------------------- SentencePiece
+
+
+def test_shared_tokenizer_special_ids_byte_fallback_and_cache(tmp_path):
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    tok = dm.tokenizer
+    assert (tok.sp.pad_id(), tok.sp.unk_id(), tok.sp.bos_id(), tok.sp.eos_id()) == (PAD_ID, UNK_ID, BOS_ID, EOS_ID)
+    assert len(tok) == 400
+    # Both languages are in one vocabulary.
+    assert tok.sp.piece_to_id("▁Katze") != UNK_ID and tok.sp.piece_to_id("▁cat") != UNK_ID
+    # Characters never seen in training become bytes, not <unk>, and decode back exactly.
+    unseen = "Zebra 漢字 ☃ ü"
+    ids = tok.encode([unseen])[0]
+    assert UNK_ID not in ids and tok.decode([ids]) == [unseen]
+    # decode() stops at EOS and drops BOS/PAD (what search output carries).
+    ids = tok.encode(["the cat ."])[0]
+    assert tok.decode([[BOS_ID, *ids, EOS_ID, *ids, PAD_ID]]) == ["the cat ."]
+    # Trained once: a second module with the same inputs reuses the file untouched.
+    mtime = tok.path.stat().st_mtime_ns
+    again = text_datamodule(tmp_path)
+    again.build()
+    assert again.tokenizer.path == tok.path and tok.path.stat().st_mtime_ns == mtime
+    # A different vocabulary size is a different model.
+    other = text_datamodule(tmp_path, vocab_size=420)
+    other.build()
+    assert other.tokenizer.path != tok.path and len(other.tokenizer) == 420
+    # Saved next to a checkpoint, it loads alone.
+    assert len(Tokenizer(tok.save(tmp_path / "run"))) == 400
+
+
+def test_tokenizer_rejects_missing_or_foreign_models(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.model"):
+        Tokenizer(tmp_path / "missing.model")
+
+
+# ---------------------------------------------------------------- tokenized corpus cache
+
+
+def test_second_build_reads_the_cache(tmp_path):
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    assert {how for how, _ in dm.timings.values()} == {"tokenized"}
+    again = text_datamodule(tmp_path)
+    again.build()
+    assert {how for how, _ in again.timings.values()} == {"loaded from cache"}
+    for split in ("train", "validation", "test"):
+        assert len(again.splits[split]) == len(dm.splits[split])
+        np.testing.assert_array_equal(again.splits[split].src_values, dm.splits[split].src_values)
+    assert again.splits["test"].texts("tgt_text") == dm.splits["test"].texts("tgt_text")
+    # Changing the data invalidates the cache.
+    (tmp_path / "corpus" / "test.de").write_text("anders\n" * 30, encoding="utf-8")
+    (tmp_path / "corpus" / "test.en").write_text("other\n" * 30, encoding="utf-8")
+    changed = text_datamodule(tmp_path)
+    changed.build()
+    assert changed.timings["test"][0] == "tokenized" and changed.timings["train"][0] == "loaded from cache"
+
+
+def test_collate_shifts_target_right():
+    batch = collate([(np.array([5, 6, 7]), np.array([8, 9])), (np.array([5]), np.array([10, 11, 12]))])
+    assert batch["src"].tolist() == [[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]]
+    assert batch["tgt_in"].tolist() == [[BOS_ID, 8, 9, PAD_ID], [BOS_ID, 10, 11, 12]]
+    assert batch["tgt_out"].tolist() == [[8, 9, EOS_ID, PAD_ID], [10, 11, 12, EOS_ID]]
+
+
+# ---------------------------------------------------------------- token buckets
+
+
+def lengths(n=1001, seed=0):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, 60, n)
+    return src, np.clip(src + rng.integers(-5, 6, n), 1, None)
+
+
+def test_batches_respect_max_tokens_and_cover_the_epoch_once():
+    src, tgt = lengths()
+    sampler = TokenBucketSampler(src, tgt, max_tokens=300, seed=1)
+    batches = list(sampler)
+    for b in batches:  # padded size per side, counting EOS / BOS
+        assert len(b) * (src[b].max() + 1) <= 300 and len(b) * (tgt[b].max() + 1) <= 300
+    assert sorted(i for b in batches for i in b) == list(range(len(src)))
+    assert padding_efficiency(sampler) > 0.9
+
+
+def test_a_sentence_longer_than_max_tokens_gets_a_batch_of_its_own():
+    batches = list(TokenBucketSampler(np.array([3, 50, 4]), np.array([3, 60, 2]), max_tokens=20))
+    assert [1] in batches and sorted(i for b in batches for i in b) == [0, 1, 2]
+
+
+def test_batch_order_is_reshuffled_per_epoch_from_the_seed():
+    src, tgt = lengths()
+    a, b = TokenBucketSampler(src, tgt, 300, seed=1), TokenBucketSampler(src, tgt, 300, seed=1)
+    epoch0 = list(a)
+    assert epoch0 == list(b)  # same seed, same epoch: same order
+    epoch1 = list(a)  # iterating again moves to the next epoch
+    assert epoch1 != epoch0
+    b.set_epoch(1)
+    assert list(b) == epoch1
+    unshuffled = TokenBucketSampler(src, tgt, 300, shuffle=False)
+    assert list(unshuffled) == list(unshuffled)
+
+
+@pytest.mark.parametrize("n", [1001, 1002, 37])
+def test_two_ranks_draw_disjoint_equal_shares_of_the_whole_epoch(n):
+    src, tgt = lengths(n)
+    ranks = [TokenBucketSampler(src, tgt, 300, seed=3, rank=r, world_size=2) for r in range(2)]
+    for r in ranks:
+        r.set_epoch(5)
+    shares = [list(r) for r in ranks]
+    assert len(shares[0]) == len(shares[1]) == len(ranks[0])
+    flat = [[i for b in share for i in b] for share in shares]
+    assert not set(flat[0]) & set(flat[1])
+    assert sorted(flat[0] + flat[1]) == list(range(n))
+
+
+def test_sampler_restored_mid_epoch_yields_exactly_the_remaining_batches():
+    src, tgt = lengths()
+    sampler = TokenBucketSampler(src, tgt, 300, seed=7)
+    sampler.set_epoch(2)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(5)]
+    state = sampler.state_dict()
+    rest = list(it)
+    restored = TokenBucketSampler(src, tgt, 300, seed=7)
+    restored.load_state_dict(state)
+    assert list(restored) == rest and len(seen) + len(rest) == len(sampler)
+    assert restored.epoch == 3 and restored.position == 0  # moved on to the next epoch
+
+
+def test_accumulation_is_derived_from_tokens_per_update():
+    assert accumulation_steps(25_000, 4096, 1) == 7  # 7 x 4096 = 28,672 >= 25,000
+    assert accumulation_steps(25_000, 3125, 8) == 1  # the paper: 8 GPUs
+    assert accumulation_steps(25_000, 4096, 2) == 4
+    assert accumulation_steps(None, 4096, 1) == 1
+
+
+def test_datamodule_shards_train_batches_by_trainer_rank(tmp_path):
+    class FakeTrainer:
+        global_rank, world_size = 1, 2
+
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    dm.trainer = FakeTrainer()
+    loader = dm.train_dataloader()
+    assert loader.batch_sampler.rank == 1 and loader.batch_sampler.world_size == 2
+    batch = next(iter(loader))
+    assert batch["src"].dtype == torch.long and batch["tgt_in"][:, 0].eq(BOS_ID).all()
+    assert dm.accumulation(2) == 1
+
+
+# ---------------------------------------------------------------- local copies of Hub layouts
+
+
+def hub_rows(n=40):
+    en, de = synthetic_corpus(n, seed=5)
+    return [{"de": d, "en": e} for e, d in zip(en, de)]
+
+
+@pytest.mark.parametrize("layout", ["parquet", "jsonl", "save_to_disk", "flat_columns"])
+def test_local_copies_in_the_hubs_layouts(tmp_path, layout):
+    rows = {split: hub_rows(40 + i) for i, split in enumerate(["train", "validation", "test"])}
+    root = tmp_path / "copy"
+    if layout == "save_to_disk":
+        datasets.DatasetDict({s: datasets.Dataset.from_dict({"translation": r}) for s, r in rows.items()}).save_to_disk(str(root))
+    for split, r in rows.items():
+        ds = datasets.Dataset.from_dict({"translation": r})
+        if layout == "parquet":
+            (root / "de-en").mkdir(parents=True, exist_ok=True)
+            ds.to_parquet(str(root / "de-en" / f"{split}-00000-of-00001.parquet"))
+        elif layout == "jsonl":
+            root.mkdir(exist_ok=True)
+            ds.to_json(str(root / f"{split}.jsonl"))
+        elif layout == "flat_columns":  # Multi30k's Hub schema: one column per language
+            root.mkdir(exist_ok=True)
+            datasets.Dataset.from_dict({"en": [x["en"] for x in r], "de": [x["de"] for x in r]}).to_parquet(
+                str(root / f"{split}-00000-of-00001.parquet"))
+    corpus = Corpus("wmt14", path=str(root), hub_name="wmt14", hub_config="de-en")
+    for split, r in rows.items():
+        src, tgt = corpus.load(split).pairs()
+        assert src == [x["en"] for x in r] and tgt == [x["de"] for x in r]
+    # Direction is a config choice.
+    src, tgt = Corpus("wmt14", src_lang="de", tgt_lang="en", path=str(root), hub_config="de-en").load("test").pairs()
+    assert src[0] == rows["test"][0]["de"] and tgt[0] == rows["test"][0]["en"]
+
+
+def test_hub_path_calls_datasets_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_dict({"translation": hub_rows(3)})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    raw = Corpus("wmt14", hub_name="wmt14", hub_config="de-en").load("validation")
+    assert calls == [("wmt14", "de-en", "validation")] and len(raw.pairs()[0]) == 3
+    with pytest.raises(ValueError, match="set data.path"):
+        Corpus("text").load("train")
+
+
+# ---------------------------------------------------------------- real data (../shared/data)
+
+
+@requires_shared_data
+@pytest.mark.real_data
+def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
+    script = ROOT / "scripts" / "make_wmt14_layout.py"
+    wmt = SHARED_DATA / "wmt14"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "wmt14"),
+                    "--train", str(wmt / "train-sample" / "news2008-2012"),
+                    "--validation", str(wmt / "newstest2013"), "--test", str(wmt / "newstest2014")],
+                   check=True, capture_output=True)
+    dm = TranslationDataModule("wmt14", path=str(tmp_path / "wmt14"), hub_name="wmt14", hub_config="de-en",
+                               vocab_size=4000, max_len=250, max_len_ratio=1.5, max_tokens=4096,
+                               cache_dir=str(tmp_path / "cache"))
+    dm.build()
+    assert len(dm.tokenizer) == 4000
+    # newstest2013 / newstest2014, whole: length filters apply to training pairs only
+    assert len(dm.splits["validation"]) == 3000 and len(dm.splits["test"]) == 3003
+    raw_valid = read_lines(wmt / "newstest2013.de")
+    assert len(raw_valid) == 3000 and dm.splits["validation"].texts("tgt_text")[0] == raw_valid[0].strip()
+    assert dm.splits["test"].texts("src_text") == [s.strip() for s in read_lines(wmt / "newstest2014.en")]
+    assert 12_000 < len(dm.splits["train"]) <= 13_071
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["src"].numel() <= 4096 and batch["tgt_out"].numel() <= 4096
+    assert dm.tokenizer.decode(batch["tgt_out"][:1].tolist())[0]  # real German back
+
+
+@requires_shared_data
+@pytest.mark.real_data
+def test_data_stats_on_multi30k_reports_padding_efficiency_above_90_percent(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "data_stats.py"), "data=multi30k",
+         f"data.path={SHARED_DATA / 'multi30k'}", "data.max_tokens=4096", f"data.cache_dir={tmp_path}",
+         f"hydra.run.dir={tmp_path / 'hydra'}"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    line = next(l for l in out.splitlines() if l.startswith("padding efficiency:"))
+    assert float(line.split(":")[1]) >= 0.90, out
+    assert "train 29,000" in out and "tokenization: cold" in out and "cached" in out
