@@ -28,3 +28,10 @@ test-full:  ## Run every test, the slow ones too
 clean:  ## Remove caches and outputs (keeps .venv)
 	rm -rf .pytest_cache outputs multirun
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
+
+CONFIG ?= multi30k
+ARGS   ?=
+
+.PHONY: train
+train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."]
+	$(PY) -m transformer_mt.train experiment=$(CONFIG) $(ARGS)

@@ -1,0 +1,133 @@
+"""The LightningModule: loss (§5.4), Adam + Noam schedule (§5.3), validation loss and BLEU."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import sacrebleu
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.tokenizer import PAD_ID
+
+
+def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> tuple[Tensor, Tensor, Tensor]:
+    """§5.4 label smoothing. Returns (smoothed loss, NLL, token count), summed over non-pad targets.
+
+    Target distribution q = (1 - eps) * onehot(y) + eps / V, uniform over the whole vocabulary,
+    as in F.cross_entropy(label_smoothing=eps) (fairseq instead gives the true class exactly
+    1 - eps). Loss = -sum_k q_k log p_k = (1 - eps) * NLL + eps * mean_k(-log p_k).
+    """
+    keep = target.ne(pad_id)
+    lprobs = F.log_softmax(logits[keep].float(), dim=-1)  # (N, V), padding removed first
+    nll = -lprobs.gather(-1, target[keep].unsqueeze(-1)).squeeze(-1)  # (N,)
+    smooth = -lprobs.mean(-1)  # (N,)
+    loss = (1.0 - epsilon) * nll + epsilon * smooth
+    return loss.sum(), nll.sum(), keep.sum()
+
+
+def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
+    """§5.3: lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+class TranslationModule(L.LightningModule):
+    def __init__(
+        self,
+        model: dict,
+        label_smoothing: float = 0.1,
+        lr_factor: float = 1.0,
+        warmup_steps: int = 4000,
+        betas: tuple[float, float] = (0.9, 0.98),
+        eps: float = 1e-9,
+        val_bleu_sentences: int = 500,
+        config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
+    ):
+        super().__init__()
+        self.save_hyperparameters()  # plain values only: no nn.Module, no DictConfig
+        self.model = Transformer(TransformerConfig(**model))
+        self._val_sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
+        self._last_batch_end: float | None = None
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        return self.model(src, tgt_in)
+
+    def _losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = self.model.features(batch["src"], batch["tgt_in"])  # (B, T, d)
+        keep = batch["tgt_out"].ne(self.model.cfg.pad_id)
+        logits = self.model.project(hidden[keep])  # (N, V): no vocabulary-sized work for padding
+        return label_smoothed_nll(logits, batch["tgt_out"][keep], self.hparams.label_smoothing, self.model.cfg.pad_id)
+
+    # -- training
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        loss = loss_sum / n_tokens  # per target token; Lightning averages over accumulated batches
+        nll = nll_sum / n_tokens
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/nll", nll)
+        self.log("train/ppl", torch.exp(nll))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_batch_end is not None:  # data loading + step time of this batch
+            seconds = now - self._last_batch_end
+            self.log("train/src_tok_per_s", batch["src"].ne(PAD_ID).sum().item() / seconds)
+            self.log("train/tgt_tok_per_s", batch["tgt_out"].ne(PAD_ID).sum().item() / seconds, prog_bar=True)
+        self._last_batch_end = now
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        norms = [p.grad.detach().norm() for p in self.parameters() if p.grad is not None]
+        self.log("train/grad_norm", torch.stack(norms).norm())
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = torch.optim.Adam(self.parameters(), lr=1.0, betas=tuple(h.betas), eps=h.eps)
+        d_model = self.model.cfg.d_model
+        # LambdaLR calls this with the number of updates done so far; update n (from 1) uses noam(n).
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda done: noam_lr(done + 1, d_model, h.warmup_steps, h.lr_factor)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
+
+    # -- validation
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(3, device=self.device)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        self._val_sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
+
+    def on_validation_epoch_end(self) -> None:
+        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
+        self.log("val/loss", loss_sum / n_tokens, prog_bar=True, rank_zero_only=True)
+        self.log("val/nll", nll_sum / n_tokens, rank_zero_only=True)
+        self.log("val/ppl", torch.exp(nll_sum / n_tokens), rank_zero_only=True)
+        if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
+            self.log("val/bleu", self.validation_bleu(), prog_bar=True, rank_zero_only=True)
+
+    def validation_bleu(self) -> float:
+        """sacreBLEU of greedy translations of the first validation sentences, on detokenized text."""
+        from transformer_mt.search import translate_ids  # noqa: PLC0415 (search imports this package)
+
+        dm = self.trainer.datamodule
+        data = dm.splits["validation"]
+        n = min(self.hparams.val_bleu_sentences, len(data))
+        sources = [data[i][0] for i in range(n)]
+        hyps = dm.tokenizer.decode(translate_ids(self.model, sources, max_tokens=dm.max_tokens, beam_size=1))
+        refs = data.texts("tgt_text")[:n]
+        return sacrebleu.corpus_bleu(hyps, [refs]).score
+
+    # -- checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The SentencePiece model travels inside every checkpoint: the file alone can translate.
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and dm.tokenizer is not None:
+            checkpoint["sentencepiece"] = dm.tokenizer.path.read_bytes()

@@ -1,0 +1,157 @@
+"""Decoding over the model's cached API (encode -> start_decoding -> decode_step)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from transformer_mt.model import Transformer
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
+    """§6.1: at most a * input length + b output tokens before EOS (paper: a = 1, b = 50).
+
+    src rows are ids + EOS + padding, as collate() builds them; the EOS is not counted.
+    """
+    return (a * (src.ne(PAD_ID).sum(1) - 1) + b).long()
+
+
+@torch.no_grad()
+def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[list[int]]:
+    """Arg-max decoding; returns each sentence's tokens without BOS/EOS."""
+    memory, src_pad = model.encode(src)
+    state = model.start_decoding(memory, src_pad)
+    limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
+    B = src.size(0)
+    prev = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
+    tokens = torch.full((B, int(limits.max()) + 1), PAD_ID, dtype=torch.long, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    for t in range(tokens.size(1)):
+        logits = model.decode_step(prev, state)
+        logits[:, PAD_ID] = -torch.inf  # padding is never an output
+        prev = logits.argmax(-1)
+        prev = torch.where(done, PAD_ID, torch.where(t >= limits, EOS_ID, prev))
+        tokens[:, t] = prev
+        done |= prev.eq(EOS_ID)
+        if done.all():
+            break
+    return [[i for i in row if i not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
+
+
+def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
+    """GNMT (Wu et al., 2016) length penalty ((5 + |Y|) / 6)^alpha; |Y| counts the EOS."""
+    return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+
+
+@torch.no_grad()
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    n_best: int = 1,
+) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]]:
+    """§6.1 beam search, vectorised over sentences and beams.
+
+    A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its K-th best
+    finished hypothesis beats the best any live one could reach (its log-probability only falls,
+    its penalty is at most that of the maximum length), or at the maximum length, where EOS is
+    forced. Finished sentences leave the batch. Returns the best tokens per sentence and its
+    n-best list of (tokens, score), best first; tokens exclude BOS/EOS.
+    """
+    B, K, device = src.size(0), beam_size, src.device
+    memory, src_pad = model.encode(src)
+    limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
+    width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
+    state = model.start_decoding(memory, src_pad).select(torch.arange(B, device=device).repeat_interleave(K))
+
+    alive_ids = torch.arange(B, device=device)  # original index of each sentence still searching
+    alive_scores = torch.full((B, K), -torch.inf, device=device)
+    alive_scores[:, 0] = 0.0  # all beams start equal: expand only the first at step 0
+    alive_tokens = torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device)
+    prev = torch.full((B * K,), BOS_ID, dtype=torch.long, device=device)
+    fin_scores = torch.full((B, K), -torch.inf, device=device)  # normalised scores, per original sentence
+    fin_tokens = torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device)
+
+    for t in range(width):
+        n = alive_ids.numel()
+        logp = torch.log_softmax(model.decode_step(prev, state).float(), dim=-1)  # (n*K, V)
+        logp[:, PAD_ID] = -torch.inf
+        at_limit = (t >= limits[alive_ids]).repeat_interleave(K)
+        logp[at_limit] = torch.where(torch.arange(logp.size(1), device=device) == EOS_ID, logp[at_limit], -torch.inf)
+        V = logp.size(1)
+        cand = (alive_scores.view(-1, 1) + logp).view(n, K * V)
+        top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # 2K: at most K of them end in EOS
+        beam, token = top_idx // V, top_idx % V
+        history = alive_tokens.gather(1, beam[..., None].expand(-1, -1, width))  # (n, 2K, width), a copy
+        history[:, :, t] = token
+        ends = token.eq(EOS_ID)
+
+        # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is
+        # greedy), merged with those kept so far; keep the best K.
+        in_beam = torch.arange(top_idx.size(1), device=device) < K
+        new_fin = torch.where(ends & in_beam, top_scores / length_penalty(t + 1, alpha), -torch.inf)
+        merged_scores = torch.cat([fin_scores[alive_ids], new_fin], dim=1)
+        merged_tokens = torch.cat([fin_tokens[alive_ids], history], dim=1)
+        best_fin, pick = merged_scores.topk(K, dim=1)
+        fin_scores[alive_ids] = best_fin
+        fin_tokens[alive_ids] = merged_tokens.gather(1, pick[..., None].expand(-1, -1, width))
+
+        # Alive: the best K candidates that did not end.
+        alive_scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
+        alive_tokens = history.gather(1, pick[..., None].expand(-1, -1, width))
+        rows = (torch.arange(n, device=device)[:, None] * K + beam.gather(1, pick)).view(-1)
+        prev = alive_tokens[:, :, t].reshape(-1)
+
+        # Early stop: no live hypothesis can beat the K-th finished one.
+        best_possible = alive_scores[:, 0] / length_penalty(limits[alive_ids] + 1, alpha)
+        done = best_fin[:, -1] >= best_possible
+        if done.all():
+            break
+        if done.any():  # drop finished sentences (and their encoder states) from the batch
+            keep = (~done).nonzero().squeeze(1)
+            alive_ids, alive_scores, alive_tokens = alive_ids[keep], alive_scores[keep], alive_tokens[keep]
+            state = state.select(rows.view(n, K)[keep].view(-1))
+            prev = prev.view(n, K)[keep].view(-1)
+        else:  # rows only permute beams of the same sentence: encoder states stay as they are
+            state = state.select(rows, memory=False)
+
+    nbest = []
+    for scores, tokens in zip(fin_scores.tolist(), fin_tokens.tolist()):
+        hyps = [([i for i in seq if i not in (EOS_ID, PAD_ID)], sc) for seq, sc in zip(tokens, scores) if sc > -torch.inf]
+        nbest.append(hyps[:n_best])
+    return [h[0][0] for h in nbest], nbest
+
+
+def pad_sources(sources: list, device: torch.device | str = "cpu") -> Tensor:
+    """Token-id lists -> (B, S) ids + EOS, right-padded: the layout collate() gives training."""
+    width = max(len(s) for s in sources) + 1
+    batch = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+    for row, ids in enumerate(sources):
+        batch[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        batch[row, len(ids)] = EOS_ID
+    return batch.to(device)
+
+
+def translate_ids(model: Transformer, sources: list, max_tokens: int = 4096, beam_size: int = 1, **options) -> list[list[int]]:
+    """Translate token-id sequences in length-sorted batches; results come back in input order."""
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    results: list[list[int]] = [[] for _ in sources]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    start = 0
+    while start < len(order):
+        end = start + 1  # grow the batch while (sentences x beam x longest) fits max_tokens
+        while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= max_tokens:
+            end += 1
+        src = pad_sources([sources[i] for i in order[start:end]], device)
+        hyps = greedy(model, src, **options) if beam_size == 1 else beam_search(model, src, beam_size, **options)[0]
+        for i, hyp in zip(order[start:end], hyps):
+            results[i] = hyp
+        start = end
+    model.train(was_training)
+    return results
