@@ -34,4 +34,4 @@ ARGS   ?=
 
 .PHONY: train
 train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."]
-	$(PY) -m transformer_mt.train experiment=$(CONFIG) $(ARGS)
+	$(PY) -m transformer_mt.train $(ARGS) experiment=$(CONFIG)  # ARGS first: Hydra flags such as -m precede overrides

@@ -482,7 +482,15 @@ class TranslationDataModule(L.LightningDataModule):
         return self._loader("test", self.sampler("test", shuffle=False))
 
     def state_dict(self) -> dict:
-        return {"train_sampler": self.train_sampler.state_dict()} if self.train_sampler else {}
+        """Where the training epoch stands, for resuming. The sampler itself runs ahead of
+        training (loaders prefetch), so the position is the trainer's count of processed batches."""
+        if self.train_sampler is None:
+            return {}
+        state = self.train_sampler.state_dict()
+        if self.trainer is not None:
+            state = {"epoch": self.trainer.current_epoch,
+                     "position": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+        return {"train_sampler": state}
 
     def load_state_dict(self, state: dict) -> None:
         self._sampler_state = state.get("train_sampler")
