@@ -35,3 +35,19 @@ ARGS   ?=
 .PHONY: train
 train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."]
 	$(PY) -m transformer_mt.train $(ARGS) experiment=$(CONFIG)  # ARGS first: Hydra flags such as -m precede overrides
+
+CKPT ?=
+SRC  ?=
+REF  ?=
+RUN  ?=
+N    ?= 5
+
+.PHONY: evaluate translate average
+evaluate:  ## Score a checkpoint: make evaluate CKPT=... [SRC=... REF=...] [ARGS=...]
+	$(PY) -m transformer_mt.evaluate ckpt=$(CKPT) $(if $(SRC),src=$(SRC)) $(if $(REF),ref=$(REF)) $(ARGS)
+
+translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.de
+	@$(PY) -m transformer_mt.translate ckpt=$(CKPT) $(ARGS)
+
+average:  ## Average the last N checkpoints of a run: make average RUN=outputs/... N=5
+	$(PY) -m transformer_mt.averaging $(RUN) -n $(N)

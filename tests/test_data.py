@@ -149,7 +149,8 @@ def test_second_build_reads_the_cache(tmp_path):
 
 
 def test_collate_shifts_target_right():
-    batch = collate([(np.array([5, 6, 7]), np.array([8, 9])), (np.array([5]), np.array([10, 11, 12]))])
+    batch = collate([(np.array([5, 6, 7]), np.array([8, 9]), 4), (np.array([5]), np.array([10, 11, 12]), 1)])
+    assert batch["index"].tolist() == [4, 1]
     assert batch["src"].tolist() == [[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]]
     assert batch["tgt_in"].tolist() == [[BOS_ID, 8, 9, PAD_ID], [BOS_ID, 10, 11, 12]]
     assert batch["tgt_out"].tolist() == [[8, 9, EOS_ID, PAD_ID], [10, 11, 12, EOS_ID]]
@@ -183,9 +184,10 @@ def test_batch_order_is_reshuffled_per_epoch_from_the_seed():
     src, tgt = lengths()
     a, b = TokenBucketSampler(src, tgt, 300, seed=1), TokenBucketSampler(src, tgt, 300, seed=1)
     epoch0 = list(a)
-    assert epoch0 == list(b)  # same seed, same epoch: same order
-    epoch1 = list(a)  # iterating again moves to the next epoch
-    assert epoch1 != epoch0
+    assert epoch0 == list(b) == list(a)  # same seed, same epoch: same order, pass after pass
+    a.set_epoch(1)
+    epoch1 = list(a)
+    assert epoch1 != epoch0 and sorted(i for x in epoch1 for i in x) == list(range(len(src)))
     b.set_epoch(1)
     assert list(b) == epoch1
     unshuffled = TokenBucketSampler(src, tgt, 300, shuffle=False)
@@ -216,7 +218,7 @@ def test_sampler_restored_mid_epoch_yields_exactly_the_remaining_batches():
     restored = TokenBucketSampler(src, tgt, 300, seed=7)
     restored.load_state_dict(state)
     assert list(restored) == rest and len(seen) + len(rest) == len(sampler)
-    assert restored.epoch == 3 and restored.position == 0  # moved on to the next epoch
+    assert len(list(restored)) == len(sampler)  # the next pass is whole again
 
 
 def test_accumulation_is_derived_from_tokens_per_update():
@@ -329,3 +331,32 @@ def test_data_stats_on_multi30k_reports_padding_efficiency_above_90_percent(tmp_
     line = next(l for l in out.splitlines() if l.startswith("padding efficiency:"))
     assert float(line.split(":")[1]) >= 0.90, out
     assert "train 29,000" in out and "tokenization: cold" in out and "cached" in out
+
+
+def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
+    import lightning as L
+
+    class Count(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+            self.train_batches, self.val_batches = {}, []
+
+        def training_step(self, batch, batch_idx):
+            self.train_batches[self.current_epoch] = self.train_batches.get(self.current_epoch, 0) + 1
+            return self.weight.sum()
+
+        def validation_step(self, batch, batch_idx):
+            self.val_batches.append(batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = text_datamodule(tmp_path)
+    module = Count()
+    trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0, enable_model_summary=False)
+    trainer.fit(module, dm)
+    n_train, n_val = len(dm.train_sampler), len(dm.val_dataloader())
+    assert module.train_batches == {0: n_train, 1: n_train, 2: n_train}
+    assert len(module.val_batches) == 3 * n_val

@@ -82,7 +82,7 @@ def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation)
     module = TranslationModule(dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1,
                                     n_decoder_layers=1), warmup_steps=3, lr_factor=1.0, val_bleu_sentences=0)
     lengths = torch.randint(1, 8, (200,), generator=torch.Generator().manual_seed(0)).numpy()
-    pairs = [(torch.randint(4, 20, (n,)).numpy(), torch.randint(4, 20, (n,)).numpy()) for n in lengths]
+    pairs = [(torch.randint(4, 20, (n,)).numpy(), torch.randint(4, 20, (n,)).numpy(), i) for i, n in enumerate(lengths)]
     loader = DataLoader(pairs, batch_sampler=TokenBucketSampler(lengths, lengths, max_tokens=40), collate_fn=collate)
     record = RecordLR()
     trainer = L.Trainer(max_steps=6, accumulate_grad_batches=accumulation, callbacks=[record], logger=False,

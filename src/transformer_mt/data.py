@@ -203,29 +203,31 @@ class TokenizedSplit(Dataset):
     def __len__(self) -> int:
         return len(self.src_lens)
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
         s0, s1 = self.src_offsets[i], self.src_offsets[i + 1]
         t0, t1 = self.tgt_offsets[i], self.tgt_offsets[i + 1]
-        return self.src_values[s0:s1], self.tgt_values[t0:t1]
+        return self.src_values[s0:s1], self.tgt_values[t0:t1], i
 
     def texts(self, column: str) -> list[str]:
         """Raw text of the validation/test split ('src_text' or 'tgt_text'), for BLEU."""
         return self.dataset[column]
 
 
-def collate(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-    """Right-pad a batch. src = x + EOS; tgt_in = BOS + y; tgt_out = y + EOS (§3: shifted right)."""
-    B = len(pairs)
-    S = max(len(s) for s, _ in pairs) + 1
-    T = max(len(t) for _, t in pairs) + 1
+def collate(items: list[tuple[np.ndarray, np.ndarray, int]]) -> dict[str, torch.Tensor]:
+    """Right-pad (source, target, index) items. src = x + EOS; tgt_in = BOS + y; tgt_out = y + EOS
+    (§3: the decoder input is the output shifted right); index = position in the split."""
+    B = len(items)
+    S = max(len(s) for s, _, _ in items) + 1
+    T = max(len(t) for _, t, _ in items) + 1
     src = np.full((B, S), PAD_ID, dtype=np.int64)
     tgt_in = np.full((B, T), PAD_ID, dtype=np.int64)
     tgt_out = np.full((B, T), PAD_ID, dtype=np.int64)
-    for row, (s, t) in enumerate(pairs):
+    for row, (s, t, _) in enumerate(items):
         src[row, : len(s)], src[row, len(s)] = s, EOS_ID
         tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS_ID, t
         tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS_ID
-    return {"src": torch.from_numpy(src), "tgt_in": torch.from_numpy(tgt_in), "tgt_out": torch.from_numpy(tgt_out)}
+    return {"src": torch.from_numpy(src), "tgt_in": torch.from_numpy(tgt_in), "tgt_out": torch.from_numpy(tgt_out),
+            "index": torch.tensor([i for _, _, i in items])}
 
 
 # ---------------------------------------------------------------- token-bucket batching
@@ -301,10 +303,12 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def __iter__(self):
         batches = self.rank_batches()
-        while self.position < len(batches):
-            self.position += 1
-            yield batches[self.position - 1].tolist()
-        self.epoch, self.position = self.epoch + 1, 0  # the next epoch unless set_epoch says otherwise
+        # A restored position applies to one pass; a finished pass starts over. The epoch only
+        # changes through set_epoch() (Lightning calls it every epoch), as with DistributedSampler.
+        start = self.position if self.position < len(batches) else 0
+        for i in range(start, len(batches)):
+            self.position = i + 1
+            yield batches[i].tolist()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
@@ -398,7 +402,7 @@ class TranslationDataModule(L.LightningDataModule):
         split = raw.split
         filtered = split == "train"  # validation and test sets are kept whole, as published
         key = cache_key(
-            data=raw.fingerprint, tokenizer=hash_files([self.tokenizer.path]),
+            data=raw.fingerprint, tokenizer=hashlib.sha256(self.tokenizer.proto).hexdigest(),
             langs=[self.corpus.src_lang, self.corpus.tgt_lang],
             max_len=self.max_len if filtered else None, ratio=self.max_len_ratio if filtered else None,
         )

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from transformer_mt.model import Transformer
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 
 def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
@@ -136,8 +136,19 @@ def pad_sources(sources: list, device: torch.device | str = "cpu") -> Tensor:
     return batch.to(device)
 
 
-def translate_ids(model: Transformer, sources: list, max_tokens: int = 4096, beam_size: int = 1, **options) -> list[list[int]]:
-    """Translate token-id sequences in length-sorted batches; results come back in input order."""
+def translate_ids(
+    model: Transformer,
+    sources: list,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    max_tokens: int = 4096,
+) -> list[list[int]]:
+    """Translate token-id sequences in length-sorted batches; results come back in input order.
+
+    A batch holds at most `max_tokens` source tokens counted over all beams.
+    """
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     device = next(model.parameters()).device
@@ -149,9 +160,31 @@ def translate_ids(model: Transformer, sources: list, max_tokens: int = 4096, bea
         while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= max_tokens:
             end += 1
         src = pad_sources([sources[i] for i in order[start:end]], device)
-        hyps = greedy(model, src, **options) if beam_size == 1 else beam_search(model, src, beam_size, **options)[0]
+        if beam_size == 1:
+            hyps = greedy(model, src, max_len_a, max_len_b)
+        else:
+            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b)[0]
         for i, hyp in zip(order[start:end], hyps):
             results[i] = hyp
         start = end
     model.train(was_training)
     return results
+
+
+def translate_lines(
+    model: Transformer, tokenizer: Tokenizer, lines: list[str], warn=None, first_line: int = 1, **decoding
+) -> list[str]:
+    """Text in, text out, same order. Empty lines stay empty; inputs longer than the model's
+    positions are truncated, calling `warn(message)` for each (lines numbered from first_line)."""
+    limit = model.cfg.max_positions - 1  # room for EOS
+    sources = tokenizer.encode([line.strip() for line in lines])
+    for i, ids in enumerate(sources):
+        if len(ids) > limit:
+            if warn:
+                warn(f"line {first_line + i}: {len(ids)} tokens, truncated to the model's maximum of {limit}")
+            sources[i] = ids[:limit]
+    todo = [i for i, ids in enumerate(sources) if ids]
+    outputs = [""] * len(lines)
+    for i, text in zip(todo, tokenizer.decode(translate_ids(model, [sources[i] for i in todo], **decoding))):
+        outputs[i] = text
+    return outputs

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import random
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -25,14 +24,22 @@ class Tokenizer:
 
     pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
 
-    def __init__(self, model_file: str | Path):
-        self.path = Path(model_file)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
-        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+    def __init__(self, model_file: str | Path | None = None, *, proto: bytes | None = None, origin: str = ""):
+        """From a .model file, or from its bytes (`proto`, as stored inside checkpoints)."""
+        self.path = Path(model_file) if model_file is not None else None
+        if self.path is not None:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
+            proto = self.path.read_bytes()
+        self.proto = proto
+        origin = origin or str(self.path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        except RuntimeError as e:
+            raise ValueError(f"{origin}: not a SentencePiece model ({e})") from None
         ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise ValueError(f"{self.path}: special ids (pad, unk, bos, eos) are {ids}, expected (0, 1, 2, 3)")
+            raise ValueError(f"{origin}: special ids (pad, unk, bos, eos) are {ids}, expected (0, 1, 2, 3)")
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
@@ -54,8 +61,9 @@ class Tokenizer:
         """Copy the model next to a checkpoint, so that the checkpoint alone can translate."""
         target = Path(directory) / MODEL_FILE
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.resolve() != self.path.resolve():
-            shutil.copyfile(self.path, target)
+        tmp = target.with_name(f".{MODEL_FILE}.tmp{os.getpid()}")
+        tmp.write_bytes(self.proto)
+        os.replace(tmp, target)
         return target
 
 

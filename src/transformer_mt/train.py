@@ -11,14 +11,13 @@ import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.data import TranslationDataModule
 from transformer_mt.model import DecoderLayer, EncoderLayer
-from transformer_mt.module import TranslationModule
+from transformer_mt.module import TranslationModule, write_checkpoint
 from transformer_mt.tokenizer import PAD_ID
 
 log = logging.getLogger(__name__)
@@ -47,14 +46,10 @@ def make_logger(cfg: DictConfig | None):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Write to a temporary file, then rename: a crash never leaves a truncated checkpoint."""
+    """Lightning's checkpoint writer, made atomic (write_checkpoint: temporary file + rename)."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
+        write_checkpoint(checkpoint, path)
 
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
@@ -95,7 +90,7 @@ def train(cfg: DictConfig) -> float | None:
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
         model=model_cfg, label_smoothing=cfg.label_smoothing, **plain(cfg.optim),
-        val_bleu_sentences=cfg.val_bleu_sentences, config=plain(cfg),
+        val_bleu_sentences=cfg.val_bleu_sentences, decoding=plain(cfg.decoding), config=plain(cfg),
     )
     trainer_args = plain(cfg.trainer)
     trainer_args["strategy"] = make_strategy(trainer_args.get("strategy", "auto"))

@@ -1,0 +1,76 @@
+"""Translate a test set with beam search and score it: `make evaluate CKPT=<checkpoint>`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from transformer_mt.data import Corpus, read_lines, read_text_pair
+from transformer_mt.module import load_for_inference
+from transformer_mt.scoring import score
+from transformer_mt.search import translate_lines
+from transformer_mt.translate import pick_device
+
+log = logging.getLogger(__name__)
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]]:
+    """(name, sources, references) from files, a sacreBLEU test set, or the data config's split."""
+    if cfg.src or cfg.ref:
+        if not (cfg.src and cfg.ref):
+            raise ValueError("give both src and ref (SRC=... REF=...), or neither")
+        src, ref = read_text_pair(cfg.src, cfg.ref)
+        return f"{cfg.src} / {cfg.ref}", src, ref
+    if cfg.testset:
+        from sacrebleu.utils import get_reference_files, get_source_file  # noqa: PLC0415 (downloads)
+
+        langpair = cfg.langpair or f"{data_cfg['src_lang']}-{data_cfg['tgt_lang']}"
+        src, refs = read_lines(get_source_file(cfg.testset, langpair)), get_reference_files(cfg.testset, langpair)
+        return f"{cfg.testset} ({langpair})", src, read_lines(refs[0])
+    fields = {k: data_cfg.get(k) for k in ("name", "src_lang", "tgt_lang", "path", "hub_name", "hub_config", "text_files")}
+    fields["text_files"] = fields["text_files"] or {}
+    if cfg.data_path:
+        fields["path"] = cfg.data_path
+    src, ref = Corpus(**fields).load(cfg.split).pairs()
+    return f"{fields['name']} {cfg.split}", src, ref
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    model, tokenizer, checkpoint = load_for_inference(cfg.ckpt)
+    model.to(pick_device(cfg.device))
+    data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
+    name, sources, references = test_set(cfg, data_cfg)
+    decoding = OmegaConf.to_container(cfg.decoding)
+    start = time.perf_counter()
+    hyps = translate_lines(model, tokenizer, sources, warn=log.warning, **decoding)
+    seconds = time.perf_counter() - start
+    result = {"checkpoint": str(cfg.ckpt), "test_set": name, "decoding": decoding,
+              **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
+              "seconds": round(seconds, 1), "sentences_per_second": round(len(hyps) / seconds, 2)}
+    out = Path(HydraConfig.get().runtime.output_dir)
+    (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"{name}: {len(hyps)} sentences, beam {decoding['beam_size']}, {seconds:.1f} s")
+    print(f"sacreBLEU {result['sacrebleu']:.2f}  {result['sacrebleu_signature']}")
+    print(f"           {result['sacrebleu_detail']}")
+    print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")
+    print(f"tokenized BLEU with compound splitting (the paper's metric, NOT comparable with sacreBLEU): "
+          f"{result['tokenized_bleu_compound_split']:.2f}")
+    print(f"wrote {out / 'hypotheses.txt'} and {out / 'scores.json'}")
+    return result
+
+
+@hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

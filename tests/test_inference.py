@@ -1,0 +1,163 @@
+"""Checkpoint averaging, scoring, evaluate and translate on a checkpoint from a real (tiny) run."""
+
+import json
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import sacrebleu
+import torch
+
+from conftest import ROOT, synthetic_corpus, write_pair
+from transformer_mt.averaging import average_checkpoints, run_checkpoints
+from transformer_mt.data import TranslationDataModule
+from transformer_mt.module import TranslationModule, load_for_inference, read_checkpoint, write_checkpoint
+from transformer_mt.scoring import score, split_compounds, tokenized_bleu
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A tiny model trained for 12 updates on synthetic text, checkpoints every 3."""
+    tmp = tmp_path_factory.mktemp("run")
+    en, de = synthetic_corpus(460)
+    write_pair(tmp / "corpus", "train", en[:400], de[:400])
+    write_pair(tmp / "corpus", "valid", en[400:430], de[400:430])
+    write_pair(tmp / "corpus", "test", en[430:], de[430:])
+    cmd = [sys.executable, "-m", "transformer_mt.train", "data=text", f"data.path={tmp / 'corpus'}", "trainer=cpu",
+           "logger=csv", "data.vocab_size=400", "data.max_tokens=400", f"data.cache_dir={tmp / 'cache'}",
+           "model.d_model=32", "model.d_ff=64", "model.n_heads=4", "model.n_encoder_layers=2",
+           "model.n_decoder_layers=2", "model.max_positions=64", "trainer.max_steps=12",
+           "trainer.val_check_interval=6", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+           "val_bleu_sentences=8", "optim.warmup_steps=4", "checkpoint.every_n_train_steps=3",
+           f"hydra.run.dir={tmp / 'out'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp
+
+
+# ---------------------------------------------------------------- averaging
+
+
+def fake_checkpoint(path, weights: dict, step: int) -> str:
+    write_checkpoint({"state_dict": weights, "hyper_parameters": {"model": {}}, "global_step": step}, path)
+    return str(path)
+
+
+def test_averaging_identical_checkpoints_returns_them_unchanged(tmp_path):
+    weights = {"model.w": torch.randn(3, 4), "model.b": torch.randn(4), "model.count": torch.tensor(7)}
+    paths = [fake_checkpoint(tmp_path / f"step{i}.ckpt", weights, i) for i in range(3)]
+    averaged = average_checkpoints(paths)["state_dict"]
+    for key, value in weights.items():
+        assert torch.equal(averaged[key], value), key  # bit for bit: accumulated in float64
+
+
+def test_averaging_two_checkpoints_returns_their_mean(tmp_path):
+    a = {"model.w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "model.b": torch.tensor([0.0, -2.0])}
+    b = {"model.w": torch.tensor([[3.0, 2.0], [1.0, 0.0]]), "model.b": torch.tensor([1.0, 2.0])}
+    averaged = average_checkpoints([fake_checkpoint(tmp_path / "a.ckpt", a, 1), fake_checkpoint(tmp_path / "b.ckpt", b, 2)])
+    assert averaged["state_dict"]["model.w"].tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    assert averaged["state_dict"]["model.b"].tolist() == [0.5, 0.0]
+    assert averaged["global_step"] == 2  # metadata of the newest
+
+
+def test_averaging_incompatible_checkpoints_is_a_clear_error(tmp_path):
+    a = fake_checkpoint(tmp_path / "a.ckpt", {"model.w": torch.zeros(2, 2)}, 1)
+    b = fake_checkpoint(tmp_path / "b.ckpt", {"model.w": torch.zeros(3, 2)}, 2)
+    c = fake_checkpoint(tmp_path / "c.ckpt", {"model.v": torch.zeros(2, 2)}, 3)
+    with pytest.raises(ValueError, match=r"b\.ckpt: model\.w has shape \(3, 2\), .*a\.ckpt has \(2, 2\)"):
+        average_checkpoints([a, b])
+    with pytest.raises(ValueError, match=r"c\.ckpt and .*a\.ckpt hold different parameters"):
+        average_checkpoints([a, c])
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"junk\.ckpt: cannot be read"):
+        read_checkpoint(tmp_path / "junk.ckpt")
+
+
+def test_average_of_a_real_run_loads_like_any_checkpoint(trained_run):
+    checkpoints = run_checkpoints(trained_run / "out")
+    assert [p.name for p in checkpoints] == [f"step{s:07d}.ckpt" for s in (3, 6, 9, 12)][-len(checkpoints):]
+    proc = subprocess.run([sys.executable, "-m", "transformer_mt.averaging", str(trained_run / "out"), "-n", "3"],
+                          capture_output=True, text=True, check=True)
+    out = trained_run / "out" / "checkpoints" / "average-last3.ckpt"
+    assert "averaged 3 checkpoints" in proc.stdout and out.exists()
+    model, tokenizer, checkpoint = load_for_inference(out)
+    expected = sum(read_checkpoint(p)["state_dict"]["model.embed.tokens.weight"] for p in checkpoints[-3:]) / 3
+    torch.testing.assert_close(model.embed.tokens.weight, expected)
+    assert len(checkpoint["averaged_from"]) == 3 and len(tokenizer) == 400
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def test_scores_equal_sacrebleus_own():
+    hyps = ["Ein Hund läuft durch den Schnee.", "Zwei Männer spielen Fußball auf einem grünen Feld."]
+    refs = ["Ein Hund rennt durch den Schnee.", "Zwei Männer spielen auf einem Feld Fußball."]
+    result = score(hyps, refs)
+    assert result["sacrebleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert result["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2)
+    assert result["sacrebleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp")
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        score(hyps, refs[:1])
+
+
+def test_tokenized_bleu_splits_compounds_like_get_ende_bleu():
+    assert split_compounds("Rot-Weiß-Blau und E-Mail") == "Rot ##AT##-##AT## Weiß ##AT##-##AT## Blau und E ##AT##-##AT## Mail"
+    assert split_compounds("a-b-c - x") == "a ##AT##-##AT## b-c - x"  # perl's s///g: matches do not overlap
+    # Moses tokens with compounds split, then BLEU on those tokens as they are (multi-bleu):
+    hyp, ref = "Das ist die E-Post, heute.", "Das ist die E-Mail, heute."
+    by_hand = sacrebleu.corpus_bleu(["Das ist die E ##AT##-##AT## Post , heute ."],
+                                    [["Das ist die E ##AT##-##AT## Mail , heute ."]], tokenize="none")
+    assert tokenized_bleu([hyp], [ref]) == pytest.approx(by_hand.score)
+    # Split compounds give partial credit, one reason the paper's metric reads higher than sacreBLEU.
+    assert tokenized_bleu([hyp], [ref]) > sacrebleu.corpus_bleu([hyp], [[ref]]).score
+
+
+# ---------------------------------------------------------------- evaluate, translate, trainer.test
+
+
+def test_translate_keeps_order_and_empty_lines_and_warns_on_truncation(trained_run):
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    long_line = " ".join(["the red cat"] * 40)  # > 63 tokens: longer than the model's positions
+    text = "the cat sees a dog .\n\nthe big tree .\n" + long_line + "\n"
+    proc = subprocess.run([sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
+                          input=text, capture_output=True, text=True, check=True)
+    lines = proc.stdout.split("\n")
+    assert len(lines) == 5 and lines[-1] == "" and lines[1] == ""  # 4 lines out, the empty one kept
+    assert all(lines[i] for i in (0, 2, 3))
+    assert "line 4" in proc.stderr and "truncated" in proc.stderr and "sentences/s" in proc.stderr
+    # The same sentence gives the same translation wherever it stands.
+    again = subprocess.run([sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
+                           input="the big tree .\n", capture_output=True, text=True, check=True)
+    assert again.stdout == lines[2] + "\n"
+
+
+def test_evaluate_files_and_data_test_split(trained_run, tmp_path):
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    corpus = trained_run / "corpus"
+    cmd = [sys.executable, "-m", "transformer_mt.evaluate", f"ckpt={ckpt}", f"src={corpus / 'test.en'}",
+           f"ref={corpus / 'test.de'}", f"hydra.run.dir={tmp_path / 'files'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    result = json.loads((tmp_path / "files" / "scores.json").read_text())
+    hyps = (tmp_path / "files" / "hypotheses.txt").read_text().split("\n")[:-1]
+    refs = (corpus / "test.de").read_text().split("\n")[:-1]
+    assert len(hyps) == 30 and result["sacrebleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert "sacreBLEU" in proc.stdout and "NOT comparable" in proc.stdout and result["decoding"]["beam_size"] == 4
+    # Without files: the test split of the data config stored in the checkpoint.
+    subprocess.run(cmd[:4] + [f"hydra.run.dir={tmp_path / 'split'}"], capture_output=True, text=True, check=True)
+    assert json.loads((tmp_path / "split" / "scores.json").read_text())["sacrebleu"] == result["sacrebleu"]
+
+
+def test_trainer_test_decodes_the_test_split_with_beam_search(trained_run):
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    config = read_checkpoint(ckpt)["hyper_parameters"]["config"]
+    datamodule = TranslationDataModule(**config["data"])
+    module = TranslationModule.load_from_checkpoint(ckpt, weights_only=True)
+    metrics = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).test(module, datamodule)[0]
+    assert {"test/bleu", "test/chrf", "test/loss"} <= metrics.keys()
+    model, tokenizer, _ = load_for_inference(ckpt)
+    from transformer_mt.search import translate_lines
+
+    hyps = translate_lines(model, tokenizer, datamodule.splits["test"].texts("src_text"), beam_size=4)
+    refs = datamodule.splits["test"].texts("tgt_text")
+    assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-3)

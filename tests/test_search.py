@@ -1,0 +1,106 @@
+"""Greedy and beam search against recomputation without the cache (§6.1)."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from transformer_mt.model import Transformer
+from transformer_mt.search import beam_search, greedy, length_penalty, pad_sources, translate_ids
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+SOURCES = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
+
+
+def trained_like_model(seed: int) -> Transformer:
+    """A random tiny model whose EOS logit is raised, so hypotheses end at varied lengths."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(vocab_size=30, max_positions=128, dropout=0.0)).eval()
+    with torch.no_grad():
+        model.embed.tokens.weight[EOS_ID] *= 3
+    return model
+
+
+def sequence_logprob(model: Transformer, src_row: torch.Tensor, tokens: list[int]) -> float:
+    """log P(tokens + EOS | src) from one full forward pass, no cache."""
+    tgt_in = torch.tensor([[BOS_ID, *tokens]])
+    tgt_out = torch.tensor([[*tokens, EOS_ID]])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(src_row[None], tgt_in).float(), -1)
+    return logp.gather(-1, tgt_out[..., None]).sum().item()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_beam_of_one_equals_greedy(seed):
+    model, src = trained_like_model(seed), pad_sources(SOURCES)
+    assert beam_search(model, src, beam_size=1, alpha=0.0, max_len_b=10)[0] == greedy(model, src, max_len_b=10)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scores_equal_length_penalised_recomputed_logprobs_and_nbest_is_sorted(seed):
+    model, src = trained_like_model(seed), pad_sources(SOURCES)
+    best, nbest = beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=10, n_best=4)
+    for row, hyps in enumerate(nbest):
+        assert 1 <= len(hyps) <= 4 and best[row] == hyps[0][0]
+        scores = [score for _, score in hyps]
+        assert scores == sorted(scores, reverse=True)
+        for tokens, score in hyps:
+            expected = sequence_logprob(model, src[row], tokens) / length_penalty(len(tokens) + 1, 0.6).item()
+            assert score == pytest.approx(expected, abs=1e-4)
+
+
+def test_length_penalty_is_the_gnmt_formula():
+    assert length_penalty(1, 0.6).item() == pytest.approx(1.0)
+    assert length_penalty(11, 0.6).item() == pytest.approx((16 / 6) ** 0.6)
+    assert length_penalty(30, 0.0).item() == 1.0
+
+
+def test_beam_is_no_worse_than_greedy_under_its_own_objective():
+    model, src = trained_like_model(1), pad_sources(SOURCES)
+    _, nbest = beam_search(model, src, beam_size=4, alpha=0.0, max_len_b=10)
+    for row, tokens in enumerate(greedy(model, src, max_len_b=10)):
+        assert nbest[row][0][1] >= sequence_logprob(model, src[row], tokens) - 1e-4
+
+
+def test_a_sentence_alone_equals_it_inside_a_padded_batch():
+    model = trained_like_model(2)
+    batch_best, batch_nbest = beam_search(model, pad_sources(SOURCES), beam_size=4, max_len_b=10, n_best=3)
+    for row, source in enumerate(SOURCES):
+        best, nbest = beam_search(model, pad_sources([source]), beam_size=4, max_len_b=10, n_best=3)
+        assert best[0] == batch_best[row]
+        assert [t for t, _ in nbest[0]] == [t for t, _ in batch_nbest[row]]
+        assert [s for _, s in nbest[0]] == pytest.approx([s for _, s in batch_nbest[row]], abs=1e-4)
+
+
+def test_cached_and_uncached_decoding_choose_the_same_tokens():
+    model, src = trained_like_model(3), pad_sources(SOURCES)
+    cached = greedy(model, src, max_len_b=10)
+    for row, tokens in enumerate(cached):  # redo greedy with a full forward pass per step
+        prefix = [BOS_ID]
+        with torch.no_grad():
+            for _ in range(len(tokens) + 1):
+                logits = model(src[row][None], torch.tensor([prefix]))[0, -1]
+                logits[PAD_ID] = -torch.inf
+                prefix.append(int(logits.argmax()))
+        assert prefix[1:-1] == tokens
+        if len(tokens) < len(SOURCES[row]) + 10:  # ended by choice, not by the length limit
+            assert prefix[-1] == EOS_ID
+
+
+@pytest.mark.parametrize("a, b", [(1.0, 3), (0.0, 2), (2.0, 0)])
+def test_outputs_respect_the_maximum_length(a, b):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(vocab_size=30, max_positions=128)).eval()
+    with torch.no_grad():
+        model.embed.tokens.weight[EOS_ID] = -10 * model.embed.tokens.weight[7]  # EOS never wins on its own
+    src = pad_sources(SOURCES)
+    for hyps in (greedy(model, src, a, b), beam_search(model, src, 3, 0.6, a, b)[0]):
+        for source, tokens in zip(SOURCES, hyps):
+            assert len(tokens) <= a * len(source) + b
+
+
+def test_translate_ids_restores_input_order_across_batches():
+    model = trained_like_model(0)
+    sources = SOURCES * 3
+    one_batch = translate_ids(model, sources, beam_size=2, max_len_b=8, max_tokens=10_000)
+    many_batches = translate_ids(model, sources, beam_size=2, max_len_b=8, max_tokens=8)
+    assert one_batch == many_batches and one_batch[:4] == one_batch[4:8]
