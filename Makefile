@@ -51,3 +51,7 @@ translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.
 
 average:  ## Average the last N checkpoints of a run: make average RUN=outputs/... N=5
 	$(PY) -m transformer_mt.averaging $(RUN) -n $(N)
+
+.PHONY: bench
+bench:  ## Speed of training and decoding against peers: make bench [ARGS="--model base --device cuda"]
+	$(PY) scripts/benchmark.py $(ARGS)

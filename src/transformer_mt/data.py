@@ -452,7 +452,12 @@ class TranslationDataModule(L.LightningDataModule):
         tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
-        os.replace(tmp, directory)  # atomic: a crash never leaves a half-written cache
+        try:
+            os.replace(tmp, directory)  # atomic: a crash never leaves a half-written cache
+        except OSError:
+            if not directory.exists():
+                raise
+            shutil.rmtree(tmp)  # another process (rank) wrote the same cache first
 
     # -- batching
 

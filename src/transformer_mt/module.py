@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from torch import Tensor
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import PAD_ID, Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> tuple[Tensor, Tensor, Tensor]:
     """§5.4 label smoothing. Returns (smoothed loss, NLL, token count), summed over non-pad targets.
@@ -23,12 +26,12 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: i
     as in F.cross_entropy(label_smoothing=eps) (fairseq instead gives the true class exactly
     1 - eps). Loss = -sum_k q_k log p_k = (1 - eps) * NLL + eps * mean_k(-log p_k).
     """
-    keep = target.ne(pad_id)
-    lprobs = F.log_softmax(logits[keep].float(), dim=-1)  # (N, V), padding removed first
-    nll = -lprobs.gather(-1, target[keep].unsqueeze(-1)).squeeze(-1)  # (N,)
-    smooth = -lprobs.mean(-1)  # (N,)
+    pad = target.eq(pad_id)
+    lprobs = F.log_softmax(logits.float(), dim=-1)  # (..., V)
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (...)
+    smooth = -lprobs.mean(-1)  # (...)
     loss = (1.0 - epsilon) * nll + epsilon * smooth
-    return loss.sum(), nll.sum(), keep.sum()
+    return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum(), (~pad).sum()
 
 
 def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
@@ -116,8 +119,13 @@ class TranslationModule(L.LightningModule):
         self.log("val/loss", loss_sum / n_tokens, prog_bar=True, rank_zero_only=True)
         self.log("val/nll", nll_sum / n_tokens, rank_zero_only=True)
         self.log("val/ppl", torch.exp(nll_sum / n_tokens), rank_zero_only=True)
+        summary = f"validation at update {self.global_step}: loss {loss_sum / n_tokens:.3f}, ppl {torch.exp(nll_sum / n_tokens):.2f}"
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
-            self.log("val/bleu", self.validation_bleu(), prog_bar=True, rank_zero_only=True)
+            bleu = self.validation_bleu()
+            self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
+            summary += f", greedy sacreBLEU {bleu:.2f} ({self.hparams.val_bleu_sentences} sentences)"
+        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            log.info(summary)  # the learning curve in the run's log, whatever the logger
 
     def validation_bleu(self) -> float:
         """sacreBLEU of greedy translations of the first validation sentences, on detokenized text."""
