@@ -143,6 +143,17 @@ def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_
     assert "ddp_spawn" in proc.stdout + proc.stderr
 
 
+def test_optuna_search_maximises_validation_bleu(corpus, tmp_path):
+    sweep = tmp_path / "optuna"
+    proc = run_train([f"data.path={corpus}", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.max_steps=4",
+                      f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert "Best value" in proc.stdout + proc.stderr
+    results = OmegaConf.load(sweep / "optimization_results.yaml")
+    # (optim.warmup_steps is fixed by run_train's command line, which takes precedence over the search space)
+    assert set(results.best_params) == {"model.dropout", "optim.lr_factor", "label_smoothing"}
+    assert (sweep / "0" / "checkpoints" / "last.ckpt").exists() and (sweep / "1" / "checkpoints" / "last.ckpt").exists()
+
+
 def test_wandb_without_credentials_logs_offline(corpus, tmp_path):
     env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
     proc = run_train([f"data.path={corpus}", "logger=wandb", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'w'}"],
@@ -150,3 +161,21 @@ def test_wandb_without_credentials_logs_offline(corpus, tmp_path):
     assert (proc.stdout + proc.stderr).count("logging offline") == 1
     runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb")), list((tmp_path / "w").rglob("*"))
+
+
+@pytest.mark.slow
+@pytest.mark.real_data
+def test_multi30k_experiment_learns_real_translation(tmp_path):
+    """400 updates of `make train CONFIG=multi30k` (~6 min on 2 cores): validation BLEU must climb."""
+    from conftest import SHARED_DATA  # noqa: PLC0415
+
+    if not (SHARED_DATA / "multi30k").is_dir():
+        pytest.skip(f"Multi30k text not found under {SHARED_DATA}")
+    cmd = [sys.executable, "-m", "transformer_mt.train", "experiment=multi30k", f"data.path={SHARED_DATA / 'multi30k'}",
+           "logger=csv", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=400", "trainer.val_check_interval=200",
+           "val_bleu_sentences=300", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bleus = [float(line.rsplit("greedy sacreBLEU ", 1)[1].split()[0])
+             for line in (proc.stdout + proc.stderr).splitlines() if "greedy sacreBLEU" in line]
+    assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
