@@ -118,6 +118,17 @@ def test_embedding_is_scaled_by_sqrt_d_and_adds_positions(tiny_model):
         tiny_model.embed(torch.ones(1, 65, dtype=torch.long))
 
 
+def test_dropout_applies_to_the_sum_of_embedding_and_position():
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(dropout=0.5, d_model=64, vocab_size=50)).train()
+    ids = random_batch([40] * 8, 50)
+    clean = model.embed.tokens.weight[ids] * 8.0 + sinusoidal_positions(64, 64)[:40]
+    out = model.embed(ids)
+    dropped = out == 0
+    assert 0.45 < dropped.float().mean() < 0.55  # P_drop = 0.5 on whole sum elements ...
+    torch.testing.assert_close(out[~dropped], 2.0 * clean[~dropped])  # ... the rest scaled by 1 / (1 - p)
+
+
 # ---------------------------------------------------------------- masks
 
 
