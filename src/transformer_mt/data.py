@@ -193,10 +193,9 @@ class TokenizedSplit(Dataset):
     def __init__(self, ds: datasets.Dataset):
         self.dataset = ds
         table = ds.with_format("arrow")[:]  # the whole split as one Arrow table, no copy
-        self._src = table.column("src").combine_chunks()
-        self._tgt = table.column("tgt").combine_chunks()
-        self.src_offsets, self.src_values = self._src.offsets.to_numpy(), self._src.values.to_numpy()
-        self.tgt_offsets, self.tgt_values = self._tgt.offsets.to_numpy(), self._tgt.values.to_numpy()
+        src, tgt = table.column("src").combine_chunks(), table.column("tgt").combine_chunks()
+        self.src_offsets, self.src_values = src.offsets.to_numpy(), src.values.to_numpy()
+        self.tgt_offsets, self.tgt_values = tgt.offsets.to_numpy(), tgt.values.to_numpy()
         self.src_lens = np.diff(self.src_offsets)
         self.tgt_lens = np.diff(self.tgt_offsets)
 

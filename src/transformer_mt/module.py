@@ -149,8 +149,8 @@ class TranslationModule(L.LightningModule):
         from transformer_mt.search import beam_search  # noqa: PLC0415
 
         self.validation_step(batch, batch_idx)
-        d = dict(beam_size=4, alpha=0.6, max_len_a=1.0, max_len_b=50) | (self.hparams.decoding or {})
-        hyps, _ = beam_search(self.model, batch["src"], d["beam_size"], d["alpha"], d["max_len_a"], d["max_len_b"])
+        options = {k: v for k, v in (self.hparams.decoding or {}).items() if k != "max_tokens"}  # batches are given
+        hyps, _ = beam_search(self.model, batch["src"], **options)  # beam_search's defaults are §6.1's
         self._test_hyps.update(zip(batch["index"].tolist(), hyps))
 
     def on_test_epoch_end(self) -> None:
@@ -172,7 +172,7 @@ class TranslationModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The SentencePiece model travels inside every checkpoint: the file alone can translate.
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = self._trainer.datamodule if self._trainer is not None else None
         if dm is not None and dm.tokenizer is not None:
             checkpoint["sentencepiece"] = dm.tokenizer.proto
 
