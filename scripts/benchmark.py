@@ -22,7 +22,7 @@ from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.module import label_smoothed_nll
 from transformer_mt.search import beam_search, greedy, pad_sources
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer_mt.train import CONF_DIR
+from transformer_mt.config import CONF_DIR
 
 
 class TorchPeer(torch.nn.Module):

@@ -7,12 +7,14 @@ efficiency (real / padded tokens over both sides) and the derived gradient accum
 """
 
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.data import SPLITS, TranslationDataModule, padding_efficiency
+from transformer_mt.batching import padding_efficiency
+from transformer_mt.config import CONF_DIR
+from transformer_mt.corpus import SPLITS
+from transformer_mt.data import TranslationDataModule
 
 
 def build(cfg: DictConfig) -> tuple[TranslationDataModule, float]:
@@ -22,7 +24,7 @@ def build(cfg: DictConfig) -> tuple[TranslationDataModule, float]:
     return dm, time.perf_counter() - start
 
 
-@hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="train", version_base="1.3")
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     first, first_s = build(cfg)
     _, cached_s = build(cfg)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from transformer_mt.data import read_text_pair
+from transformer_mt.corpus import read_text_pair
 
 
 def write_layout(out: Path, prefixes: dict[str, str], langs=("en", "de"), config="de-en", fmt="parquet") -> list[Path]:

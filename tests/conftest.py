@@ -1,3 +1,7 @@
+import os
+import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,8 +51,6 @@ def write_pair(directory: Path, prefix: str, src: list[str], tgt: list[str]) -> 
 
 def synthetic_corpus(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """Made-up aligned sentences of varying length (German side a word-for-word 'translation')."""
-    import random
-
     rng = random.Random(seed)
     words = {"the": "die", "cat": "Katze", "dog": "Hund", "sees": "sieht", "a": "eine", "small": "kleine",
              "house": "Haus", "red": "rote", "runs": "läuft", "and": "und", "big": "große", "tree": "Baum"}
@@ -58,3 +60,43 @@ def synthetic_corpus(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
         en.append(" ".join(chosen) + " .")
         de.append(" ".join(words[w] for w in chosen) + " .")
     return en, de
+
+
+def write_corpus(root: Path, n_train: int = 400, n_eval: int = 30) -> Path:
+    """train/valid/test.{en,de} of synthetic text under root, as `data=text` reads them."""
+    en, de = synthetic_corpus(n_train + 2 * n_eval)
+    write_pair(root, "train", en[:n_train], de[:n_train])
+    write_pair(root, "valid", en[n_train : n_train + n_eval], de[n_train : n_train + n_eval])
+    write_pair(root, "test", en[n_train + n_eval :], de[n_train + n_eval :])
+    return root
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path / "corpus")
+
+
+# A tiny model on the synthetic corpus: every code path of a real run in a few seconds.
+TINY_MODEL = ["model.d_model=32", "model.d_ff=64", "model.n_heads=4", "model.n_encoder_layers=2",
+              "model.n_decoder_layers=2", "model.max_positions=64"]
+TINY_RUN = ["data=text", "trainer=cpu", "logger=csv", "data.vocab_size=400", "data.max_tokens=300",
+            "trainer.val_check_interval=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+            "val_bleu_sentences=8", "optim.warmup_steps=4", *TINY_MODEL]
+
+
+def run_train(args: list[str], tmp_path: Path, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m transformer_mt.train` with TINY_RUN and `args` (Hydra flags such as -m first), as a user runs it.
+
+    A key given in `args` replaces TINY_RUN's (e.g. data=multi30k instead of data=text).
+    """
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    given = {a.split("=")[0] for a in overrides}
+    defaults = [a for a in TINY_RUN if a.split("=")[0] not in given]
+    cmd = [sys.executable, "-m", "transformer_mt.train", *flags, *defaults, f"data.cache_dir={tmp_path / 'cache'}",
+           *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_pair
-from transformer_mt.data import (
-    Corpus, TokenBucketSampler, TranslationDataModule, accumulation_steps, collate, drop_empty,
-    length_filter, padding_efficiency, read_lines, read_text_pair,
-)
+from conftest import ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_corpus, write_pair
+from transformer_mt.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
+from transformer_mt.corpus import Corpus, drop_empty, length_filter, read_lines, read_text_pair
+from transformer_mt.data import TranslationDataModule
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}
@@ -21,10 +20,7 @@ TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}
 def text_datamodule(tmp_path, n_train=400, **overrides) -> TranslationDataModule:
     corpus = tmp_path / "corpus"
     if not corpus.exists():  # written once per test; later modules reuse (or see edits to) it
-        en, de = synthetic_corpus(n_train + 60)
-        write_pair(corpus, "train", en[:n_train], de[:n_train])
-        write_pair(corpus, "valid", en[n_train : n_train + 30], de[n_train : n_train + 30])
-        write_pair(corpus, "test", en[n_train + 30 :], de[n_train + 30 :])
+        write_corpus(corpus, n_train)
     args = dict(name="synthetic", path=str(corpus), text_files=TEXT_FILES, vocab_size=400, max_len=64,
                 max_tokens=256, cache_dir=str(tmp_path / "cache"))
     args.update(overrides)

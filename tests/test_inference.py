@@ -9,30 +9,21 @@ import pytest
 import sacrebleu
 import torch
 
-from conftest import ROOT, synthetic_corpus, write_pair
+from conftest import run_train, write_corpus
 from transformer_mt.averaging import average_checkpoints, run_checkpoints
+from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
 from transformer_mt.data import TranslationDataModule
-from transformer_mt.module import TranslationModule, load_for_inference, read_checkpoint, write_checkpoint
+from transformer_mt.module import TranslationModule
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
+from transformer_mt.search import translate_lines
 
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A tiny model trained for 12 updates on synthetic text, checkpoints every 3."""
     tmp = tmp_path_factory.mktemp("run")
-    en, de = synthetic_corpus(460)
-    write_pair(tmp / "corpus", "train", en[:400], de[:400])
-    write_pair(tmp / "corpus", "valid", en[400:430], de[400:430])
-    write_pair(tmp / "corpus", "test", en[430:], de[430:])
-    cmd = [sys.executable, "-m", "transformer_mt.train", "data=text", f"data.path={tmp / 'corpus'}", "trainer=cpu",
-           "logger=csv", "data.vocab_size=400", "data.max_tokens=400", f"data.cache_dir={tmp / 'cache'}",
-           "model.d_model=32", "model.d_ff=64", "model.n_heads=4", "model.n_encoder_layers=2",
-           "model.n_decoder_layers=2", "model.max_positions=64", "trainer.max_steps=12",
-           "trainer.val_check_interval=6", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-           "val_bleu_sentences=8", "optim.warmup_steps=4", "checkpoint.every_n_train_steps=3",
-           f"hydra.run.dir={tmp / 'out'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_train([f"data.path={write_corpus(tmp / 'corpus')}", "data.max_tokens=400", "trainer.max_steps=12",
+               "trainer.val_check_interval=6", "checkpoint.every_n_train_steps=3", f"hydra.run.dir={tmp / 'out'}"], tmp)
     return tmp
 
 
@@ -94,9 +85,9 @@ def test_scores_equal_sacrebleus_own():
     hyps = ["Ein Hund läuft durch den Schnee.", "Zwei Männer spielen Fußball auf einem grünen Feld."]
     refs = ["Ein Hund rennt durch den Schnee.", "Zwei Männer spielen auf einem Feld Fußball."]
     result = score(hyps, refs)
-    assert result["sacrebleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
     assert result["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2)
-    assert result["sacrebleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp")
+    assert result["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp")
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         score(hyps, refs[:1])
 
@@ -141,11 +132,11 @@ def test_evaluate_files_and_data_test_split(trained_run, tmp_path):
     result = json.loads((tmp_path / "files" / "scores.json").read_text())
     hyps = (tmp_path / "files" / "hypotheses.txt").read_text().split("\n")[:-1]
     refs = (corpus / "test.de").read_text().split("\n")[:-1]
-    assert len(hyps) == 30 and result["sacrebleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert len(hyps) == 30 and result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
     assert "sacreBLEU" in proc.stdout and "NOT comparable" in proc.stdout and result["decoding"]["beam_size"] == 4
     # Without files: the test split of the data config stored in the checkpoint.
     subprocess.run(cmd[:4] + [f"hydra.run.dir={tmp_path / 'split'}"], capture_output=True, text=True, check=True)
-    assert json.loads((tmp_path / "split" / "scores.json").read_text())["sacrebleu"] == result["sacrebleu"]
+    assert json.loads((tmp_path / "split" / "scores.json").read_text())["bleu"] == result["bleu"]
 
 
 def test_trainer_test_decodes_the_test_split_with_beam_search(trained_run):
@@ -156,8 +147,6 @@ def test_trainer_test_decodes_the_test_split_with_beam_search(trained_run):
     metrics = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).test(module, datamodule)[0]
     assert {"test/bleu", "test/chrf", "test/loss"} <= metrics.keys()
     model, tokenizer, _ = load_for_inference(ckpt)
-    from transformer_mt.search import translate_lines
-
     hyps = translate_lines(model, tokenizer, datamodule.splits["test"].texts("src_text"), beam_size=4)
     refs = datamodule.splits["test"].texts("tgt_text")
     assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-3)

@@ -1,4 +1,4 @@
-"""The paper's model checked against independent references (DESIGN.md, 'oracles')."""
+"""The paper's model checked against independent references (README, "The model")."""
 
 import math
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from transformer_mt.data import TokenBucketSampler, collate
+from transformer_mt.batching import TokenBucketSampler, collate
 from transformer_mt.module import TranslationModule, label_smoothed_nll, noam_lr
 
 

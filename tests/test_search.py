@@ -101,6 +101,6 @@ def test_outputs_respect_the_maximum_length(a, b):
 def test_translate_ids_restores_input_order_across_batches():
     model = trained_like_model(0)
     sources = SOURCES * 3
-    one_batch = translate_ids(model, sources, beam_size=2, max_len_b=8, max_tokens=10_000)
-    many_batches = translate_ids(model, sources, beam_size=2, max_len_b=8, max_tokens=8)
+    one_batch = translate_ids(model, sources, beam_size=2, max_len_b=8, tokens_per_batch=10_000)
+    many_batches = translate_ids(model, sources, beam_size=2, max_len_b=8, tokens_per_batch=8)
     assert one_batch == many_batches and one_batch[:4] == one_batch[4:8]

@@ -11,13 +11,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import CONF, synthetic_corpus, write_pair
+from conftest import CONF, SHARED_DATA, run_train
 from transformer_mt.data import TranslationDataModule
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.train import make_callbacks, trainer_arguments
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-TINY_MODEL = ["model.d_model=32", "model.d_ff=64", "model.n_heads=4", "model.n_encoder_layers=2",
-              "model.n_decoder_layers=2", "model.max_positions=128"]
 
 
 def compose_train(overrides: list[str], tmp_path: Path):
@@ -32,10 +31,9 @@ def test_every_experiment_composes_and_instantiates(experiment, tmp_path):
     with torch.device("meta"):
         Transformer(TransformerConfig(vocab_size=cfg.data.vocab_size, **cfg.model))
     TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
-    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    if trainer_args["accelerator"] == "gpu" and not torch.cuda.is_available():
-        trainer_args.update(accelerator="cpu", precision="bf16-mixed")  # same keys, checked on CPU
-    L.Trainer(**trainer_args, logger=False, enable_checkpointing=False)
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        cfg.trainer.accelerator = "cpu"  # the same keys, checked on CPU
+    L.Trainer(**trainer_arguments(cfg.trainer), logger=False, callbacks=make_callbacks(cfg, tmp_path))
 
 
 @pytest.mark.parametrize("group", ["data", "model", "trainer", "logger"])
@@ -77,43 +75,42 @@ def test_base_and_big_carry_the_papers_values(tmp_path):
 # ---------------------------------------------------------------- real runs (subprocesses)
 
 
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    en, de = synthetic_corpus(460)
-    root = tmp_path / "corpus"
-    write_pair(root, "train", en[:400], de[:400])
-    write_pair(root, "valid", en[400:430], de[400:430])
-    write_pair(root, "test", en[430:], de[430:])
-    return root
-
-
-def run_train(args: list[str], tmp_path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    base = [sys.executable, "-m", "transformer_mt.train", "data=text", "trainer=cpu", "logger=csv",
-            "trainer.precision=32-true", "data.vocab_size=400", "data.max_tokens=300", f"data.cache_dir={tmp_path / 'cache'}",
-            "trainer.val_check_interval=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-            "val_bleu_sentences=8", "optim.warmup_steps=4", *TINY_MODEL]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    flags = [a for a in args if a.startswith("-")]  # Hydra flags (-m) go before the overrides
-    overrides = [a for a in args if not a.startswith("-")]
-    proc = subprocess.run(base[:3] + flags + base[3:] + overrides, capture_output=True, text=True, env=full_env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_end_to_end_run_checkpoints_and_resumes_where_it_stopped(corpus, tmp_path):
-    common = [f"data.path={corpus}", "model.dropout=0.0", "checkpoint.every_n_train_steps=3"]
+NOISE = ["LeafSpec", "weights_only", "Tip:", "exists and is not empty", "Saving the dataset", "not supported by the model summary"]
+
+
+def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tmp_path):
+    common = [f"data.path={corpus}", "model.dropout=0.0", "checkpoint.every_n_train_steps=3", "progress_every_n_updates=3"]
     proc = run_train([*common, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
-    assert "tokens per update: accumulation 1" in proc.stdout + proc.stderr
-    ckpts = tmp_path / "full" / "checkpoints"
-    assert {p.name for p in ckpts.glob("*.ckpt")} >= {"step0000003.ckpt", "step0000006.ckpt", "last.ckpt"}
+    run = tmp_path / "full"
+    ckpts = run / "checkpoints"
+    assert {p.name for p in ckpts.glob("*.ckpt")} == {"step0000003.ckpt", "step0000006.ckpt", "last.ckpt", "best.ckpt"}
     step3 = load(ckpts / "step0000003.ckpt")  # loads with weights_only=True: plain values only
     assert step3["global_step"] == 3 and isinstance(step3["hyper_parameters"]["config"], dict)
-    assert step3["sentencepiece"] == (ckpts / "sentencepiece.model").read_bytes()
+    assert step3["sentencepiece"] == (run / "sentencepiece.model").read_bytes()
     assert step3["TranslationDataModule"]["train_sampler"]["position"] == 3  # mid-epoch
+    # best.ckpt: the best val/bleu of the validations at updates 4 and 8
+    best = load(ckpts / "best.ckpt")
+    scores = {c["monitor"]: c for c in best["callbacks"].values() if c.get("monitor") == "val/bleu"}
+    assert best["global_step"] in (4, 8) and scores
+
+    # The run log: every line once, Lightning's included; each data split once; a progress line; what to do next.
+    log_lines = (run / "train.log").read_text().splitlines()
+    console = proc.stdout.splitlines()
+    assert [l for l in log_lines if "][" in l] == [l for l in console if "][" in l]  # the console shows the same lines
+    for split in ("train", "validation", "test"):
+        assert sum(f"text {split}: " in l for l in log_lines) == 1, split
+    assert len(log_lines) == len(set(log_lines))
+    assert any("update 3/8 (38%) | loss " in l and "target tok/s | elapsed" in l and "ETA" in l for l in log_lines)
+    assert any("validation at update 8: loss" in l and "greedy sacreBLEU" in l and "chrF" in l for l in log_lines)
+    assert any("`Trainer.fit` stopped" in l for l in log_lines)  # Lightning's lines reach the file
+    # paths relative to the working directory (run_train's is tmp_path), as a user types them
+    assert "make average RUN=full N=2\n  make evaluate CKPT=full/checkpoints/average-last2.ckpt" in proc.stdout
+    for noise in NOISE:
+        assert noise not in proc.stdout + proc.stderr, noise
 
     run_train([*common, "trainer.max_steps=8", f"ckpt_path={ckpts / 'step0000003.ckpt'}",
                f"hydra.run.dir={tmp_path / 'resumed'}"], tmp_path)
@@ -125,13 +122,71 @@ def test_end_to_end_run_checkpoints_and_resumes_where_it_stopped(corpus, tmp_pat
     assert full["lr_schedulers"][0]["last_epoch"] == resumed["lr_schedulers"][0]["last_epoch"] == 8
 
 
-def test_two_process_ddp_on_cpu_trains(corpus, tmp_path):
+def test_early_stopping_on_the_best_checkpoints_metric(corpus, tmp_path):
+    # "The highest validation loss" stops improving after the first validation: patience 1 ends the run
+    # at the second validation (update 8 of 40), and best.ckpt stays the one of update 4.
+    run_train([f"data.path={corpus}", "trainer.max_steps=40", "checkpoint.best_monitor=val/loss",
+               "checkpoint.best_mode=max", "early_stopping_patience=1", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert load(ckpts / "last.ckpt")["global_step"] == 8
+    assert load(ckpts / "best.ckpt")["global_step"] == 4
+
+
+def test_settings_that_would_fail_late_are_refused_first(corpus, tmp_path):
+    proc = run_train([f"data.path={corpus}", "val_bleu_sentences=0"], tmp_path, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: checkpoint.best_monitor=val/bleu needs val_bleu_sentences > 0; or set "
+        "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"]
+    assert not (tmp_path / "outputs").exists()  # nothing left behind
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["experiment=base", "data=wmt14", "data.path=/nonexistent/wmt14"], "error: data 'wmt14': data.path=/nonexistent/wmt14 does not exist"),
+    (["experiment=base", "trainer=gpu", "data.path={corpus}", "trainer.max_steps=2"],
+     "error: trainer.accelerator=gpu needs a CUDA GPU"),
+])
+def test_main_job_failures_end_in_one_line_that_says_what_to_do(args, expected, corpus, tmp_path):
+    if "gpu" in expected and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_train([a.format(corpus=corpus) for a in args], tmp_path, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-2000:]
+    assert "trainer=cpu" in lines[0] or "data.path" in lines[0]
+    assert not (tmp_path / "outputs").exists()  # a failed start leaves no run folder
+
+
+def test_hub_failure_says_how_to_work_offline(tmp_path):
+    proc = run_train(["experiment=multi30k", "data=multi30k", "trainer.max_steps=1"], tmp_path, check=False,
+                     env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1].startswith("error: data 'multi30k': could not load bentrevett/multi30k")
+    assert "data.path=" in lines[-1] and "make_wmt14_layout.py" in lines[-1]
+
+
+def test_sweep_jobs_each_get_their_own_wandb_run_in_one_group(corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
+    proc = run_train(["-m", f"data.path={corpus}", "logger=wandb", "model.dropout=0.1,0.3", "trainer.max_steps=2",
+                      f"hydra.sweep.dir={sweep}"], tmp_path, env=env)
+    assert (proc.stdout + proc.stderr).count("logging offline") == 2  # once per job
+    runs = [list((sweep / job / "wandb").glob("offline-run-*")) for job in ("0", "1")]
+    assert [len(r) for r in runs] == [1, 1] and runs[0][0].name != runs[1][0].name
+    for job, (run,) in zip(("0", "1"), runs):
+        record = next(run.glob("run-*.wandb")).read_bytes()  # wandb's own record of the run
+        assert f"sweep-{job}".encode() in record and str(sweep).encode() in record  # its name and group
+
+
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu_logs_each_line_once(corpus, tmp_path):
     proc = run_train([f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", "trainer.max_steps=3",
                       f"hydra.run.dir={tmp_path / 'ddp'}"], tmp_path)
-    assert "x 2 device(s)" in proc.stdout + proc.stderr
+    assert "x 2 device(s)" in proc.stdout
     assert load(tmp_path / "ddp" / "checkpoints" / "last.ckpt")["global_step"] == 3
+    for split in ("train", "validation", "test"):  # rank 1 builds the data too, silently
+        assert proc.stdout.count(f"text {split}: ") == 1, proc.stdout
 
 
+@pytest.mark.slow
 def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_train(["-m", f"data.path={corpus}", "model.dropout=0.1,0.3", "trainer.max_steps=2",
@@ -143,32 +198,22 @@ def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_
     assert "ddp_spawn" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_optuna_search_maximises_validation_bleu(corpus, tmp_path):
     sweep = tmp_path / "optuna"
     proc = run_train([f"data.path={corpus}", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.max_steps=4",
                       f"hydra.sweep.dir={sweep}"], tmp_path)
     assert "Best value" in proc.stdout + proc.stderr
     results = OmegaConf.load(sweep / "optimization_results.yaml")
-    # (optim.warmup_steps is fixed by run_train's command line, which takes precedence over the search space)
+    # (optim.warmup_steps is fixed by TINY_RUN's command line, which takes precedence over the search space)
     assert set(results.best_params) == {"model.dropout", "optim.lr_factor", "label_smoothing"}
     assert (sweep / "0" / "checkpoints" / "last.ckpt").exists() and (sweep / "1" / "checkpoints" / "last.ckpt").exists()
-
-
-def test_wandb_without_credentials_logs_offline(corpus, tmp_path):
-    env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
-    proc = run_train([f"data.path={corpus}", "logger=wandb", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'w'}"],
-                     tmp_path, env={k: v for k, v in env.items()})
-    assert (proc.stdout + proc.stderr).count("logging offline") == 1
-    runs = list((tmp_path / "w" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb")), list((tmp_path / "w").rglob("*"))
 
 
 @pytest.mark.slow
 @pytest.mark.real_data
 def test_multi30k_experiment_learns_real_translation(tmp_path):
     """400 updates of `make train CONFIG=multi30k` (~6 min on 2 cores): validation BLEU must climb."""
-    from conftest import SHARED_DATA  # noqa: PLC0415
-
     if not (SHARED_DATA / "multi30k").is_dir():
         pytest.skip(f"Multi30k text not found under {SHARED_DATA}")
     cmd = [sys.executable, "-m", "transformer_mt.train", "experiment=multi30k", f"data.path={SHARED_DATA / 'multi30k'}",
@@ -176,6 +221,6 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
            "val_bleu_sentences=300", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    bleus = [float(line.rsplit("greedy sacreBLEU ", 1)[1].split()[0])
-             for line in (proc.stdout + proc.stderr).splitlines() if "greedy sacreBLEU" in line]
+    bleus = [float(line.rsplit("greedy sacreBLEU ", 1)[1].split(",")[0])
+             for line in proc.stdout.splitlines() if "greedy sacreBLEU" in line]
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from transformer_mt.module import read_checkpoint, write_checkpoint
+from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
 
 STEP = re.compile(r"step(\d+)")
 

@@ -11,21 +11,21 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.data import Corpus, read_lines, read_text_pair
-from transformer_mt.module import load_for_inference
+from transformer_mt.checkpoint import load_for_inference, pick_device
+from transformer_mt.config import CONF_DIR
+from transformer_mt.corpus import Corpus, read_lines, read_text_pair
+from transformer_mt.files import InputError, exit_on_user_error
 from transformer_mt.scoring import score
 from transformer_mt.search import translate_lines
-from transformer_mt.translate import pick_device
 
 log = logging.getLogger(__name__)
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]]:
     """(name, sources, references) from files, a sacreBLEU test set, or the data config's split."""
     if cfg.src or cfg.ref:
         if not (cfg.src and cfg.ref):
-            raise ValueError("give both src and ref (SRC=... REF=...), or neither")
+            raise InputError("give both src and ref (SRC=... REF=...), or neither")
         src, ref = read_text_pair(cfg.src, cfg.ref)
         return f"{cfg.src} / {cfg.ref}", src, ref
     if cfg.testset:
@@ -49,7 +49,7 @@ def evaluate(cfg: DictConfig) -> dict:
     name, sources, references = test_set(cfg, data_cfg)
     decoding = OmegaConf.to_container(cfg.decoding)
     start = time.perf_counter()
-    hyps = translate_lines(model, tokenizer, sources, warn=log.warning, **decoding)
+    hyps = translate_lines(model, tokenizer, sources, warn=log.warning, progress=True, **decoding)
     seconds = time.perf_counter() - start
     result = {"checkpoint": str(cfg.ckpt), "test_set": name, "decoding": decoding,
               **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
@@ -58,8 +58,8 @@ def evaluate(cfg: DictConfig) -> dict:
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"{name}: {len(hyps)} sentences, beam {decoding['beam_size']}, {seconds:.1f} s")
-    print(f"sacreBLEU {result['sacrebleu']:.2f}  {result['sacrebleu_signature']}")
-    print(f"           {result['sacrebleu_detail']}")
+    print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
+    print(f"           {result['bleu_detail']}")
     print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")
     print(f"tokenized BLEU with compound splitting (the paper's metric, NOT comparable with sacreBLEU): "
           f"{result['tokenized_bleu_compound_split']:.2f}")
@@ -69,7 +69,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
+    exit_on_user_error(evaluate, cfg)
 
 
 if __name__ == "__main__":

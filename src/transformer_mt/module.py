@@ -1,19 +1,18 @@
-"""The LightningModule: loss (§5.4), Adam + Noam schedule (§5.3), validation loss and BLEU."""
+"""The LightningModule: loss (§5.4), Adam + Noam schedule (§5.3), validation loss, BLEU and chrF."""
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from pathlib import Path
 
 import lightning as L
-import sacrebleu
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.scoring import corpus_scores
+from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import PAD_ID, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -41,6 +40,12 @@ def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> 
 
 
 class TranslationModule(L.LightningModule):
+    """Trains a Transformer; validation and test score translations of their own batches.
+
+    Everything it needs comes in through the constructor: the tokenizer decodes hypotheses
+    (and travels inside every checkpoint), batches of validation/test carry their references.
+    """
+
     def __init__(
         self,
         model: dict,
@@ -52,12 +57,14 @@ class TranslationModule(L.LightningModule):
         val_bleu_sentences: int = 500,
         decoding: dict | None = None,  # beam search for test_step (conf/decoding)
         config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
+        tokenizer: Tokenizer | None = None,  # None when restored from a checkpoint: it carries its own
     ):
         super().__init__()
-        self.save_hyperparameters()  # plain values only: no nn.Module, no DictConfig
+        self.save_hyperparameters(ignore=["tokenizer"])  # plain values only: no nn.Module, no DictConfig
         self.model = Transformer(TransformerConfig(**model))
-        self._val_sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
-        self._test_hyps: dict[int, list[int]] = {}
+        self.tokenizer = tokenizer
+        self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
+        self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
         self._last_batch_end: float | None = None
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
@@ -103,115 +110,84 @@ class TranslationModule(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
-    # -- validation
+    # -- validation: loss on every batch, greedy BLEU/chrF on the first val_bleu_sentences sentences
 
     def on_validation_epoch_start(self) -> None:
-        self._val_sums = torch.zeros(3, device=self.device)
+        self._sums = torch.zeros(3, device=self.device)
+        self._hyps = {}
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        loss_sum, nll_sum, n_tokens = self._losses(batch)
-        self._val_sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._add_losses(batch)
+        if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
+            rows = batch["index"] < self.hparams.val_bleu_sentences
+            if rows.any():
+                self._keep_hypotheses(batch, rows, greedy(self.model, batch["src"][rows]))
 
     def on_validation_epoch_end(self) -> None:
-        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
-        if n_tokens == 0:
+        loss, nll = self._mean_losses()
+        if loss is None:
             raise RuntimeError("validation saw no target tokens: the validation loader yielded no batch")
-        self.log("val/loss", loss_sum / n_tokens, prog_bar=True, rank_zero_only=True)
-        self.log("val/nll", nll_sum / n_tokens, rank_zero_only=True)
-        self.log("val/ppl", torch.exp(nll_sum / n_tokens), rank_zero_only=True)
-        summary = f"validation at update {self.global_step}: loss {loss_sum / n_tokens:.3f}, ppl {torch.exp(nll_sum / n_tokens):.2f}"
+        metrics = {"val/loss": loss, "val/nll": nll, "val/ppl": torch.exp(nll)}
+        summary = f"validation at update {self.global_step}: loss {loss:.3f}, ppl {torch.exp(nll):.2f}"
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
-            bleu = self.validation_bleu()
-            self.log("val/bleu", bleu, prog_bar=True, rank_zero_only=True)
-            summary += f", greedy sacreBLEU {bleu:.2f} ({self.hparams.val_bleu_sentences} sentences)"
+            scores = self._score_hypotheses()
+            metrics.update({f"val/{name}": value for name, value in scores.items()})
+            summary += f", greedy sacreBLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} ({len(self._hyps)} sentences)"
+        # Every rank holds the same values (sums reduced, hypotheses gathered): checkpoint monitors agree.
+        self.log_dict({k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}, prog_bar=True)
+        self.log_dict(metrics)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 
-    def validation_bleu(self) -> float:
-        """sacreBLEU of greedy translations of the first validation sentences, on detokenized text."""
-        from transformer_mt.search import translate_ids  # noqa: PLC0415 (search imports this package)
-
-        dm = self.trainer.datamodule
-        data = dm.splits["validation"]
-        n = min(self.hparams.val_bleu_sentences, len(data))
-        sources = [data[i][0] for i in range(n)]
-        hyps = dm.tokenizer.decode(translate_ids(self.model, sources, beam_size=1, max_tokens=dm.max_tokens))
-        refs = data.texts("tgt_text")[:n]
-        return sacrebleu.corpus_bleu(hyps, [refs]).score
-
-    # -- test: beam search on the data config's test split
+    # -- test: beam search on the whole test split
 
     def on_test_epoch_start(self) -> None:
         self.on_validation_epoch_start()
-        self._test_hyps = {}
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        from transformer_mt.search import beam_search  # noqa: PLC0415
-
-        self.validation_step(batch, batch_idx)
-        options = {k: v for k, v in (self.hparams.decoding or {}).items() if k != "max_tokens"}  # batches are given
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._add_losses(batch)
+        options = {k: v for k, v in (self.hparams.decoding or {}).items() if k != "tokens_per_batch"}  # batches are given
         hyps, _ = beam_search(self.model, batch["src"], **options)  # beam_search's defaults are §6.1's
-        self._test_hyps.update(zip(batch["index"].tolist(), hyps))
+        self._keep_hypotheses(batch, torch.ones_like(batch["index"], dtype=torch.bool), hyps)
 
     def on_test_epoch_end(self) -> None:
-        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum")
-        self.log("test/loss", loss_sum / n_tokens, rank_zero_only=True)
-        self.log("test/ppl", torch.exp(nll_sum / n_tokens), rank_zero_only=True)
-        hyps = self._test_hyps
+        loss, nll = self._mean_losses()
+        metrics = {"test/loss": loss, "test/ppl": torch.exp(nll)}
+        metrics.update({f"test/{name}": value for name, value in self._score_hypotheses().items()})
+        self.log_dict(metrics)
+
+    # -- shared by validation and test
+
+    def _add_losses(self, batch: dict) -> None:
+        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        self._sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
+
+    def _mean_losses(self) -> tuple[Tensor | None, Tensor | None]:
+        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._sums, reduce_op="sum")
+        return (None, None) if n_tokens == 0 else (loss_sum / n_tokens, nll_sum / n_tokens)
+
+    def _keep_hypotheses(self, batch: dict, rows: Tensor, hyps: list[list[int]]) -> None:
+        references = [ref for ref, keep in zip(batch["reference"], rows.tolist()) if keep]
+        self._hyps.update(zip(batch["index"][rows].tolist(), zip(hyps, references)))
+
+    def _score_hypotheses(self) -> dict[str, float]:
+        """Corpus scores of the hypotheses of every rank, detokenized, in split order."""
+        hyps = self._hyps
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             shards = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(shards, hyps)
             hyps = {i: h for shard in shards for i, h in shard.items()}
-        dm = self.trainer.datamodule
-        refs = dm.splits["test"].texts("tgt_text")
-        texts = dm.tokenizer.decode([hyps[i] for i in range(len(refs))])
-        self.log("test/bleu", sacrebleu.corpus_bleu(texts, [refs]).score, rank_zero_only=True)
-        self.log("test/chrf", sacrebleu.corpus_chrf(texts, [refs]).score, rank_zero_only=True)
+        self._hyps = hyps
+        order = sorted(hyps)
+        texts = self.tokenizer.decode([hyps[i][0] for i in order])
+        return corpus_scores(texts, [hyps[i][1] for i in order])
 
-    # -- checkpoints
+    # -- checkpoints: the SentencePiece model travels inside every one, so the file alone can translate
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The SentencePiece model travels inside every checkpoint: the file alone can translate.
-        dm = self._trainer.datamodule if self._trainer is not None else None
-        if dm is not None and dm.tokenizer is not None:
-            checkpoint["sentencepiece"] = dm.tokenizer.proto
+        if self.tokenizer is not None:
+            checkpoint["sentencepiece"] = self.tokenizer.proto
 
-
-def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
-    """torch.save to a temporary file, then rename: a crash never leaves a truncated checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def read_checkpoint(path: str | Path) -> dict:
-    """torch.load with weights_only=True, and a clear error for files that are not ours."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated file, pickle of arbitrary objects, not a torch file ...
-        raise ValueError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "model" not in checkpoint.get("hyper_parameters", {}):
-        raise ValueError(f"{path}: not a transformer_mt checkpoint (no state_dict / hyper_parameters.model)")
-    return checkpoint
-
-
-def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
-    """A checkpoint (trained or averaged) -> eval-mode model, its SentencePiece model, the raw dict."""
-    checkpoint = read_checkpoint(path)
-    model = Transformer(TransformerConfig(**checkpoint["hyper_parameters"]["model"]))
-    # Weights live under "model." in the LightningModule; torch.compile adds "_orig_mod.".
-    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: weights do not fit the model its hyper_parameters describe: {e}") from None
-    if "sentencepiece" not in checkpoint:
-        raise ValueError(f"{path}: has no SentencePiece model inside (written by an older version?)")
-    tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin=f"{path} (sentencepiece)")
-    return model.eval(), tokenizer, checkpoint
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.tokenizer is None and "sentencepiece" in checkpoint:
+            self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")

@@ -8,6 +8,8 @@ import re
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
+from transformer_mt.files import InputError
+
 COMPOUND = re.compile(r"(\S)-(\S)")
 
 
@@ -30,18 +32,31 @@ def tokenized_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
     return BLEU(tokenize="none", force=True).corpus_score(prepare(hyps), [prepare(refs)]).score
 
 
-def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
-    """sacreBLEU and chrF with their signatures, plus the labelled tokenized BLEU."""
+def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) -> dict:
+    """sacreBLEU's BLEU and chrF of detokenized hypotheses: what validation, test and evaluate report.
+
+    Keys are the metric names ("bleu", "chrf"); with `signatures`, also "<name>_signature" and
+    "<name>_detail". A new metric added here appears in all three.
+    """
     if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references")
-    bleu, chrf = BLEU(), CHRF()
-    bleu_score, chrf_score = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
+        raise InputError(f"{len(hyps)} hypotheses but {len(refs)} references")
+    if not hyps:
+        raise InputError("nothing to score: the test set is empty")
+    result = {}
+    for name, metric in {"bleu": BLEU(), "chrf": CHRF()}.items():
+        corpus = metric.corpus_score(hyps, [refs])
+        result[name] = corpus.score
+        if signatures:
+            result[f"{name}_signature"] = str(metric.get_signature())
+            result[f"{name}_detail"] = str(corpus)
+    return result
+
+
+def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
+    """corpus_scores with signatures (rounded), plus the labelled tokenized BLEU."""
+    scores = {k: round(v, 2) if isinstance(v, float) else v for k, v in corpus_scores(hyps, refs, True).items()}
     return {
-        "sacrebleu": round(bleu_score.score, 2),
-        "sacrebleu_signature": str(bleu.get_signature()),
-        "sacrebleu_detail": str(bleu_score),
-        "chrf": round(chrf_score.score, 2),
-        "chrf_signature": str(chrf.get_signature()),
+        **scores,
         "tokenized_bleu_compound_split": round(tokenized_bleu(hyps, refs, tgt_lang), 2),
         "tokenized_bleu_note": "Moses-tokenized, compounds split (tensor2tensor get_ende_bleu.sh); "
                                "the paper's metric, not comparable with sacreBLEU",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -143,21 +146,25 @@ def translate_ids(
     alpha: float = 0.6,
     max_len_a: float = 1.0,
     max_len_b: int = 50,
-    max_tokens: int = 4096,
+    tokens_per_batch: int = 4096,
+    progress: bool = False,
 ) -> list[list[int]]:
     """Translate token-id sequences in length-sorted batches; results come back in input order.
 
-    A batch holds at most `max_tokens` source tokens counted over all beams.
+    A batch holds at most `tokens_per_batch` source tokens counted over all beams (sentences x
+    beam x longest). `progress` shows a bar of translated sentences on stderr.
     """
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[list[int]] = [[] for _ in sources]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    bar = tqdm(total=len(sources), desc="translating", unit="sentence", disable=not progress, leave=False,
+               mininterval=1 if sys.stderr.isatty() else 30)  # in a log file: a line every 30 s
     start = 0
     while start < len(order):
-        end = start + 1  # grow the batch while (sentences x beam x longest) fits max_tokens
-        while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= max_tokens:
+        end = start + 1  # grow the batch while (sentences x beam x longest) fits tokens_per_batch
+        while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= tokens_per_batch:
             end += 1
         src = pad_sources([sources[i] for i in order[start:end]], device)
         if beam_size == 1:
@@ -166,14 +173,16 @@ def translate_ids(
             hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b)[0]
         for i, hyp in zip(order[start:end], hyps):
             results[i] = hyp
+        bar.update(end - start)
         start = end
+    bar.close()
     model.train(was_training)
     return results
 
 
 def translate_lines(
     model: Transformer, tokenizer: Tokenizer, lines: list[str], warn=None, first_line: int = 1, **decoding
-) -> list[str]:
+) -> list[str]:  # decoding: translate_ids' options (conf/decoding, progress)
     """Text in, text out, same order. Empty lines stay empty; inputs longer than the model's
     positions are truncated, calling `warn(message)` for each (lines numbered from first_line)."""
     limit = model.cfg.max_positions - 1  # room for EOS

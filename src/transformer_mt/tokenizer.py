@@ -13,6 +13,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from transformer_mt.files import InputError, MissingInputError, atomic_write
+
 log = logging.getLogger(__name__)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # fixed: checkpoints and the model's pad_id rely on them
@@ -29,17 +31,17 @@ class Tokenizer:
         self.path = Path(model_file) if model_file is not None else None
         if self.path is not None:
             if not self.path.is_file():
-                raise FileNotFoundError(f"SentencePiece model not found: {self.path}")
+                raise MissingInputError(f"SentencePiece model not found: {self.path}")
             proto = self.path.read_bytes()
         self.proto = proto
         origin = origin or str(self.path)
         try:
             self.sp = spm.SentencePieceProcessor(model_proto=proto)
         except RuntimeError as e:
-            raise ValueError(f"{origin}: not a SentencePiece model ({e})") from None
+            raise InputError(f"{origin}: not a SentencePiece model ({e})") from None
         ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise ValueError(f"{origin}: special ids (pad, unk, bos, eos) are {ids}, expected (0, 1, 2, 3)")
+            raise InputError(f"{origin}: special ids (pad, unk, bos, eos) are {ids}, expected (0, 1, 2, 3)")
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
@@ -58,12 +60,10 @@ class Tokenizer:
         return self.sp.decode(cleaned)
 
     def save(self, directory: str | Path) -> Path:
-        """Copy the model next to a checkpoint, so that the checkpoint alone can translate."""
+        """Write the model as <directory>/sentencepiece.model (for other tools; checkpoints carry it too)."""
         target = Path(directory) / MODEL_FILE
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{MODEL_FILE}.tmp{os.getpid()}")
-        tmp.write_bytes(self.proto)
-        os.replace(tmp, target)
+        with atomic_write(target) as tmp:
+            tmp.write_bytes(self.proto)
         return target
 
 
@@ -85,9 +85,7 @@ def train_tokenizer(
     """Train one BPE model on the sentences of both languages; written atomically."""
     sentences = sample_sentences(sides, max_sentences, seed)
     if not sentences:
-        raise ValueError("cannot train SentencePiece on an empty corpus")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+        raise InputError("cannot train SentencePiece on an empty corpus")
     proto = io.BytesIO()
     spm.set_random_generator_seed(seed)  # reproducible sentence sampling inside the trainer
     log.info("training SentencePiece BPE (vocab %d) on %d sentences", vocab_size, len(sentences))
@@ -107,12 +105,9 @@ def train_tokenizer(
     try:
         spm.SentencePieceTrainer.train(**options)
     except RuntimeError as e:  # e.g. a vocabulary too large or too small for the corpus
-        raise ValueError(f"SentencePiece could not train a {vocab_size}-token vocabulary "
+        raise InputError(f"SentencePiece could not train a {vocab_size}-token vocabulary "
                          f"(set data.vocab_size): {e}") from None
-    tmp = directory / (MODEL_FILE + ".tmp")
-    tmp.write_bytes(proto.getvalue())
-    os.replace(tmp, directory / MODEL_FILE)
-    return Tokenizer(directory / MODEL_FILE)
+    return Tokenizer(Tokenizer(proto=proto.getvalue()).save(directory))
 
 
 def cache_key(**inputs) -> str:

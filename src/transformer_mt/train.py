@@ -4,28 +4,60 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.checkpoint import write_checkpoint
+from transformer_mt.config import CONF_DIR
 from transformer_mt.data import TranslationDataModule
+from transformer_mt.files import InputError, exit_on_user_error
 from transformer_mt.model import DecoderLayer, EncoderLayer
-from transformer_mt.module import TranslationModule, write_checkpoint
+from transformer_mt.module import TranslationModule
+from transformer_mt.progress import ProgressLog, UpdateProgressBar, next_steps, setup_logging
 from transformer_mt.tokenizer import PAD_ID
 
 log = logging.getLogger(__name__)
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 def plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: without either, bf16 matrix products are emulated (~20x slower than fp32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True  # not Linux: trust the configuration
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def trainer_arguments(cfg: DictConfig) -> dict:
+    """conf/trainer as lightning.Trainer arguments, checked against this machine before any work."""
+    args = plain(cfg)
+    accelerator = args.get("accelerator", "auto")
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise InputError(
+            f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here; "
+            'to train on this machine add trainer=cpu (make train CONFIG=... ARGS="trainer=cpu")'
+        )
+    if args.get("precision") == "auto":  # trainer=cpu: bf16 only where the CPU computes it natively
+        on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+        args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
+        if args["precision"] == "32-true":
+            log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
+    args["strategy"] = make_strategy(args.get("strategy", "auto"))
+    return args
 
 
 def wandb_has_credentials() -> bool:
@@ -38,11 +70,23 @@ def wandb_has_credentials() -> bool:
 def make_logger(cfg: DictConfig | None):
     if cfg is None:
         return False
-    if cfg._target_.endswith("WandbLogger") and not os.environ.get("WANDB_MODE") and not wandb_has_credentials():
-        os.environ["WANDB_MODE"] = "offline"
-        log.warning("wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)",
-                    cfg.save_dir)
-    return hydra.utils.instantiate(cfg)
+    kwargs = {}
+    if cfg._target_.endswith("WandbLogger"):
+        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
+            os.environ["WANDB_MODE"] = "offline"
+            log.warning("wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)",
+                        cfg.save_dir)
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # one wandb run per job (see finish_wandb), grouped by sweep
+            kwargs["group"] = cfg.group or hydra_cfg.sweep.dir
+            kwargs["name"] = cfg.name or f"{Path(hydra_cfg.sweep.dir).name}-{hydra_cfg.job.num}"
+    return hydra.utils.instantiate(cfg, **kwargs)
+
+
+def finish_wandb(logger) -> None:
+    """End this job's wandb run, so that the next job of a sweep starts its own (wandb.init reuses an open one)."""
+    if logger and type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+        logger.experiment.finish()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -53,23 +97,40 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
-    """Periodic checkpoints by updates and/or by time, keeping the last N, and last.ckpt."""
+    """Periodic checkpoints (by updates and/or time, the last N kept, for averaging), last.ckpt,
+    best.ckpt by a validation metric, optional early stopping on it, progress and learning rate."""
     periodic = []
-    if cfg.every_n_train_steps:
-        periodic.append(dict(every_n_train_steps=cfg.every_n_train_steps, filename="step{step:07d}"))
-    if cfg.train_time_interval_minutes:
-        periodic.append(dict(train_time_interval=timedelta(minutes=cfg.train_time_interval_minutes),
+    if cfg.checkpoint.every_n_train_steps:
+        periodic.append(dict(every_n_train_steps=cfg.checkpoint.every_n_train_steps, filename="step{step:07d}"))
+    if cfg.checkpoint.train_time_interval_minutes:
+        periodic.append(dict(train_time_interval=timedelta(minutes=cfg.checkpoint.train_time_interval_minutes),
                              filename="time-step{step:07d}"))
-    common = dict(dirpath=checkpoint_dir, save_last=True, auto_insert_metric_name=False)
-    callbacks = [ModelCheckpoint(save_top_k=cfg.keep_last, monitor="step", mode="max", **common, **kw)
-                 for kw in periodic] or [ModelCheckpoint(save_top_k=0, **common)]  # last.ckpt per epoch
-    return callbacks + [LearningRateMonitor(logging_interval="step")]
+    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
+    callbacks = [ModelCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", save_last=True,
+                                 **common, **kw) for kw in periodic] or [ModelCheckpoint(save_top_k=0, save_last=True, **common)]
+    best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
+    if best["monitor"]:
+        callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, enable_version_counter=False, **best, **common))
+    if cfg.early_stopping_patience:
+        callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
+    callbacks += [LearningRateMonitor(logging_interval="step"), ProgressLog(cfg.progress_every_n_updates)]
+    return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Settings that only fail late (at the first validation) are refused before any work."""
+    monitor = cfg.checkpoint.best_monitor
+    if monitor and monitor.removeprefix("val/") in ("bleu", "chrf") and not cfg.val_bleu_sentences:
+        raise InputError(f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set "
+                         "checkpoint.best_monitor=val/loss checkpoint.best_mode=min")
+    if cfg.early_stopping_patience and not monitor:
+        raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
 
 
 def make_strategy(name):
     """String strategies from trainer configs; FSDP is wrapped per encoder/decoder layer."""
     if name == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy  # noqa: PLC0415
+        from lightning.pytorch.strategies import FSDPStrategy  # noqa: PLC0415 (imports torch.distributed.fsdp)
 
         return FSDPStrategy(auto_wrap_policy={EncoderLayer, DecoderLayer})
     launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
@@ -83,7 +144,10 @@ def make_strategy(name):
 
 def train(cfg: DictConfig) -> float | None:
     """Fit one run; returns the last validation BLEU (the objective of hparams_search)."""
-    L.seed_everything(cfg.seed, workers=True)
+    setup_logging()
+    check_config(cfg)
+    trainer_args = trainer_arguments(cfg.trainer)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     datamodule = TranslationDataModule(**plain(cfg.data))
     datamodule.build()  # the vocabulary size is known only after SentencePiece
@@ -91,32 +155,50 @@ def train(cfg: DictConfig) -> float | None:
     module = TranslationModule(
         model=model_cfg, label_smoothing=cfg.label_smoothing, **plain(cfg.optim),
         val_bleu_sentences=cfg.val_bleu_sentences, decoding=plain(cfg.decoding), config=plain(cfg),
+        tokenizer=datamodule.tokenizer,
     )
-    trainer_args = plain(cfg.trainer)
-    trainer_args["strategy"] = make_strategy(trainer_args.get("strategy", "auto"))
     checkpoint_dir = run_dir / "checkpoints"
-    trainer = L.Trainer(**trainer_args, logger=make_logger(cfg.get("logger")),
-                        callbacks=make_callbacks(cfg.checkpoint, checkpoint_dir), plugins=[AtomicCheckpointIO()],
-                        default_root_dir=run_dir)
+    logger = make_logger(cfg.get("logger"))
+    trainer = L.Trainer(**trainer_args, logger=logger, callbacks=make_callbacks(cfg, checkpoint_dir),
+                        plugins=[AtomicCheckpointIO()], default_root_dir=run_dir, enable_model_summary=False)
     trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
     tokens = trainer.accumulate_grad_batches * datamodule.max_tokens * trainer.world_size
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
-        log.info("model: %s parameters, vocabulary %d", f"{n_params:,}", model_cfg["vocab_size"])
+        log.info("model: %s parameters, vocabulary %d, precision %s", f"{n_params:,}", model_cfg["vocab_size"],
+                 trainer.precision)
         log.info("tokens per update: accumulation %d x max_tokens %d x %d device(s) = %s padded tokens per "
                  "side (target: %s)", trainer.accumulate_grad_batches, datamodule.max_tokens, trainer.world_size,
                  f"{tokens:,}", datamodule.tokens_per_update)
-        datamodule.tokenizer.save(checkpoint_dir)
+        datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    trainer.save_checkpoint(checkpoint_dir / "last.ckpt")  # the final state, whatever the schedule
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.save_checkpoint(checkpoint_dir / "last.ckpt", weights_only=False)  # the final state, whatever the schedule
+    finally:
+        finish_wandb(logger)
+    if trainer.is_global_zero:
+        best = next((c for c in trainer.checkpoint_callbacks if c.filename == "best" and c.best_model_path), None)
+        log.info("finished after %s updates; next:\n%s", f"{trainer.global_step:,}", next_steps(
+            run_dir, checkpoint_dir, cfg.checkpoint.keep_last, (best.monitor, float(best.best_model_score)) if best else None))
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 
 
+def remove_if_empty(run_dir: Path) -> None:
+    """A run that failed before writing anything leaves no folder behind (only Hydra's own files)."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir)
+        for parent in list(run_dir.parents)[:2]:  # outputs/<date>/ and outputs/, when this run emptied them
+            if parent == Path.cwd() or not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    return train(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    return exit_on_user_error(train, cfg, cleanup=lambda: remove_if_empty(run_dir))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from transformer_mt.files import InputError
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+class TokenizedSplit(Dataset):
+    """Token ids of one split, read straight from the cached Arrow columns (memory-mapped)."""
+
+    def __init__(self, ds: datasets.Dataset):
+        self.dataset = ds
+        table = ds.with_format("arrow")[:]  # the whole split as one Arrow table, no copy
+        src, tgt = table.column("src").combine_chunks(), table.column("tgt").combine_chunks()
+        self.src_offsets, self.src_values = src.offsets.to_numpy(), src.values.to_numpy()
+        self.tgt_offsets, self.tgt_values = tgt.offsets.to_numpy(), tgt.values.to_numpy()
+        self.src_lens = np.diff(self.src_offsets)
+        self.tgt_lens = np.diff(self.tgt_offsets)
+
+    def __len__(self) -> int:
+        return len(self.src_lens)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        s0, s1 = self.src_offsets[i], self.src_offsets[i + 1]
+        t0, t1 = self.tgt_offsets[i], self.tgt_offsets[i + 1]
+        return self.src_values[s0:s1], self.tgt_values[t0:t1], i
+
+    def texts(self, column: str) -> list[str]:
+        """Raw text of the validation/test split ('src_text' or 'tgt_text'), for BLEU."""
+        return self.dataset[column]
+
+
+def collate(items: list[tuple[np.ndarray, np.ndarray, int]], references: list[str] | None = None) -> dict:
+    """Right-pad (source, target, index) items. src = x + EOS; tgt_in = BOS + y; tgt_out = y + EOS
+    (§3: the decoder input is the output shifted right); index = position in the split.
+    With `references` (the split's raw target text), batches carry theirs for BLEU."""
+    B = len(items)
+    S = max(len(s) for s, _, _ in items) + 1
+    T = max(len(t) for _, t, _ in items) + 1
+    src = np.full((B, S), PAD_ID, dtype=np.int64)
+    tgt_in = np.full((B, T), PAD_ID, dtype=np.int64)
+    tgt_out = np.full((B, T), PAD_ID, dtype=np.int64)
+    for row, (s, t, _) in enumerate(items):
+        src[row, : len(s)], src[row, len(s)] = s, EOS_ID
+        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS_ID, t
+        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS_ID
+    batch = {"src": torch.from_numpy(src), "tgt_in": torch.from_numpy(tgt_in), "tgt_out": torch.from_numpy(tgt_out),
+             "index": torch.tensor([i for _, _, i in items])}
+    if references is not None:
+        batch["reference"] = [references[i] for _, _, i in items]
+    return batch
+
+
+class TokenBucketSampler(Sampler[list[int]]):
+    """Batches of at most `max_tokens` padded tokens per side, sentences grouped by length.
+
+    Each epoch: shuffle from seed + epoch, stable-sort by length (longer side, then total), fill
+    batches greedily, shuffle the batch order. With several ranks, the batches are dealt
+    round-robin, after splitting the largest ones until every rank gets the same number.
+    Lengths count the EOS (source) and BOS/EOS (target) token that collate() adds.
+    """
+
+    def __init__(
+        self,
+        src_lens: np.ndarray,
+        tgt_lens: np.ndarray,
+        max_tokens: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if len(src_lens) == 0:
+            raise InputError("cannot batch an empty split")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1
+        self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1
+        self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.position = 0, 0  # position: batches of this epoch already handed out
+        self._cache: tuple[int, list[np.ndarray]] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def all_batches(self, epoch: int) -> list[np.ndarray]:
+        """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
+        rng = np.random.default_rng(self.seed + epoch)
+        order = rng.permutation(len(self.src_lens)) if self.shuffle else np.arange(len(self.src_lens))
+        # Sort by the longer side (what a batch pays for), then by the total; stable, so ties stay shuffled.
+        src, tgt = self.src_lens[order], self.tgt_lens[order]
+        order = order[np.lexsort((src + tgt, np.maximum(src, tgt)))]
+        batches, start, max_s, max_t = [], 0, 0, 0
+        src_lens, tgt_lens = self.src_lens[order].tolist(), self.tgt_lens[order].tolist()
+        for i, (s, t) in enumerate(zip(src_lens, tgt_lens)):
+            new_s, new_t = max(max_s, s), max(max_t, t)
+            if i > start and (i - start + 1) * max(new_s, new_t) > self.max_tokens:
+                batches.append(order[start:i])
+                start, new_s, new_t = i, s, t
+            max_s, max_t = new_s, new_t
+        batches.append(order[start:])
+        if self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        while len(batches) % self.world_size:  # equal shares: split the largest batch in two
+            largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+            if len(batches[largest]) < 2:
+                raise InputError(f"{len(self.src_lens)} sentences cannot fill {self.world_size} ranks")
+            half = len(batches[largest]) // 2
+            batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
+        return batches
+
+    def rank_batches(self) -> list[np.ndarray]:
+        if self._cache is None or self._cache[0] != self.epoch:
+            self._cache = (self.epoch, self.all_batches(self.epoch)[self.rank :: self.world_size])
+        return self._cache[1]
+
+    def __len__(self) -> int:
+        return len(self.rank_batches())
+
+    def __iter__(self):
+        batches = self.rank_batches()
+        # A restored position applies to one pass; a finished pass starts over. The epoch only
+        # changes through set_epoch() (Lightning calls it every epoch), as with DistributedSampler.
+        start = self.position if self.position < len(batches) else 0
+        for i in range(start, len(batches)):
+            self.position = i + 1
+            yield batches[i].tolist()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+def accumulation_steps(tokens_per_update: int | None, max_tokens: int, world_size: int) -> int:
+    """Micro-batches per optimizer update so that max_tokens x world x steps >= tokens_per_update."""
+    if not tokens_per_update:
+        return 1
+    return max(1, math.ceil(tokens_per_update / (max_tokens * world_size)))
+
+
+def padding_efficiency(sampler: TokenBucketSampler) -> float:
+    """Real tokens / padded tokens over both sides of every batch of the current epoch."""
+    real = padded = 0
+    for batch in sampler.rank_batches():
+        s, t = sampler.src_lens[batch], sampler.tgt_lens[batch]
+        real += s.sum() + t.sum()
+        padded += len(batch) * (s.max() + t.max())
+    return float(real / padded)

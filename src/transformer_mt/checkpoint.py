@@ -1,0 +1,61 @@
+"""Checkpoint files: atomic writes, safe reads, and loading a model for inference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from transformer_mt.files import InputError, MissingInputError, atomic_write
+from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.tokenizer import Tokenizer
+
+
+def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
+    """torch.save to a temporary file, then rename: a crash never leaves a truncated checkpoint."""
+    path = Path(path)
+    with atomic_write(path) as tmp:
+        torch.save(checkpoint, tmp)
+    return path
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """torch.load with weights_only=True, and a clear error for files that are not ours."""
+    if not str(path).strip():
+        raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"checkpoint not found: {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated file, pickle of arbitrary objects, not a torch file ...
+        raise InputError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
+    hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
+    if "state_dict" not in checkpoint or "model" not in hparams:
+        raise InputError(f"{path}: not a transformer_mt checkpoint (no state_dict / hyper_parameters.model)")
+    return checkpoint
+
+
+def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
+    """A checkpoint (trained or averaged) -> eval-mode model, its SentencePiece model, the raw dict."""
+    checkpoint = read_checkpoint(path)
+    model = Transformer(TransformerConfig(**checkpoint["hyper_parameters"]["model"]))
+    # Weights live under "model." in the LightningModule; torch.compile adds "_orig_mod.".
+    state = {k.removeprefix("model.").replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()}
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise InputError(f"{path}: weights do not fit the model its hyper_parameters describe: {e}") from None
+    if "sentencepiece" not in checkpoint:
+        raise InputError(f"{path}: has no SentencePiece model inside (written by an older version?)")
+    tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin=f"{path} (sentencepiece)")
+    return model.eval(), tokenizer, checkpoint
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` = the first CUDA GPU when there is one, else the CPU; otherwise a torch device name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"device={name}: no CUDA GPU is visible here; use device=cpu (or device=auto)")
+    return torch.device(name)

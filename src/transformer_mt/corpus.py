@@ -1,0 +1,184 @@
+"""Parallel text: where a corpus comes from (the Hub through `datasets`, a local copy of the
+Hub's layout, or aligned plain-text files), reading it safely, and cleaning it.
+
+Splits are always named train/validation/test.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from transformer_mt.files import InputError, MissingInputError
+
+SPLITS = ("train", "validation", "test")
+
+
+# ---------------------------------------------------------------- reading raw text
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Lines of a UTF-8 file, split on '\\n' only (str.splitlines() also splits on U+0085)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"no such file: {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InputError(
+            f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
+            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final newline ends the last line, it does not start a new one
+    return lines
+
+
+def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise InputError(
+            f"misaligned parallel files: {src_path} has {len(src)} lines but {tgt_path} has "
+            f"{len(tgt)}; they must be aligned line by line"
+        )
+    return src, tgt
+
+
+def hash_files(paths: list[Path]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Corpus:
+    """Where one language pair comes from: the Hub (path=None) or a local copy (path=...)."""
+
+    name: str
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    path: str | None = None  # local copy: Hub layout (parquet/jsonl), save_to_disk dir, or text files
+    hub_name: str | None = None  # e.g. "wmt14"
+    hub_config: str | None = None  # e.g. "de-en"
+    text_files: dict[str, str] = field(default_factory=dict)  # split -> prefix of {prefix}.{lang}
+
+    def text_paths(self, split: str) -> tuple[Path, Path] | None:
+        if self.path is None or split not in self.text_files:
+            return None
+        prefix = Path(self.path).expanduser() / self.text_files[split]
+        return Path(f"{prefix}.{self.src_lang}"), Path(f"{prefix}.{self.tgt_lang}")
+
+    def local_files(self, split: str) -> list[Path]:
+        """Parquet/JSON Lines files of `split` in the Hub's layout: [<config>/]<split>[-*].<ext>."""
+        root = Path(self.path).expanduser()
+        for folder in [root / self.hub_config, root] if self.hub_config else [root]:
+            for ext in ("parquet", "jsonl", "json"):
+                found = sorted(glob.glob(str(folder / f"{split}-*.{ext}")) + glob.glob(str(folder / f"{split}.{ext}")))
+                if found:
+                    return [Path(f) for f in found]
+        return []
+
+    def load_from_hub(self, split: str) -> tuple[str, datasets.Dataset]:
+        """(fingerprint, dataset) of `split` from the Hugging Face Hub; a failure says how to work offline."""
+        try:
+            ds = datasets.load_dataset(self.hub_name, self.hub_config, split=split)
+        except Exception as e:  # offline, unknown name, changed layout: the fix is the same
+            raise MissingInputError(
+                f"data '{self.name}': could not load {self.hub_name} ({self.hub_config}) {split} from the Hugging Face "
+                f"Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, point data.path at a "
+                "local copy: data.path=<directory> (scripts/make_wmt14_layout.py builds the Hub's layout from text files)"
+            ) from e
+        return ds._fingerprint, ds
+
+    def load(self, split: str) -> RawSplit:
+        if self.path is None:
+            if not self.hub_name:
+                raise InputError(f"data '{self.name}': set data.path to a local copy (no Hub name is configured)")
+            return RawSplit(self, split, *self.load_from_hub(split))
+        root = Path(self.path).expanduser()
+        if not root.exists():
+            raise MissingInputError(f"data '{self.name}': data.path={root} does not exist")
+        pair = self.text_paths(split)
+        if pair and (pair[0].exists() or pair[1].exists()):
+            for p in pair:
+                if not p.is_file():
+                    raise MissingInputError(f"data '{self.name}', split {split}: missing {p} (its pair is {pair})")
+            return RawSplit(self, split, hash_files(list(pair)), text_pair=pair)
+        if (root / "dataset_dict.json").exists():  # DatasetDict.save_to_disk
+            ds = datasets.load_from_disk(str(root))[split]
+            return RawSplit(self, split, ds._fingerprint, dataset=ds)
+        files = self.local_files(split)
+        if not files:
+            looked = [str(p) for p in filter(None, [self.text_paths(split)])]
+            raise MissingInputError(
+                f"data '{self.name}': no {split} split under {root}; looked for "
+                f"{' and '.join(looked) + ', ' if looked else ''}{split}-*.parquet / {split}.jsonl "
+                f"(optionally under {self.hub_config}/) and a save_to_disk dataset_dict.json. "
+                "scripts/make_wmt14_layout.py builds this layout from aligned text files."
+            )
+        builder = "parquet" if files[0].suffix == ".parquet" else "json"
+        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+        return RawSplit(self, split, hash_files(files), dataset=ds)
+
+
+@dataclass
+class RawSplit:
+    """One split before tokenization; its fingerprint identifies the content for caching."""
+
+    corpus: Corpus
+    split: str
+    fingerprint: str
+    dataset: datasets.Dataset | None = None
+    text_pair: tuple[Path, Path] | None = None
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        if self.text_pair is not None:
+            return read_text_pair(*self.text_pair)
+        src, tgt = self.corpus.src_lang, self.corpus.tgt_lang
+        ds = self.dataset
+        if "translation" in ds.column_names:  # the Hub's wmt14 schema
+            rows = ds["translation"]
+            try:
+                return [r[src] for r in rows], [r[tgt] for r in rows]
+            except KeyError as e:
+                raise InputError(f"data '{self.corpus.name}' {self.split}: no language {e} in 'translation'") from None
+        missing = [lang for lang in (src, tgt) if lang not in ds.column_names]
+        if missing:
+            raise InputError(
+                f"data '{self.corpus.name}' {self.split}: columns {ds.column_names} have neither "
+                f"'translation' nor {missing}"
+            )
+        return ds[src], ds[tgt]
+
+
+# ---------------------------------------------------------------- cleaning
+
+
+def drop_empty(src: list[str], tgt: list[str]) -> tuple[list[str], list[str], int]:
+    """Strip both sides; drop pairs where either side is empty. Returns (src, tgt, dropped)."""
+    kept = [(s, t) for s, t in zip((s.strip() for s in src), (t.strip() for t in tgt)) if s and t]
+    return [s for s, _ in kept], [t for _, t in kept], len(src) - len(kept)
+
+
+def length_filter(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int, max_ratio: float | None) -> dict:
+    """Boolean keep-mask and per-rule drop counts for token lengths (without BOS/EOS)."""
+    too_long = (src_lens > max_len) | (tgt_lens > max_len)
+    keep = ~too_long
+    drops = {f"longer than {max_len} tokens": int(too_long.sum())}
+    if max_ratio is not None:
+        ratio = np.maximum(src_lens, tgt_lens) / np.maximum(np.minimum(src_lens, tgt_lens), 1)
+        bad_ratio = keep & (ratio > max_ratio)
+        keep &= ~bad_ratio
+        drops[f"length ratio above {max_ratio}"] = int(bad_ratio.sum())
+    return {"keep": keep, "drops": drops}

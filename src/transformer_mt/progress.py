@@ -1,0 +1,169 @@
+"""What a training run tells a person: one log setup, a progress line, an update bar, a closing summary."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Timer, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_only
+
+from transformer_mt.tokenizer import PAD_ID
+
+log = logging.getLogger(__name__)
+
+# Library messages that say nothing about this run (checked on Lightning 2.6; the README lists what remains).
+QUIET_WARNINGS = [
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
+    r".*is smaller than the logging interval",  # tiny runs only
+]
+QUIET_LOG_PREFIXES = ("💡 Tip:",)  # Lightning's advertisements for its cloud products
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIET_LOG_PREFIXES)
+
+
+def setup_logging() -> None:
+    """Route every line through the root logger that Hydra configured (console + <run>/train.log), once.
+
+    Lightning, `datasets` and `huggingface_hub` attach console handlers of their own when they are
+    imported, so their lines never reached the run's log file, or reached the console twice (e.g.
+    the Hub's retry lines); warnings went to stderr only. Ranks other than 0 log warnings and
+    errors only, so that every line of a multi-GPU run appears once.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers
+        handler.addFilter(_DropTips())
+    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> console and file
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    if rank_zero_only.rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def duration(seconds: float) -> str:
+    return str(timedelta(seconds=int(seconds)))
+
+
+class ProgressLog(L.Callback):
+    """A line every `every` updates and after each validation, readable in a file or a cluster log:
+    update/max, mean loss since the last line, learning rate, target tokens/s, elapsed and ETA."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.start = self.since = time.monotonic()
+        self.first_step = self.since_step = trainer.global_step
+        self.loss_sum, self.batches, self.tokens = 0.0, 0, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        # outputs["loss"] is divided by the accumulation factor; tokens are counted without padding.
+        self.loss_sum += float(outputs["loss"]) * trainer.accumulate_grad_batches
+        self.batches += 1
+        self.tokens += int(batch["tgt_out"].ne(PAD_ID).sum())
+        step = trainer.global_step
+        if self.every and step != self.since_step and step % self.every == 0:
+            self.report(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit" and trainer.global_step != self.since_step:
+            self.report(trainer)
+
+    @rank_zero_only
+    def report(self, trainer: L.Trainer) -> None:
+        now, step = time.monotonic(), trainer.global_step
+        elapsed, rate = now - self.start, (step - self.first_step) / max(now - self.start, 1e-9)
+        parts = [f"update {step:,}" + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")]
+        if self.batches:
+            parts.append(f"loss {self.loss_sum / self.batches:.3f}")
+        parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
+        parts.append(f"{self.tokens / max(now - self.since, 1e-9):,.0f} target tok/s")
+        parts.append(f"elapsed {duration(elapsed)}")
+        eta = eta_seconds(trainer, step, rate)
+        if eta is not None:
+            parts.append(f"ETA {duration(eta)}")
+        log.info(" | ".join(parts))
+        self.since, self.since_step, self.loss_sum, self.batches, self.tokens = now, step, 0.0, 0, 0
+
+
+def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> float | None:
+    """Time left until max_steps at the rate so far, or until trainer.max_time if that comes first."""
+    candidates = []
+    if trainer.max_steps > 0 and updates_per_second > 0:
+        candidates.append((trainer.max_steps - step) / updates_per_second)
+    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
+    if timer is not None and timer.time_remaining() is not None:
+        candidates.append(timer.time_remaining())
+    return min(candidates) if candidates else None
+
+
+class UpdateProgressBar(TQDMProgressBar):
+    """One bar over the whole run, counted in optimizer updates (max_steps), not one per epoch.
+
+    Only on a terminal: written to a file, a bar is noise; ProgressLog's lines say the same there.
+    """
+
+    def __init__(self):
+        super().__init__()
+        if not sys.stdout.isatty():
+            self.disable()
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_train_start(trainer, module)
+        bar = self.train_progress_bar
+        bar.total = trainer.max_steps if trainer.max_steps > 0 else None
+        bar.n = bar.initial = trainer.global_step  # a resumed run starts where it stopped
+        bar.unit = "update"
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
+        self.train_progress_bar.set_description(f"training (epoch {trainer.current_epoch})")
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self._should_update(trainer.global_step, self.train_progress_bar.total or 0):
+            self.train_progress_bar.n = trainer.global_step
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        pass  # the bar spans epochs
+
+    def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict:
+        metrics = super().get_metrics(trainer, module)
+        metrics.pop("v_num", None)
+        return {k.removeprefix("train/").replace("tgt_tok_per_s", "tok/s"): v for k, v in metrics.items()}
+
+
+def shown(path: Path) -> str:
+    """A path relative to the working directory when it is below it (what a user types)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[str, float] | None) -> str:
+    """The end of a run: where its checkpoints are and the commands that use them."""
+    periodic = sorted(p.name for p in checkpoint_dir.glob("*step*.ckpt"))
+    lines = [f"checkpoints in {shown(checkpoint_dir)}: last.ckpt"
+             + (f", best.ckpt ({best[0]} {best[1]:.2f})" if best else "")
+             + (f", {len(periodic)} periodic ({periodic[0]} ... {periodic[-1]})" if periodic else "")]
+    if periodic:
+        n = min(keep_last, len(periodic))
+        model = checkpoint_dir / f"average-last{n}.ckpt"
+        lines.append(f"  make average RUN={shown(run_dir)} N={n}")
+    else:
+        model = checkpoint_dir / ("best.ckpt" if best else "last.ckpt")
+    lines.append(f"  make evaluate CKPT={shown(model)}")
+    lines.append(f"  echo \"A sentence to translate.\" | make translate CKPT={shown(model)}")
+    return "\n".join(lines)
