@@ -8,10 +8,11 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 
-.PHONY: help install test test-full clean
+.PHONY: help install test test-full lint format clean
 
 help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
 install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev]
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,15 +26,23 @@ test:  ## Run the fast test suite (tests not marked slow)
 test-full:  ## Run every test, the slow ones too
 	$(PYTEST)
 
-clean:  ## Remove caches and outputs (keeps .venv)
-	rm -rf .pytest_cache outputs multirun
+lint:  ## Check formatting and lint rules with ruff (line length 120, rules in pyproject.toml)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format:  ## Reformat the code and apply ruff's safe fixes
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:  ## Remove Python and test caches; trained models in outputs/ and multirun/ are kept
+	rm -rf .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -not -path './$(VENV)/*' -exec rm -rf {} +
 
 CONFIG ?= multi30k
 ARGS   ?=
 
 .PHONY: train
-train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."]
+train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."]; CONFIG defaults to multi30k
 	$(PY) -m transformer_mt.train $(ARGS) experiment=$(CONFIG)  # ARGS first: Hydra flags such as -m precede overrides
 
 CKPT ?=
@@ -43,13 +52,18 @@ RUN  ?=
 N    ?= 5
 
 .PHONY: evaluate translate average
+need = $(if $($(1)),,$(error $(1) is required: $(2)))
+
 evaluate:  ## Score a checkpoint: make evaluate CKPT=... [SRC=... REF=...] [ARGS=...]
+	$(call need,CKPT,make evaluate CKPT=outputs/<date>/<time>/checkpoints/last.ckpt)
 	$(PY) -m transformer_mt.evaluate ckpt=$(CKPT) $(if $(SRC),src=$(SRC)) $(if $(REF),ref=$(REF)) $(ARGS)
 
 translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.de
+	$(call need,CKPT,make translate CKPT=outputs/<date>/<time>/checkpoints/last.ckpt < in.en > out.de)
 	@$(PY) -m transformer_mt.translate ckpt=$(CKPT) $(ARGS)
 
 average:  ## Average the last N checkpoints of a run: make average RUN=outputs/... N=5
+	$(call need,RUN,make average RUN=outputs/<date>/<time> N=5)
 	$(PY) -m transformer_mt.averaging $(RUN) -n $(N)
 
 .PHONY: bench

@@ -18,11 +18,11 @@ import time
 import torch
 from omegaconf import OmegaConf
 
+from transformer_mt.config import CONF_DIR
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.module import label_smoothed_nll
 from transformer_mt.search import beam_search, greedy, pad_sources
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer_mt.config import CONF_DIR
 
 
 class TorchPeer(torch.nn.Module):
@@ -32,14 +32,23 @@ class TorchPeer(torch.nn.Module):
         super().__init__()
         cfg = ours.cfg
         self.embed = ours.embed
-        self.stack = torch.nn.Transformer(cfg.d_model, cfg.n_heads, cfg.n_encoder_layers, cfg.n_decoder_layers,
-                                          cfg.d_ff, cfg.dropout, batch_first=True, norm_first=False)
+        self.stack = torch.nn.Transformer(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_encoder_layers,
+            cfg.n_decoder_layers,
+            cfg.d_ff,
+            cfg.dropout,
+            batch_first=True,
+            norm_first=False,
+        )
 
     def features(self, src, tgt_in):
         causal = torch.ones(tgt_in.size(1), tgt_in.size(1), dtype=torch.bool, device=src.device).triu(1)
         pad = src.eq(PAD_ID)
-        return self.stack(self.embed(src), self.embed(tgt_in), tgt_mask=causal, src_key_padding_mask=pad,
-                          memory_key_padding_mask=pad)
+        return self.stack(
+            self.embed(src), self.embed(tgt_in), tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad
+        )
 
     def project(self, h):
         return h @ self.embed.tokens.weight.T
@@ -57,7 +66,9 @@ def synthetic_batch(batch: int, length: int, vocab: int, device, seed: int = 0):
     rows = [torch.randint(4, vocab, (int(n),), generator=g).tolist() for n in lengths]
     src = pad_sources(rows, device)
     tgt_out = pad_sources(rows, device)  # ids + EOS
-    tgt_in = torch.cat([torch.full_like(tgt_out[:, :1], BOS_ID), tgt_out[:, :-1]], 1).masked_fill(tgt_out.eq(PAD_ID), PAD_ID)
+    tgt_in = torch.cat([torch.full_like(tgt_out[:, :1], BOS_ID), tgt_out[:, :-1]], 1).masked_fill(
+        tgt_out.eq(PAD_ID), PAD_ID
+    )
     return src, tgt_in, tgt_out
 
 
@@ -123,9 +134,11 @@ def main() -> None:
     ours = Transformer(TransformerConfig(vocab_size=args.vocab, **preset)).to(device)
     peer = TorchPeer(Transformer(TransformerConfig(vocab_size=args.vocab, **preset))).to(device)
     batch = synthetic_batch(args.batch, args.length, args.vocab, device)
-    print(f"model {args.model} ({sum(p.numel() for p in ours.parameters()):,} parameters), vocab {args.vocab}, "
-          f"{args.batch} sentences of <= {args.length} tokens, {args.precision}, {device}, "
-          f"{torch.get_num_threads()} threads; medians of {args.steps - 2} steps")
+    print(
+        f"model {args.model} ({sum(p.numel() for p in ours.parameters()):,} parameters), vocab {args.vocab}, "
+        f"{args.batch} sentences of <= {args.length} tokens, {args.precision}, {device}, "
+        f"{torch.get_num_threads()} threads; medians of {args.steps - 2} steps"
+    )
     for name, model in [("transformer_mt", ours), ("torch.nn.Transformer", peer)]:
         model.train()
         print(f"train  {name:22s} {train_speed(model, batch, args.steps, dtype, device):9,.0f} target tokens/s")
@@ -140,7 +153,9 @@ def main() -> None:
         ]
         for name, fn in runs:
             print(f"decode {name:22s} {decode_speed(fn, 3, src.size(0), device):9,.1f} sentences/s")
-    print(f"peak memory {peak_memory_mb(device):,.0f} MiB ({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")
+    print(
+        f"peak memory {peak_memory_mb(device):,.0f} MiB ({'GPU allocated' if device.type == 'cuda' else 'process RSS'})"
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ def main(cfg: DictConfig) -> None:
     sizes = ", ".join(f"{split} {len(first.splits[split]):,}" for split in SPLITS)
     print(f"data: {cfg.data.name} ({sizes} pairs), vocabulary {len(first.tokenizer):,}")
     if was_cached:
-        print(f"tokenization: cold not measured (cache already present under {first.cache_dir}; "
-              f"set data.cache_dir to an empty directory to time it), cached {cached_s:.2f} s")
+        print(
+            f"tokenization: cold not measured (cache already present under {first.cache_dir}; "
+            f"set data.cache_dir to an empty directory to time it), cached {cached_s:.2f} s"
+        )
     else:
         print(f"tokenization: cold {first_s:.2f} s (SentencePiece + ids, cache written), cached {cached_s:.2f} s")
     sampler = first.sampler("train", shuffle=True)
@@ -41,9 +43,11 @@ def main(cfg: DictConfig) -> None:
     accumulation = first.accumulation(world)
     print(f"max_tokens: {first.max_tokens} per side; train batches per epoch: {len(sampler):,}")
     print(f"padding efficiency: {padding_efficiency(sampler):.3f}")
-    print(f"accumulation: {accumulation} batches x {first.max_tokens} tokens x {world} device(s) "
-          f"= {accumulation * first.max_tokens * world:,} padded tokens per side per update "
-          f"(target {cfg.data.tokens_per_update})")
+    print(
+        f"accumulation: {accumulation} batches x {first.max_tokens} tokens x {world} device(s) "
+        f"= {accumulation * first.max_tokens * world:,} padded tokens per side per update "
+        f"(target {cfg.data.tokens_per_update})"
+    )
 
 
 if __name__ == "__main__":

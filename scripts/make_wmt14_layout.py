@@ -34,7 +34,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     for split in ("train", "validation", "test"):
-        parser.add_argument(f"--{split}", required=True, help=f"prefix of the {split} files ({{prefix}}.en, {{prefix}}.de)")
+        parser.add_argument(
+            f"--{split}", required=True, help=f"prefix of the {split} files ({{prefix}}.en, {{prefix}}.de)"
+        )
     parser.add_argument("--langs", nargs=2, default=["en", "de"])
     parser.add_argument("--config", default="de-en", help="subdirectory, as the Hub's config name")
     parser.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")

@@ -16,8 +16,17 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 def tiny_config(**overrides) -> TransformerConfig:
     """2+3 layers, d=16: big enough to exercise every code path, small enough for CPU tests."""
-    values = dict(vocab_size=23, d_model=16, d_ff=32, n_heads=4, n_encoder_layers=2,
-                  n_decoder_layers=3, dropout=0.1, max_positions=64, pad_id=0)
+    values = dict(
+        vocab_size=23,
+        d_model=16,
+        d_ff=32,
+        n_heads=4,
+        n_encoder_layers=2,
+        n_decoder_layers=3,
+        dropout=0.1,
+        max_positions=64,
+        pad_id=0,
+    )
     values.update(overrides)
     return TransformerConfig(**values)
 
@@ -52,8 +61,20 @@ def write_pair(directory: Path, prefix: str, src: list[str], tgt: list[str]) -> 
 def synthetic_corpus(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     """Made-up aligned sentences of varying length (German side a word-for-word 'translation')."""
     rng = random.Random(seed)
-    words = {"the": "die", "cat": "Katze", "dog": "Hund", "sees": "sieht", "a": "eine", "small": "kleine",
-             "house": "Haus", "red": "rote", "runs": "läuft", "and": "und", "big": "große", "tree": "Baum"}
+    words = {
+        "the": "die",
+        "cat": "Katze",
+        "dog": "Hund",
+        "sees": "sieht",
+        "a": "eine",
+        "small": "kleine",
+        "house": "Haus",
+        "red": "rote",
+        "runs": "läuft",
+        "and": "und",
+        "big": "große",
+        "tree": "Baum",
+    }
     en, de = [], []
     for _ in range(n):
         chosen = [rng.choice(list(words)) for _ in range(rng.randint(1, 20))]
@@ -77,14 +98,32 @@ def corpus(tmp_path) -> Path:
 
 
 # A tiny model on the synthetic corpus: every code path of a real run in a few seconds.
-TINY_MODEL = ["model.d_model=32", "model.d_ff=64", "model.n_heads=4", "model.n_encoder_layers=2",
-              "model.n_decoder_layers=2", "model.max_positions=64"]
-TINY_RUN = ["data=text", "trainer=cpu", "logger=csv", "data.vocab_size=400", "data.max_tokens=300",
-            "trainer.val_check_interval=4", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
-            "val_bleu_sentences=8", "optim.warmup_steps=4", *TINY_MODEL]
+TINY_MODEL = [
+    "model.d_model=32",
+    "model.d_ff=64",
+    "model.n_heads=4",
+    "model.n_encoder_layers=2",
+    "model.n_decoder_layers=2",
+    "model.max_positions=64",
+]
+TINY_RUN = [
+    "data=text",
+    "trainer=cpu",
+    "logger=csv",
+    "data.vocab_size=400",
+    "data.max_tokens=300",
+    "trainer.val_check_interval=4",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_progress_bar=false",
+    "val_bleu_sentences=8",
+    "optim.warmup_steps=4",
+    *TINY_MODEL,
+]
 
 
-def run_train(args: list[str], tmp_path: Path, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    args: list[str], tmp_path: Path, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     """`python -m transformer_mt.train` with TINY_RUN and `args` (Hydra flags such as -m first), as a user runs it.
 
     A key given in `args` replaces TINY_RUN's (e.g. data=multi30k instead of data=text).
@@ -93,10 +132,23 @@ def run_train(args: list[str], tmp_path: Path, env: dict | None = None, check: b
     overrides = [a for a in args if not a.startswith("-")]
     given = {a.split("=")[0] for a in overrides}
     defaults = [a for a in TINY_RUN if a.split("=")[0] not in given]
-    cmd = [sys.executable, "-m", "transformer_mt.train", *flags, *defaults, f"data.cache_dir={tmp_path / 'cache'}",
-           *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformer_mt.train",
+        *flags,
+        *defaults,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import datasets
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -21,8 +22,15 @@ def text_datamodule(tmp_path, n_train=400, **overrides) -> TranslationDataModule
     corpus = tmp_path / "corpus"
     if not corpus.exists():  # written once per test; later modules reuse (or see edits to) it
         write_corpus(corpus, n_train)
-    args = dict(name="synthetic", path=str(corpus), text_files=TEXT_FILES, vocab_size=400, max_len=64,
-                max_tokens=256, cache_dir=str(tmp_path / "cache"))
+    args = dict(
+        name="synthetic",
+        path=str(corpus),
+        text_files=TEXT_FILES,
+        vocab_size=400,
+        max_len=64,
+        max_tokens=256,
+        cache_dir=str(tmp_path / "cache"),
+    )
     args.update(overrides)
     return TranslationDataModule(**args)
 
@@ -49,7 +57,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
-    (tmp_path / "bad.de").write_bytes("gut\nauch gut\n".encode() + b"schlecht \xe4\n")
+    (tmp_path / "bad.de").write_bytes(b"gut\nauch gut\n" + b"schlecht \xe4\n")
     with pytest.raises(ValueError, match=r"bad\.de, line 3: invalid UTF-8"):
         read_lines(tmp_path / "bad.de")
 
@@ -251,7 +259,9 @@ def test_local_copies_in_the_hubs_layouts(tmp_path, layout):
     rows = {split: hub_rows(40 + i) for i, split in enumerate(["train", "validation", "test"])}
     root = tmp_path / "copy"
     if layout == "save_to_disk":
-        datasets.DatasetDict({s: datasets.Dataset.from_dict({"translation": r}) for s, r in rows.items()}).save_to_disk(str(root))
+        datasets.DatasetDict({s: datasets.Dataset.from_dict({"translation": r}) for s, r in rows.items()}).save_to_disk(
+            str(root)
+        )
     for split, r in rows.items():
         ds = datasets.Dataset.from_dict({"translation": r})
         if layout == "parquet":
@@ -263,7 +273,8 @@ def test_local_copies_in_the_hubs_layouts(tmp_path, layout):
         elif layout == "flat_columns":  # Multi30k's Hub schema: one column per language
             root.mkdir(exist_ok=True)
             datasets.Dataset.from_dict({"en": [x["en"] for x in r], "de": [x["de"] for x in r]}).to_parquet(
-                str(root / f"{split}-00000-of-00001.parquet"))
+                str(root / f"{split}-00000-of-00001.parquet")
+            )
     corpus = Corpus("wmt14", path=str(root), hub_name="wmt14", hub_config="de-en")
     for split, r in rows.items():
         src, tgt = corpus.load(split).pairs()
@@ -295,13 +306,33 @@ def test_hub_path_calls_datasets_load_dataset(monkeypatch):
 def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     script = ROOT / "scripts" / "make_wmt14_layout.py"
     wmt = SHARED_DATA / "wmt14"
-    subprocess.run([sys.executable, str(script), "--out", str(tmp_path / "wmt14"),
-                    "--train", str(wmt / "train-sample" / "news2008-2012"),
-                    "--validation", str(wmt / "newstest2013"), "--test", str(wmt / "newstest2014")],
-                   check=True, capture_output=True)
-    dm = TranslationDataModule("wmt14", path=str(tmp_path / "wmt14"), hub_name="wmt14", hub_config="de-en",
-                               vocab_size=4000, max_len=250, max_len_ratio=1.5, max_tokens=4096,
-                               cache_dir=str(tmp_path / "cache"))
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--out",
+            str(tmp_path / "wmt14"),
+            "--train",
+            str(wmt / "train-sample" / "news2008-2012"),
+            "--validation",
+            str(wmt / "newstest2013"),
+            "--test",
+            str(wmt / "newstest2014"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    dm = TranslationDataModule(
+        "wmt14",
+        path=str(tmp_path / "wmt14"),
+        hub_name="wmt14",
+        hub_config="de-en",
+        vocab_size=4000,
+        max_len=250,
+        max_len_ratio=1.5,
+        max_tokens=4096,
+        cache_dir=str(tmp_path / "cache"),
+    )
     dm.build()
     assert len(dm.tokenizer) == 4000
     # newstest2013 / newstest2014, whole: length filters apply to training pairs only
@@ -319,19 +350,25 @@ def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
 @pytest.mark.real_data
 def test_data_stats_on_multi30k_reports_padding_efficiency_above_90_percent(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "data_stats.py"), "data=multi30k",
-         f"data.path={SHARED_DATA / 'multi30k'}", "data.max_tokens=4096", f"data.cache_dir={tmp_path}",
-         f"hydra.run.dir={tmp_path / 'hydra'}"],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "data_stats.py"),
+            "data=multi30k",
+            f"data.path={SHARED_DATA / 'multi30k'}",
+            "data.max_tokens=4096",
+            f"data.cache_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'hydra'}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
-    line = next(l for l in out.splitlines() if l.startswith("padding efficiency:"))
+    line = next(line for line in out.splitlines() if line.startswith("padding efficiency:"))
     assert float(line.split(":")[1]) >= 0.90, out
     assert "train 29,000" in out and "tokenization: cold" in out and "cached" in out
 
 
 def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
-    import lightning as L
-
     class Count(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -350,8 +387,15 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
 
     dm = text_datamodule(tmp_path)
     module = Count()
-    trainer = L.Trainer(max_epochs=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                        use_distributed_sampler=False, num_sanity_val_steps=0, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_epochs=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+    )
     trainer.fit(module, dm)
     n_train, n_val = len(dm.train_sampler), len(dm.val_dataloader())
     assert module.train_batches == {0: n_train, 1: n_train, 2: n_train}

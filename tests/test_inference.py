@@ -22,8 +22,17 @@ from transformer_mt.search import translate_lines
 def trained_run(tmp_path_factory):
     """A tiny model trained for 12 updates on synthetic text, checkpoints every 3."""
     tmp = tmp_path_factory.mktemp("run")
-    run_train([f"data.path={write_corpus(tmp / 'corpus')}", "data.max_tokens=400", "trainer.max_steps=12",
-               "trainer.val_check_interval=6", "checkpoint.every_n_train_steps=3", f"hydra.run.dir={tmp / 'out'}"], tmp)
+    run_train(
+        [
+            f"data.path={write_corpus(tmp / 'corpus')}",
+            "data.max_tokens=400",
+            "trainer.max_steps=12",
+            "trainer.val_check_interval=6",
+            "checkpoint.every_n_train_steps=3",
+            f"hydra.run.dir={tmp / 'out'}",
+        ],
+        tmp,
+    )
     return tmp
 
 
@@ -46,7 +55,9 @@ def test_averaging_identical_checkpoints_returns_them_unchanged(tmp_path):
 def test_averaging_two_checkpoints_returns_their_mean(tmp_path):
     a = {"model.w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "model.b": torch.tensor([0.0, -2.0])}
     b = {"model.w": torch.tensor([[3.0, 2.0], [1.0, 0.0]]), "model.b": torch.tensor([1.0, 2.0])}
-    averaged = average_checkpoints([fake_checkpoint(tmp_path / "a.ckpt", a, 1), fake_checkpoint(tmp_path / "b.ckpt", b, 2)])
+    averaged = average_checkpoints(
+        [fake_checkpoint(tmp_path / "a.ckpt", a, 1), fake_checkpoint(tmp_path / "b.ckpt", b, 2)]
+    )
     assert averaged["state_dict"]["model.w"].tolist() == [[2.0, 2.0], [2.0, 2.0]]
     assert averaged["state_dict"]["model.b"].tolist() == [0.5, 0.0]
     assert averaged["global_step"] == 2  # metadata of the newest
@@ -67,9 +78,13 @@ def test_averaging_incompatible_checkpoints_is_a_clear_error(tmp_path):
 
 def test_average_of_a_real_run_loads_like_any_checkpoint(trained_run):
     checkpoints = run_checkpoints(trained_run / "out")
-    assert [p.name for p in checkpoints] == [f"step{s:07d}.ckpt" for s in (3, 6, 9, 12)][-len(checkpoints):]
-    proc = subprocess.run([sys.executable, "-m", "transformer_mt.averaging", str(trained_run / "out"), "-n", "3"],
-                          capture_output=True, text=True, check=True)
+    assert [p.name for p in checkpoints] == [f"step{s:07d}.ckpt" for s in (3, 6, 9, 12)][-len(checkpoints) :]
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.averaging", str(trained_run / "out"), "-n", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     out = trained_run / "out" / "checkpoints" / "average-last3.ckpt"
     assert "averaged 3 checkpoints" in proc.stdout and out.exists()
     model, tokenizer, checkpoint = load_for_inference(out)
@@ -93,12 +108,18 @@ def test_scores_equal_sacrebleus_own():
 
 
 def test_tokenized_bleu_splits_compounds_like_get_ende_bleu():
-    assert split_compounds("Rot-Weiß-Blau und E-Mail") == "Rot ##AT##-##AT## Weiß ##AT##-##AT## Blau und E ##AT##-##AT## Mail"
+    assert (
+        split_compounds("Rot-Weiß-Blau und E-Mail")
+        == "Rot ##AT##-##AT## Weiß ##AT##-##AT## Blau und E ##AT##-##AT## Mail"
+    )
     assert split_compounds("a-b-c - x") == "a ##AT##-##AT## b-c - x"  # perl's s///g: matches do not overlap
     # Moses tokens with compounds split, then BLEU on those tokens as they are (multi-bleu):
     hyp, ref = "Das ist die E-Post, heute.", "Das ist die E-Mail, heute."
-    by_hand = sacrebleu.corpus_bleu(["Das ist die E ##AT##-##AT## Post , heute ."],
-                                    [["Das ist die E ##AT##-##AT## Mail , heute ."]], tokenize="none")
+    by_hand = sacrebleu.corpus_bleu(
+        ["Das ist die E ##AT##-##AT## Post , heute ."],
+        [["Das ist die E ##AT##-##AT## Mail , heute ."]],
+        tokenize="none",
+    )
     assert tokenized_bleu([hyp], [ref]) == pytest.approx(by_hand.score)
     # Split compounds give partial credit, one reason the paper's metric reads higher than sacreBLEU.
     assert tokenized_bleu([hyp], [ref]) > sacrebleu.corpus_bleu([hyp], [[ref]]).score
@@ -111,23 +132,40 @@ def test_translate_keeps_order_and_empty_lines_and_warns_on_truncation(trained_r
     ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
     long_line = " ".join(["the red cat"] * 40)  # > 63 tokens: longer than the model's positions
     text = "the cat sees a dog .\n\nthe big tree .\n" + long_line + "\n"
-    proc = subprocess.run([sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
-                          input=text, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
+        input=text,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lines = proc.stdout.split("\n")
     assert len(lines) == 5 and lines[-1] == "" and lines[1] == ""  # 4 lines out, the empty one kept
     assert all(lines[i] for i in (0, 2, 3))
     assert "line 4" in proc.stderr and "truncated" in proc.stderr and "sentences/s" in proc.stderr
     # The same sentence gives the same translation wherever it stands.
-    again = subprocess.run([sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
-                           input="the big tree .\n", capture_output=True, text=True, check=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
+        input="the big tree .\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert again.stdout == lines[2] + "\n"
 
 
 def test_evaluate_files_and_data_test_split(trained_run, tmp_path):
     ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
     corpus = trained_run / "corpus"
-    cmd = [sys.executable, "-m", "transformer_mt.evaluate", f"ckpt={ckpt}", f"src={corpus / 'test.en'}",
-           f"ref={corpus / 'test.de'}", f"hydra.run.dir={tmp_path / 'files'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformer_mt.evaluate",
+        f"ckpt={ckpt}",
+        f"src={corpus / 'test.en'}",
+        f"ref={corpus / 'test.de'}",
+        f"hydra.run.dir={tmp_path / 'files'}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     result = json.loads((tmp_path / "files" / "scores.json").read_text())
     hyps = (tmp_path / "files" / "hypotheses.txt").read_text().split("\n")[:-1]

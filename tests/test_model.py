@@ -10,7 +10,6 @@ from torch import nn
 from conftest import CONF, random_batch, tiny_config
 from transformer_mt.model import Transformer, TransformerConfig, sinusoidal_positions
 
-
 # ---------------------------------------------------------------- oracle: torch.nn.Transformer
 
 
@@ -24,9 +23,15 @@ def reference_transformer(model: Transformer) -> nn.Transformer:
     """torch.nn.Transformer (post-norm, ReLU) holding a copy of our weights."""
     cfg = model.cfg
     ref = nn.Transformer(
-        d_model=cfg.d_model, nhead=cfg.n_heads, num_encoder_layers=cfg.n_encoder_layers,
-        num_decoder_layers=cfg.n_decoder_layers, dim_feedforward=cfg.d_ff, dropout=cfg.dropout,
-        activation="relu", batch_first=True, norm_first=False,
+        d_model=cfg.d_model,
+        nhead=cfg.n_heads,
+        num_encoder_layers=cfg.n_encoder_layers,
+        num_decoder_layers=cfg.n_decoder_layers,
+        dim_feedforward=cfg.d_ff,
+        dropout=cfg.dropout,
+        activation="relu",
+        batch_first=True,
+        norm_first=False,
     )
     # nn.Transformer adds a final LayerNorm after each stack, which the paper does not have,
     # and its nested-tensor fast path zeroes padded encoder rows: switch both off.
@@ -69,11 +74,11 @@ def test_matches_torch_nn_transformer_with_copied_weights():
         memory, _ = model.encode(src)
         logits = model(src, tgt)
         ref_memory = ref.encoder(model.embed(src), src_key_padding_mask=src_pad)
-        ref_hidden = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal,
-                                 tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        ref_hidden = ref.decoder(
+            model.embed(tgt), ref_memory, tgt_mask=causal, tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad
+        )
         ref_logits = ref_hidden @ model.embed.tokens.weight.T
-        ref_hidden_nopad = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal,
-                                       memory_key_padding_mask=src_pad)
+        ref_hidden_nopad = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal, memory_key_padding_mask=src_pad)
         ref_logits_nopad = ref_hidden_nopad @ model.embed.tokens.weight.T
 
     assert memory.shape == (3, 7, 16) and logits.shape == (3, 9, 23)

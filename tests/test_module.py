@@ -23,9 +23,13 @@ def test_loss_equals_torch_cross_entropy_with_label_smoothing():
     target[2, 1:] = 0
     for eps in [0.0, 0.1, 0.3]:
         loss, nll, n = label_smoothed_nll(logits, target, eps, pad_id=0)
-        ref = F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, label_smoothing=eps, reduction="sum")
+        ref = F.cross_entropy(
+            logits.view(-1, 11), target.view(-1), ignore_index=0, label_smoothing=eps, reduction="sum"
+        )
         torch.testing.assert_close(loss, ref)
-        torch.testing.assert_close(nll, F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum"))
+        torch.testing.assert_close(
+            nll, F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum")
+        )
         assert n.item() == 3 + 5 + 1
 
 
@@ -38,8 +42,10 @@ def test_loss_with_zero_smoothing_is_the_nll():
 
 
 def test_padded_batch_equals_the_sum_of_its_items():
-    items = [(random_logits((n, 9), seed=n), torch.randint(1, 9, (n,), generator=torch.Generator().manual_seed(n)))
-             for n in (2, 5, 3)]
+    items = [
+        (random_logits((n, 9), seed=n), torch.randint(1, 9, (n,), generator=torch.Generator().manual_seed(n)))
+        for n in (2, 5, 3)
+    ]
     logits = torch.full((3, 5, 9), 7.0)  # whatever stands at padded positions must not count
     target = torch.zeros(3, 5, dtype=torch.long)
     for row, (lg, tg) in enumerate(items):
@@ -79,15 +85,27 @@ class RecordLR(L.Callback):
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation):
     torch.manual_seed(0)
-    module = TranslationModule(dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1,
-                                    n_decoder_layers=1), warmup_steps=3, lr_factor=1.0, val_bleu_sentences=0)
+    module = TranslationModule(
+        dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1),
+        warmup_steps=3,
+        lr_factor=1.0,
+        val_bleu_sentences=0,
+    )
     lengths = torch.randint(1, 8, (200,), generator=torch.Generator().manual_seed(0)).numpy()
     pairs = [(torch.randint(4, 20, (n,)).numpy(), torch.randint(4, 20, (n,)).numpy(), i) for i, n in enumerate(lengths)]
     loader = DataLoader(pairs, batch_sampler=TokenBucketSampler(lengths, lengths, max_tokens=40), collate_fn=collate)
     record = RecordLR()
-    trainer = L.Trainer(max_steps=6, accumulate_grad_batches=accumulation, callbacks=[record], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="cpu", use_distributed_sampler=False)
+    trainer = L.Trainer(
+        max_steps=6,
+        accumulate_grad_batches=accumulation,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        use_distributed_sampler=False,
+    )
     trainer.fit(module, loader)
     assert trainer.global_step == 6 and record.steps == list(range(6))  # 6 updates ...
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6 * accumulation  # ... of N batches

@@ -1,6 +1,7 @@
 """Hydra configs and the training entry point, run as a user runs them (subprocesses)."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import CONF, SHARED_DATA, run_train
+from conftest import CONF, ROOT, SHARED_DATA, run_train
 from transformer_mt.data import TranslationDataModule
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.train import make_callbacks, trainer_arguments
@@ -58,8 +59,9 @@ def test_unknown_config_keys_are_rejected(tmp_path):
 
 def test_base_and_big_carry_the_papers_values(tmp_path):
     base = compose_train(["experiment=base"], tmp_path)
-    assert dict(base.model) == dict(d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6,
-                                    dropout=0.1, max_positions=1024)
+    assert dict(base.model) == dict(
+        d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, dropout=0.1, max_positions=1024
+    )
     assert base.label_smoothing == 0.1
     assert dict(base.optim) == dict(lr_factor=1.0, warmup_steps=4000, betas=[0.9, 0.98], eps=1e-9)
     assert base.trainer.max_steps == 100_000 and base.data.tokens_per_update == 25_000
@@ -79,11 +81,23 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-NOISE = ["LeafSpec", "weights_only", "Tip:", "exists and is not empty", "Saving the dataset", "not supported by the model summary"]
+NOISE = [
+    "LeafSpec",
+    "weights_only",
+    "Tip:",
+    "exists and is not empty",
+    "Saving the dataset",
+    "not supported by the model summary",
+]
 
 
 def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tmp_path):
-    common = [f"data.path={corpus}", "model.dropout=0.0", "checkpoint.every_n_train_steps=3", "progress_every_n_updates=3"]
+    common = [
+        f"data.path={corpus}",
+        "model.dropout=0.0",
+        "checkpoint.every_n_train_steps=3",
+        "progress_every_n_updates=3",
+    ]
     proc = run_train([*common, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'full'}"], tmp_path)
     run = tmp_path / "full"
     ckpts = run / "checkpoints"
@@ -98,22 +112,35 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     assert best["global_step"] in (4, 8) and scores
 
     # The run log: every line once, Lightning's included; each data split once; a progress line; what to do next.
-    log_lines = (run / "train.log").read_text().splitlines()
+    lines = (run / "train.log").read_text().splitlines()
     console = proc.stdout.splitlines()
-    assert [l for l in log_lines if "][" in l] == [l for l in console if "][" in l]  # the console shows the same lines
+    assert [line for line in lines if "][" in line] == [
+        line for line in console if "][" in line
+    ]  # the console shows the same lines
     for split in ("train", "validation", "test"):
-        assert sum(f"text {split}: " in l for l in log_lines) == 1, split
-    assert len(log_lines) == len(set(log_lines))
-    assert any("update 3/8 (38%) | loss " in l and "target tok/s | elapsed" in l and "ETA" in l for l in log_lines)
-    assert any("validation at update 8: loss" in l and "greedy sacreBLEU" in l and "chrF" in l for l in log_lines)
-    assert any("`Trainer.fit` stopped" in l for l in log_lines)  # Lightning's lines reach the file
+        assert sum(f"text {split}: " in line for line in lines) == 1, split
+    assert len(lines) == len(set(lines))
+    assert any(
+        "update 3/8 (38%) | loss " in line and "target tok/s | elapsed" in line and "ETA" in line for line in lines
+    )
+    assert any(
+        "validation at update 8: loss" in line and "greedy sacreBLEU" in line and "chrF" in line for line in lines
+    )
+    assert any("`Trainer.fit` stopped" in line for line in lines)  # Lightning's lines reach the file
     # paths relative to the working directory (run_train's is tmp_path), as a user types them
     assert "make average RUN=full N=2\n  make evaluate CKPT=full/checkpoints/average-last2.ckpt" in proc.stdout
     for noise in NOISE:
         assert noise not in proc.stdout + proc.stderr, noise
 
-    run_train([*common, "trainer.max_steps=8", f"ckpt_path={ckpts / 'step0000003.ckpt'}",
-               f"hydra.run.dir={tmp_path / 'resumed'}"], tmp_path)
+    run_train(
+        [
+            *common,
+            "trainer.max_steps=8",
+            f"ckpt_path={ckpts / 'step0000003.ckpt'}",
+            f"hydra.run.dir={tmp_path / 'resumed'}",
+        ],
+        tmp_path,
+    )
     full, resumed = load(ckpts / "last.ckpt"), load(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
     assert full["global_step"] == resumed["global_step"] == 8
     # Same weights and optimizer moments: the resumed run saw the same batches in the same order.
@@ -125,8 +152,17 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
 def test_early_stopping_on_the_best_checkpoints_metric(corpus, tmp_path):
     # "The highest validation loss" stops improving after the first validation: patience 1 ends the run
     # at the second validation (update 8 of 40), and best.ckpt stays the one of update 4.
-    run_train([f"data.path={corpus}", "trainer.max_steps=40", "checkpoint.best_monitor=val/loss",
-               "checkpoint.best_mode=max", "early_stopping_patience=1", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    run_train(
+        [
+            f"data.path={corpus}",
+            "trainer.max_steps=40",
+            "checkpoint.best_monitor=val/loss",
+            "checkpoint.best_mode=max",
+            "early_stopping_patience=1",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        tmp_path,
+    )
     ckpts = tmp_path / "run" / "checkpoints"
     assert load(ckpts / "last.ckpt")["global_step"] == 8
     assert load(ckpts / "best.ckpt")["global_step"] == 4
@@ -136,15 +172,24 @@ def test_settings_that_would_fail_late_are_refused_first(corpus, tmp_path):
     proc = run_train([f"data.path={corpus}", "val_bleu_sentences=0"], tmp_path, check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         "error: checkpoint.best_monitor=val/bleu needs val_bleu_sentences > 0; or set "
-        "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"]
+        "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
+    ]
     assert not (tmp_path / "outputs").exists()  # nothing left behind
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["experiment=base", "data=wmt14", "data.path=/nonexistent/wmt14"], "error: data 'wmt14': data.path=/nonexistent/wmt14 does not exist"),
-    (["experiment=base", "trainer=gpu", "data.path={corpus}", "trainer.max_steps=2"],
-     "error: trainer.accelerator=gpu needs a CUDA GPU"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["experiment=base", "data=wmt14", "data.path=/nonexistent/wmt14"],
+            "error: data 'wmt14': data.path=/nonexistent/wmt14 does not exist",
+        ),
+        (
+            ["experiment=base", "trainer=gpu", "data.path={corpus}", "trainer.max_steps=2"],
+            "error: trainer.accelerator=gpu needs a CUDA GPU",
+        ),
+    ],
+)
 def test_main_job_failures_end_in_one_line_that_says_what_to_do(args, expected, corpus, tmp_path):
     if "gpu" in expected and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -156,8 +201,12 @@ def test_main_job_failures_end_in_one_line_that_says_what_to_do(args, expected, 
 
 
 def test_hub_failure_says_how_to_work_offline(tmp_path):
-    proc = run_train(["experiment=multi30k", "data=multi30k", "trainer.max_steps=1"], tmp_path, check=False,
-                     env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    proc = run_train(
+        ["experiment=multi30k", "data=multi30k", "trainer.max_steps=1"],
+        tmp_path,
+        check=False,
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and lines[-1].startswith("error: data 'multi30k': could not load bentrevett/multi30k")
     assert "data.path=" in lines[-1] and "make_wmt14_layout.py" in lines[-1]
@@ -166,8 +215,18 @@ def test_hub_failure_says_how_to_work_offline(tmp_path):
 def test_sweep_jobs_each_get_their_own_wandb_run_in_one_group(corpus, tmp_path):
     sweep = tmp_path / "sweep"
     env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
-    proc = run_train(["-m", f"data.path={corpus}", "logger=wandb", "model.dropout=0.1,0.3", "trainer.max_steps=2",
-                      f"hydra.sweep.dir={sweep}"], tmp_path, env=env)
+    proc = run_train(
+        [
+            "-m",
+            f"data.path={corpus}",
+            "logger=wandb",
+            "model.dropout=0.1,0.3",
+            "trainer.max_steps=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+        env=env,
+    )
     assert (proc.stdout + proc.stderr).count("logging offline") == 2  # once per job
     runs = [list((sweep / job / "wandb").glob("offline-run-*")) for job in ("0", "1")]
     assert [len(r) for r in runs] == [1, 1] and runs[0][0].name != runs[1][0].name
@@ -178,8 +237,16 @@ def test_sweep_jobs_each_get_their_own_wandb_run_in_one_group(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_two_process_ddp_on_cpu_logs_each_line_once(corpus, tmp_path):
-    proc = run_train([f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", "trainer.max_steps=3",
-                      f"hydra.run.dir={tmp_path / 'ddp'}"], tmp_path)
+    proc = run_train(
+        [
+            f"data.path={corpus}",
+            "trainer.strategy=ddp",
+            "trainer.devices=2",
+            "trainer.max_steps=3",
+            f"hydra.run.dir={tmp_path / 'ddp'}",
+        ],
+        tmp_path,
+    )
     assert "x 2 device(s)" in proc.stdout
     assert load(tmp_path / "ddp" / "checkpoints" / "last.ckpt")["global_step"] == 3
     for split in ("train", "validation", "test"):  # rank 1 builds the data too, silently
@@ -189,8 +256,18 @@ def test_two_process_ddp_on_cpu_logs_each_line_once(corpus, tmp_path):
 @pytest.mark.slow
 def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_train(["-m", f"data.path={corpus}", "model.dropout=0.1,0.3", "trainer.max_steps=2",
-                      "trainer.strategy=ddp", "trainer.devices=2", f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = run_train(
+        [
+            "-m",
+            f"data.path={corpus}",
+            "model.dropout=0.1,0.3",
+            "trainer.max_steps=2",
+            "trainer.strategy=ddp",
+            "trainer.devices=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert [j.name for j in jobs] == ["0", "1"]  # no re-launched sweeps, no extra directories
     dropouts = [load(j / "checkpoints" / "last.ckpt")["hyper_parameters"]["model"]["dropout"] for j in jobs]
@@ -201,8 +278,16 @@ def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_
 @pytest.mark.slow
 def test_optuna_search_maximises_validation_bleu(corpus, tmp_path):
     sweep = tmp_path / "optuna"
-    proc = run_train([f"data.path={corpus}", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer.max_steps=4",
-                      f"hydra.sweep.dir={sweep}"], tmp_path)
+    proc = run_train(
+        [
+            f"data.path={corpus}",
+            "hparams_search=optuna",
+            "hydra.sweeper.n_trials=2",
+            "trainer.max_steps=4",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+    )
     assert "Best value" in proc.stdout + proc.stderr
     results = OmegaConf.load(sweep / "optimization_results.yaml")
     # (optim.warmup_steps is fixed by TINY_RUN's command line, which takes precedence over the search space)
@@ -216,11 +301,62 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     """400 updates of `make train CONFIG=multi30k` (~6 min on 2 cores): validation BLEU must climb."""
     if not (SHARED_DATA / "multi30k").is_dir():
         pytest.skip(f"Multi30k text not found under {SHARED_DATA}")
-    cmd = [sys.executable, "-m", "transformer_mt.train", "experiment=multi30k", f"data.path={SHARED_DATA / 'multi30k'}",
-           "logger=csv", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=400", "trainer.val_check_interval=200",
-           "val_bleu_sentences=300", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformer_mt.train",
+        "experiment=multi30k",
+        f"data.path={SHARED_DATA / 'multi30k'}",
+        "logger=csv",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "trainer.max_steps=400",
+        "trainer.val_check_interval=200",
+        "val_bleu_sentences=300",
+        "trainer.enable_progress_bar=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    bleus = [float(line.rsplit("greedy sacreBLEU ", 1)[1].split(",")[0])
-             for line in proc.stdout.splitlines() if "greedy sacreBLEU" in line]
+    bleus = [
+        float(line.rsplit("greedy sacreBLEU ", 1)[1].split(",")[0])
+        for line in proc.stdout.splitlines()
+        if "greedy sacreBLEU" in line
+    ]
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
+
+
+def test_installed_without_editable_mode_the_entry_points_find_their_configs(tmp_path):
+    """`pip install .` (not -e) copies conf/ into the package; train, evaluate and translate compose from it."""
+    source = tmp_path / "source"  # a copy, so that the build leaves nothing in the checkout
+    shutil.copytree(
+        ROOT / "src", source / "src", symlinks=True, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
+    )
+    shutil.copytree(ROOT / "conf", source / "conf")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(source)]
+    subprocess.run(pip, check=True, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import transformer_mt; print(transformer_mt.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    ).stdout
+    assert where.startswith(str(site)) and not (site / "transformer_mt" / "conf").is_symlink()
+    for module, args, expected in [
+        ("train", ["experiment=base"], "d_model: 512"),
+        ("evaluate", ["ckpt=x.ckpt"], "beam_size: 4"),
+        ("translate", ["ckpt=x.ckpt"], "batch_lines: 10000"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", f"transformer_mt.{module}", "--cfg", "job", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr[-2000:]

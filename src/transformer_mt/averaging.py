@@ -1,6 +1,6 @@
 """Checkpoint averaging (§6.1: the last 5 checkpoints for base, 20 for big).
 
-  python -m transformer_mt.averaging outputs/<run> -n 5     (make average RUN=outputs/<run> N=5)
+python -m transformer_mt.averaging outputs/<run> -n 5     (make average RUN=outputs/<run> N=5)
 """
 
 from __future__ import annotations
@@ -45,12 +45,15 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
             continue
         if state.keys() != total.keys():
             diff = sorted(state.keys() ^ total.keys())[:5]
-            raise ValueError(f"{path} and {first_path} hold different parameters (e.g. {diff}); "
-                             "average checkpoints of one run only")
+            raise ValueError(
+                f"{path} and {first_path} hold different parameters (e.g. {diff}); average checkpoints of one run only"
+            )
         for key, value in state.items():
             if value.shape != total[key].shape:
-                raise ValueError(f"{path}: {key} has shape {tuple(value.shape)}, {first_path} has "
-                                 f"{tuple(total[key].shape)}; average checkpoints of one run only")
+                raise ValueError(
+                    f"{path}: {key} has shape {tuple(value.shape)}, {first_path} has "
+                    f"{tuple(total[key].shape)}; average checkpoints of one run only"
+                )
             if value.is_floating_point():
                 total[key] += value.double()
         reference = checkpoint  # the newest one's metadata

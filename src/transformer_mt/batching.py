@@ -52,8 +52,12 @@ def collate(items: list[tuple[np.ndarray, np.ndarray, int]], references: list[st
         src[row, : len(s)], src[row, len(s)] = s, EOS_ID
         tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS_ID, t
         tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS_ID
-    batch = {"src": torch.from_numpy(src), "tgt_in": torch.from_numpy(tgt_in), "tgt_out": torch.from_numpy(tgt_out),
-             "index": torch.tensor([i for _, _, i in items])}
+    batch = {
+        "src": torch.from_numpy(src),
+        "tgt_in": torch.from_numpy(tgt_in),
+        "tgt_out": torch.from_numpy(tgt_out),
+        "index": torch.tensor([i for _, _, i in items]),
+    }
     if references is not None:
         batch["reference"] = [references[i] for _, _, i in items]
     return batch

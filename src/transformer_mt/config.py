@@ -1,10 +1,5 @@
-"""Where the Hydra configs live: `conf/` of a source checkout, or the copy installed with the package."""
-
-from __future__ import annotations
+"""Where the Hydra configs live: transformer_mt/conf, a link to the checkout's conf/ (a copy once installed)."""
 
 from pathlib import Path
 
-_CHECKOUT = Path(__file__).resolve().parents[2] / "conf"  # src/transformer_mt/config.py -> conf/
-_INSTALLED = Path(__file__).resolve().parent / "conf"  # pip install . puts conf/ inside the package
-
-CONF_DIR = str(_CHECKOUT if (_CHECKOUT / "train.yaml").is_file() else _INSTALLED)
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")

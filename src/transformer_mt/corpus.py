@@ -96,8 +96,9 @@ class Corpus:
         except Exception as e:  # offline, unknown name, changed layout: the fix is the same
             raise MissingInputError(
                 f"data '{self.name}': could not load {self.hub_name} ({self.hub_config}) {split} from the Hugging Face "
-                f"Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, point data.path at a "
-                "local copy: data.path=<directory> (scripts/make_wmt14_layout.py builds the Hub's layout from text files)"
+                f"Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, point data.path "
+                "at a local copy: data.path=<directory> (scripts/make_wmt14_layout.py builds the Hub's layout from "
+                "text files)"
             ) from e
         return ds._fingerprint, ds
 

@@ -93,8 +93,11 @@ class TranslationDataModule(L.LightningDataModule):
 
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
         key = cache_key(
-            data=train.fingerprint, langs=[self.corpus.src_lang, self.corpus.tgt_lang], vocab=self.vocab_size,
-            max_sentences=self.spm_max_sentences, seed=self.seed,
+            data=train.fingerprint,
+            langs=[self.corpus.src_lang, self.corpus.tgt_lang],
+            vocab=self.vocab_size,
+            max_sentences=self.spm_max_sentences,
+            seed=self.seed,
         )
         directory = self.cache_dir / "sentencepiece" / key
         if (directory / "sentencepiece.model").exists():
@@ -107,9 +110,11 @@ class TranslationDataModule(L.LightningDataModule):
         split = raw.split
         filtered = split == "train"  # validation and test sets are kept whole, as published
         key = cache_key(
-            data=raw.fingerprint, tokenizer=hashlib.sha256(self.tokenizer.proto).hexdigest(),
+            data=raw.fingerprint,
+            tokenizer=hashlib.sha256(self.tokenizer.proto).hexdigest(),
             langs=[self.corpus.src_lang, self.corpus.tgt_lang],
-            max_len=self.max_len if filtered else None, ratio=self.max_len_ratio if filtered else None,
+            max_len=self.max_len if filtered else None,
+            ratio=self.max_len_ratio if filtered else None,
         )
         directory = self.cache_dir / "corpus" / f"{self.corpus.name}-{split}-{key}"
         start, cached = time.perf_counter(), directory.exists()
@@ -117,8 +122,16 @@ class TranslationDataModule(L.LightningDataModule):
         tokenized = TokenizedSplit(datasets.load_from_disk(str(directory)))
         how = "loaded from cache" if cached else "tokenized"
         self.timings[split] = (how, time.perf_counter() - start)
-        log.info("%s %s: %s pairs %s in %.2f s%s (%s)", self.corpus.name, split, f"{len(tokenized):,}", how,
-                 self.timings[split][1], dropped, directory)
+        log.info(
+            "%s %s: %s pairs %s in %.2f s%s (%s)",
+            self.corpus.name,
+            split,
+            f"{len(tokenized):,}",
+            how,
+            self.timings[split][1],
+            dropped,
+            directory,
+        )
         return tokenized
 
     def write_tokenized(self, raw: RawSplit, directory: Path, filtered: bool) -> str:
@@ -128,13 +141,19 @@ class TranslationDataModule(L.LightningDataModule):
         src_ids, tgt_ids = [], []
         chunk = 20_000
         # A bar on a terminal only (disable=None); in a log file the split's line says how long it took.
-        for i in tqdm(range(0, len(src), chunk), desc=f"tokenizing {name} {split}", unit="chunk", disable=None, leave=False):
+        for i in tqdm(
+            range(0, len(src), chunk), desc=f"tokenizing {name} {split}", unit="chunk", disable=None, leave=False
+        ):
             src_ids += self.tokenizer.encode(src[i : i + chunk])
             tgt_ids += self.tokenizer.encode(tgt[i : i + chunk])
         drops = {"empty side": n_empty}
         if filtered:
-            rule = length_filter(np.array([len(x) for x in src_ids]), np.array([len(x) for x in tgt_ids]),
-                                 self.max_len, self.max_len_ratio)
+            rule = length_filter(
+                np.array([len(x) for x in src_ids]),
+                np.array([len(x) for x in tgt_ids]),
+                self.max_len,
+                self.max_len_ratio,
+            )
             keep = rule["keep"].tolist()
             src_ids = [x for x, k in zip(src_ids, keep) if k]
             tgt_ids = [x for x, k in zip(tgt_ids, keep) if k]
@@ -149,10 +168,17 @@ class TranslationDataModule(L.LightningDataModule):
         columns = {"src": src_ids, "tgt": tgt_ids}
         if split != "train":  # references for BLEU
             columns.update(src_text=src, tgt_text=tgt)
-        features = datasets.Features({
-            "src": datasets.Sequence(datasets.Value("int32")), "tgt": datasets.Sequence(datasets.Value("int32")),
-            **({"src_text": datasets.Value("string"), "tgt_text": datasets.Value("string")} if split != "train" else {}),
-        })
+        features = datasets.Features(
+            {
+                "src": datasets.Sequence(datasets.Value("int32")),
+                "tgt": datasets.Sequence(datasets.Value("int32")),
+                **(
+                    {"src_text": datasets.Value("string"), "tgt_text": datasets.Value("string")}
+                    if split != "train"
+                    else {}
+                ),
+            }
+        )
         with atomic_write(directory) as tmp, quiet_datasets():  # a crash never leaves a half-written cache
             datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
         return "; dropped " + ", ".join(f"{n:,} ({why})" for why, n in drops.items())
@@ -175,8 +201,13 @@ class TranslationDataModule(L.LightningDataModule):
         data = self.splits[split]
         # Validation and test batches carry their raw references: the module scores BLEU from batches alone.
         collate_fn = collate if split == "train" else partial(collate, references=data.texts("tgt_text"))
-        return DataLoader(data, batch_sampler=sampler, collate_fn=collate_fn,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            data,
+            batch_sampler=sampler,
+            collate_fn=collate_fn,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         self.train_sampler = self.sampler("train", shuffle=True)
@@ -198,10 +229,11 @@ class TranslationDataModule(L.LightningDataModule):
             return {}
         state = self.train_sampler.state_dict()
         if self.trainer is not None:
-            state = {"epoch": self.trainer.current_epoch,
-                     "position": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+            state = {
+                "epoch": self.trainer.current_epoch,
+                "position": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed,
+            }
         return {"train_sampler": state}
 
     def load_state_dict(self, state: dict) -> None:
         self._sampler_state = state.get("train_sampler")
-

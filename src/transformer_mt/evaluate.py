@@ -34,7 +34,9 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
         langpair = cfg.langpair or f"{data_cfg['src_lang']}-{data_cfg['tgt_lang']}"
         src, refs = read_lines(get_source_file(cfg.testset, langpair)), get_reference_files(cfg.testset, langpair)
         return f"{cfg.testset} ({langpair})", src, read_lines(refs[0])
-    fields = {k: data_cfg.get(k) for k in ("name", "src_lang", "tgt_lang", "path", "hub_name", "hub_config", "text_files")}
+    fields = {
+        k: data_cfg.get(k) for k in ("name", "src_lang", "tgt_lang", "path", "hub_name", "hub_config", "text_files")
+    }
     fields["text_files"] = fields["text_files"] or {}
     if cfg.data_path:
         fields["path"] = cfg.data_path
@@ -51,9 +53,14 @@ def evaluate(cfg: DictConfig) -> dict:
     start = time.perf_counter()
     hyps = translate_lines(model, tokenizer, sources, warn=log.warning, progress=True, **decoding)
     seconds = time.perf_counter() - start
-    result = {"checkpoint": str(cfg.ckpt), "test_set": name, "decoding": decoding,
-              **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
-              "seconds": round(seconds, 1), "sentences_per_second": round(len(hyps) / seconds, 2)}
+    result = {
+        "checkpoint": str(cfg.ckpt),
+        "test_set": name,
+        "decoding": decoding,
+        **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
+        "seconds": round(seconds, 1),
+        "sentences_per_second": round(len(hyps) / seconds, 2),
+    }
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -61,8 +68,10 @@ def evaluate(cfg: DictConfig) -> dict:
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")
     print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")
-    print(f"tokenized BLEU with compound splitting (the paper's metric, NOT comparable with sacreBLEU): "
-          f"{result['tokenized_bleu_compound_split']:.2f}")
+    print(
+        f"tokenized BLEU with compound splitting (the paper's metric, NOT comparable with sacreBLEU): "
+        f"{result['tokenized_bleu_compound_split']:.2f}"
+    )
     print(f"wrote {out / 'hypotheses.txt'} and {out / 'scores.json'}")
     return result
 

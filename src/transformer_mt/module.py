@@ -18,7 +18,9 @@ from transformer_mt.tokenizer import PAD_ID, Tokenizer
 log = logging.getLogger(__name__)
 
 
-def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID) -> tuple[Tensor, Tensor, Tensor]:
+def label_smoothed_nll(
+    logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID
+) -> tuple[Tensor, Tensor, Tensor]:
     """§5.4 label smoothing. Returns (smoothed loss, NLL, token count), summed over non-pad targets.
 
     Target distribution q = (1 - eps) * onehot(y) + eps / V, uniform over the whole vocabulary,
@@ -132,7 +134,9 @@ class TranslationModule(L.LightningModule):
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             scores = self._score_hypotheses()
             metrics.update({f"val/{name}": value for name, value in scores.items()})
-            summary += f", greedy sacreBLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} ({len(self._hyps)} sentences)"
+            summary += (
+                f", greedy sacreBLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} ({len(self._hyps)} sentences)"
+            )
         # Every rank holds the same values (sums reduced, hypotheses gathered): checkpoint monitors agree.
         self.log_dict({k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}, prog_bar=True)
         self.log_dict(metrics)
@@ -146,7 +150,9 @@ class TranslationModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._add_losses(batch)
-        options = {k: v for k, v in (self.hparams.decoding or {}).items() if k != "tokens_per_batch"}  # batches are given
+        options = {
+            k: v for k, v in (self.hparams.decoding or {}).items() if k != "tokens_per_batch"
+        }  # batches are given
         hyps, _ = beam_search(self.model, batch["src"], **options)  # beam_search's defaults are §6.1's
         self._keep_hypotheses(batch, torch.ones_like(batch["index"], dtype=torch.bool), hyps)
 

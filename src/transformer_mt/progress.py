@@ -85,7 +85,10 @@ class ProgressLog(L.Callback):
     def report(self, trainer: L.Trainer) -> None:
         now, step = time.monotonic(), trainer.global_step
         elapsed, rate = now - self.start, (step - self.first_step) / max(now - self.start, 1e-9)
-        parts = [f"update {step:,}" + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")]
+        parts = [
+            f"update {step:,}"
+            + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")
+        ]
         if self.batches:
             parts.append(f"loss {self.loss_sum / self.batches:.3f}")
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
@@ -155,9 +158,11 @@ def shown(path: Path) -> str:
 def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[str, float] | None) -> str:
     """The end of a run: where its checkpoints are and the commands that use them."""
     periodic = sorted(p.name for p in checkpoint_dir.glob("*step*.ckpt"))
-    lines = [f"checkpoints in {shown(checkpoint_dir)}: last.ckpt"
-             + (f", best.ckpt ({best[0]} {best[1]:.2f})" if best else "")
-             + (f", {len(periodic)} periodic ({periodic[0]} ... {periodic[-1]})" if periodic else "")]
+    lines = [
+        f"checkpoints in {shown(checkpoint_dir)}: last.ckpt"
+        + (f", best.ckpt ({best[0]} {best[1]:.2f})" if best else "")
+        + (f", {len(periodic)} periodic ({periodic[0]} ... {periodic[-1]})" if periodic else "")
+    ]
     if periodic:
         n = min(keep_last, len(periodic))
         model = checkpoint_dir / f"average-last{n}.ckpt"
@@ -165,5 +170,5 @@ def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[
     else:
         model = checkpoint_dir / ("best.ckpt" if best else "last.ckpt")
     lines.append(f"  make evaluate CKPT={shown(model)}")
-    lines.append(f"  echo \"A sentence to translate.\" | make translate CKPT={shown(model)}")
+    lines.append(f'  echo "A sentence to translate." | make translate CKPT={shown(model)}')
     return "\n".join(lines)

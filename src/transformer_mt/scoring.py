@@ -59,6 +59,6 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
         **scores,
         "tokenized_bleu_compound_split": round(tokenized_bleu(hyps, refs, tgt_lang), 2),
         "tokenized_bleu_note": "Moses-tokenized, compounds split (tensor2tensor get_ende_bleu.sh); "
-                               "the paper's metric, not comparable with sacreBLEU",
+        "the paper's metric, not comparable with sacreBLEU",
         "sentences": len(hyps),
     }

@@ -124,7 +124,9 @@ def beam_search(
 
     nbest = []
     for scores, tokens in zip(fin_scores.tolist(), fin_tokens.tolist()):
-        hyps = [([i for i in seq if i not in (EOS_ID, PAD_ID)], sc) for seq, sc in zip(tokens, scores) if sc > -torch.inf]
+        hyps = [
+            ([i for i in seq if i not in (EOS_ID, PAD_ID)], sc) for seq, sc in zip(tokens, scores) if sc > -torch.inf
+        ]
         nbest.append(hyps[:n_best])
     return [h[0][0] for h in nbest], nbest
 
@@ -159,8 +161,14 @@ def translate_ids(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    bar = tqdm(total=len(sources), desc="translating", unit="sentence", disable=not progress, leave=False,
-               mininterval=1 if sys.stderr.isatty() else 30)  # in a log file: a line every 30 s
+    bar = tqdm(
+        total=len(sources),
+        desc="translating",
+        unit="sentence",
+        disable=not progress,
+        leave=False,
+        mininterval=1 if sys.stderr.isatty() else 30,
+    )  # in a log file: a line every 30 s
     start = 0
     while start < len(order):
         end = start + 1  # grow the batch while (sentences x beam x longest) fits tokens_per_batch

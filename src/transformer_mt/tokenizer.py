@@ -96,7 +96,10 @@ def train_tokenizer(
         vocab_size=vocab_size,
         character_coverage=1.0,  # keep every character seen; rarer ones fall back to bytes
         byte_fallback=True,  # unseen characters become byte pieces, never <unk>
-        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
         input_sentence_size=max_sentences,
         shuffle_input_sentence=True,
         num_threads=os.cpu_count() or 1,
@@ -105,8 +108,9 @@ def train_tokenizer(
     try:
         spm.SentencePieceTrainer.train(**options)
     except RuntimeError as e:  # e.g. a vocabulary too large or too small for the corpus
-        raise InputError(f"SentencePiece could not train a {vocab_size}-token vocabulary "
-                         f"(set data.vocab_size): {e}") from None
+        raise InputError(
+            f"SentencePiece could not train a {vocab_size}-token vocabulary (set data.vocab_size): {e}"
+        ) from None
     return Tokenizer(Tokenizer(proto=proto.getvalue()).save(directory))
 
 

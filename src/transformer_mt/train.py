@@ -74,8 +74,9 @@ def make_logger(cfg: DictConfig | None):
     if cfg._target_.endswith("WandbLogger"):
         if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
-            log.warning("wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)",
-                        cfg.save_dir)
+            log.warning(
+                "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir
+            )
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode == RunMode.MULTIRUN:  # one wandb run per job (see finish_wandb), grouped by sweep
             kwargs["group"] = cfg.group or hydra_cfg.sweep.dir
@@ -103,11 +104,17 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
     if cfg.checkpoint.every_n_train_steps:
         periodic.append(dict(every_n_train_steps=cfg.checkpoint.every_n_train_steps, filename="step{step:07d}"))
     if cfg.checkpoint.train_time_interval_minutes:
-        periodic.append(dict(train_time_interval=timedelta(minutes=cfg.checkpoint.train_time_interval_minutes),
-                             filename="time-step{step:07d}"))
+        periodic.append(
+            dict(
+                train_time_interval=timedelta(minutes=cfg.checkpoint.train_time_interval_minutes),
+                filename="time-step{step:07d}",
+            )
+        )
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
-    callbacks = [ModelCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", save_last=True,
-                                 **common, **kw) for kw in periodic] or [ModelCheckpoint(save_top_k=0, save_last=True, **common)]
+    callbacks = [
+        ModelCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", save_last=True, **common, **kw)
+        for kw in periodic
+    ] or [ModelCheckpoint(save_top_k=0, save_last=True, **common)]
     best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
     if best["monitor"]:
         callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, enable_version_counter=False, **best, **common))
@@ -121,8 +128,10 @@ def check_config(cfg: DictConfig) -> None:
     """Settings that only fail late (at the first validation) are refused before any work."""
     monitor = cfg.checkpoint.best_monitor
     if monitor and monitor.removeprefix("val/") in ("bleu", "chrf") and not cfg.val_bleu_sentences:
-        raise InputError(f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set "
-                         "checkpoint.best_monitor=val/loss checkpoint.best_mode=min")
+        raise InputError(
+            f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set "
+            "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
+        )
     if cfg.early_stopping_patience and not monitor:
         raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
 
@@ -153,34 +162,64 @@ def train(cfg: DictConfig) -> float | None:
     datamodule.build()  # the vocabulary size is known only after SentencePiece
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
-        model=model_cfg, label_smoothing=cfg.label_smoothing, **plain(cfg.optim),
-        val_bleu_sentences=cfg.val_bleu_sentences, decoding=plain(cfg.decoding), config=plain(cfg),
+        model=model_cfg,
+        label_smoothing=cfg.label_smoothing,
+        **plain(cfg.optim),
+        val_bleu_sentences=cfg.val_bleu_sentences,
+        decoding=plain(cfg.decoding),
+        config=plain(cfg),
         tokenizer=datamodule.tokenizer,
     )
     checkpoint_dir = run_dir / "checkpoints"
     logger = make_logger(cfg.get("logger"))
-    trainer = L.Trainer(**trainer_args, logger=logger, callbacks=make_callbacks(cfg, checkpoint_dir),
-                        plugins=[AtomicCheckpointIO()], default_root_dir=run_dir, enable_model_summary=False)
+    trainer = L.Trainer(
+        **trainer_args,
+        logger=logger,
+        callbacks=make_callbacks(cfg, checkpoint_dir),
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=run_dir,
+        enable_model_summary=False,
+    )
     trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
     tokens = trainer.accumulate_grad_batches * datamodule.max_tokens * trainer.world_size
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
-        log.info("model: %s parameters, vocabulary %d, precision %s", f"{n_params:,}", model_cfg["vocab_size"],
-                 trainer.precision)
-        log.info("tokens per update: accumulation %d x max_tokens %d x %d device(s) = %s padded tokens per "
-                 "side (target: %s)", trainer.accumulate_grad_batches, datamodule.max_tokens, trainer.world_size,
-                 f"{tokens:,}", datamodule.tokens_per_update)
+        log.info(
+            "model: %s parameters, vocabulary %d, precision %s",
+            f"{n_params:,}",
+            model_cfg["vocab_size"],
+            trainer.precision,
+        )
+        log.info(
+            "tokens per update: accumulation %d x max_tokens %d x %d device(s) = %s padded tokens per "
+            "side (target: %s)",
+            trainer.accumulate_grad_batches,
+            datamodule.max_tokens,
+            trainer.world_size,
+            f"{tokens:,}",
+            datamodule.tokens_per_update,
+        )
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        trainer.save_checkpoint(checkpoint_dir / "last.ckpt", weights_only=False)  # the final state, whatever the schedule
+        trainer.save_checkpoint(
+            checkpoint_dir / "last.ckpt", weights_only=False
+        )  # the final state, whatever the schedule
     finally:
         finish_wandb(logger)
     if trainer.is_global_zero:
         best = next((c for c in trainer.checkpoint_callbacks if c.filename == "best" and c.best_model_path), None)
-        log.info("finished after %s updates; next:\n%s", f"{trainer.global_step:,}", next_steps(
-            run_dir, checkpoint_dir, cfg.checkpoint.keep_last, (best.monitor, float(best.best_model_score)) if best else None))
+        log.info(
+            "finished after %s updates; next:\n%s",
+            f"{trainer.global_step:,}",
+            next_steps(
+                run_dir,
+                checkpoint_dir,
+                cfg.checkpoint.keep_last,
+                (best.monitor, float(best.best_model_score)) if best else None,
+            ),
+        )
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 

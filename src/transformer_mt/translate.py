@@ -28,18 +28,27 @@ def translate(cfg: DictConfig) -> None:
     model.to(pick_device(cfg.device))
     decoding = OmegaConf.to_container(cfg.decoding)
     # Lines end with "\n" only: U+0085 and friends inside a line are text, not line breaks.
-    stdin = open(sys.stdin.fileno(), encoding="utf-8", errors="strict", newline="\n", closefd=False)
+    stdin = open(sys.stdin.fileno(), encoding="utf-8", errors="strict", newline="\n", closefd=False)  # noqa: SIM115 (stdin stays open)
     lines_done, start = 0, time.perf_counter()
     while chunk := [line.rstrip("\n") for line in itertools.islice(stdin, cfg.batch_lines)]:
-        texts = translate_lines(model, tokenizer, chunk, warn=warn_about_input, first_line=lines_done + 1,
-                                progress=sys.stderr.isatty(), **decoding)
+        texts = translate_lines(
+            model,
+            tokenizer,
+            chunk,
+            warn=warn_about_input,
+            first_line=lines_done + 1,
+            progress=sys.stderr.isatty(),
+            **decoding,
+        )
         for text in texts:
             sys.stdout.write(text + "\n")
         sys.stdout.flush()
         lines_done += len(chunk)
     seconds = time.perf_counter() - start
-    stderr(f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
-           f"beam {decoding['beam_size']})")
+    stderr(
+        f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
+        f"beam {decoding['beam_size']})"
+    )
 
 
 @hydra.main(config_path=CONF_DIR, config_name="translate", version_base="1.3")
