@@ -393,10 +393,12 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
         enable_progress_bar=False,
         enable_checkpointing=False,
         use_distributed_sampler=False,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=2,
         enable_model_summary=False,
     )
     trainer.fit(module, dm)
     n_train, n_val = len(dm.train_sampler), len(dm.val_dataloader())
+    assert n_val > 2  # so that the sanity check stops the validation loader before its end
     assert module.train_batches == {0: n_train, 1: n_train, 2: n_train}
-    assert len(module.val_batches) == 3 * n_val
+    # The sanity check's 2 batches, then every validation whole (the abandoned pass does not shorten the next)
+    assert module.val_batches == [0, 1] + list(range(n_val)) * 3

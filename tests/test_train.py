@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, SHARED_DATA, run_train
 from transformer_mt.data import TranslationDataModule
+from transformer_mt.files import InputError
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.train import make_callbacks, trainer_arguments
+from transformer_mt.train import check_config, make_callbacks, trainer_arguments
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -168,36 +169,32 @@ def test_early_stopping_on_the_best_checkpoints_metric(corpus, tmp_path):
     assert load(ckpts / "best.ckpt")["global_step"] == 4
 
 
-def test_settings_that_would_fail_late_are_refused_first(corpus, tmp_path):
-    proc = run_train([f"data.path={corpus}", "val_bleu_sentences=0"], tmp_path, check=False)
+def test_settings_that_would_fail_late_are_refused_first(tmp_path):
+    cfg = compose_train(["val_bleu_sentences=0"], tmp_path)
+    with pytest.raises(InputError, match=r"best_monitor=val/bleu needs val_bleu_sentences > 0; or set checkpoint"):
+        check_config(cfg)
+    with pytest.raises(InputError, match="early_stopping_patience needs checkpoint.best_monitor"):
+        check_config(compose_train(["early_stopping_patience=3", "checkpoint.best_monitor=null"], tmp_path))
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* add trainer=cpu"):
+            trainer_arguments(compose_train(["trainer=gpu"], tmp_path).trainer)
+
+
+def test_cpu_precision_auto_is_bf16_only_where_the_cpu_computes_it(tmp_path, monkeypatch):
+    cfg = compose_train(["trainer=cpu"], tmp_path).trainer
+    for native, expected in [(True, "bf16-mixed"), (False, "32-true")]:
+        monkeypatch.setattr("transformer_mt.train.cpu_has_native_bf16", lambda native=native: native)
+        assert trainer_arguments(cfg)["precision"] == expected
+    cfg.precision = "bf16-mixed"  # an explicit choice is kept
+    assert trainer_arguments(cfg)["precision"] == "bf16-mixed"
+
+
+def test_a_failed_start_ends_in_one_line_and_leaves_no_run_folder(tmp_path):
+    proc = run_train(["experiment=base", "data=wmt14", "data.path=/nonexistent/wmt14"], tmp_path, check=False)
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
-        "error: checkpoint.best_monitor=val/bleu needs val_bleu_sentences > 0; or set "
-        "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
+        "error: data 'wmt14': data.path=/nonexistent/wmt14 does not exist"
     ]
-    assert not (tmp_path / "outputs").exists()  # nothing left behind
-
-
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (
-            ["experiment=base", "data=wmt14", "data.path=/nonexistent/wmt14"],
-            "error: data 'wmt14': data.path=/nonexistent/wmt14 does not exist",
-        ),
-        (
-            ["experiment=base", "trainer=gpu", "data.path={corpus}", "trainer.max_steps=2"],
-            "error: trainer.accelerator=gpu needs a CUDA GPU",
-        ),
-    ],
-)
-def test_main_job_failures_end_in_one_line_that_says_what_to_do(args, expected, corpus, tmp_path):
-    if "gpu" in expected and torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    proc = run_train([a.format(corpus=corpus) for a in args], tmp_path, check=False)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-2000:]
-    assert "trainer=cpu" in lines[0] or "data.path" in lines[0]
-    assert not (tmp_path / "outputs").exists()  # a failed start leaves no run folder
+    assert not (tmp_path / "outputs").exists()  # Hydra's outputs/<date>/<time>/ is removed again
 
 
 def test_hub_failure_says_how_to_work_offline(tmp_path):

@@ -91,11 +91,12 @@ class TokenBucketSampler(Sampler[list[int]]):
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.position = 0, 0  # position: batches of this epoch already handed out
+        self._resume_at = 0  # where the next pass starts: a restored position, else 0
         self._cache: tuple[int, list[np.ndarray]] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
+            self.epoch, self.position, self._resume_at = epoch, 0, 0
 
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
@@ -133,9 +134,10 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def __iter__(self):
         batches = self.rank_batches()
-        # A restored position applies to one pass; a finished pass starts over. The epoch only
-        # changes through set_epoch() (Lightning calls it every epoch), as with DistributedSampler.
-        start = self.position if self.position < len(batches) else 0
+        # A restored position applies to the next pass only; any other pass is whole, also after one
+        # that was abandoned (Lightning's sanity check stops the validation loader after 2 batches).
+        # The epoch only changes through set_epoch() (Lightning calls it every epoch).
+        start, self._resume_at = (self._resume_at if self._resume_at < len(batches) else 0), 0
         for i in range(start, len(batches)):
             self.position = i + 1
             yield batches[i].tolist()
@@ -145,6 +147,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+        self._resume_at = self.position
 
 
 def accumulation_steps(tokens_per_update: int | None, max_tokens: int, world_size: int) -> int:
