@@ -94,11 +94,12 @@ class Corpus:
         try:
             ds = datasets.load_dataset(self.hub_name, self.hub_config, split=split)
         except Exception as e:  # offline, unknown name, changed layout: the fix is the same
+            name = f"{self.hub_name} ({self.hub_config})" if self.hub_config else self.hub_name
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise MissingInputError(
-                f"data '{self.name}': could not load {self.hub_name} ({self.hub_config}) {split} from the Hugging Face "
-                f"Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, point data.path "
-                "at a local copy: data.path=<directory> (scripts/make_wmt14_layout.py builds the Hub's layout from "
-                "text files)"
+                f"data '{self.name}': could not load {name} {split} from the Hugging Face Hub ({cause}). Offline, "
+                "point data.path at a local copy: data.path=<directory> (scripts/make_wmt14_layout.py builds the "
+                "Hub's layout from text files)"
             ) from e
         return ds._fingerprint, ds
 

@@ -203,9 +203,8 @@ def train(cfg: DictConfig) -> float | None:
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        trainer.save_checkpoint(
-            checkpoint_dir / "last.ckpt", weights_only=False
-        )  # the final state, whatever the schedule
+        # The final state, whatever the schedule (weights_only=False: optimizer and loops too, for resuming)
+        trainer.save_checkpoint(checkpoint_dir / "last.ckpt", weights_only=False)
     finally:
         finish_wandb(logger)
     if trainer.is_global_zero:
