@@ -368,7 +368,7 @@ def test_data_stats_on_multi30k_reports_padding_efficiency_above_90_percent(tmp_
     assert "train 29,000" in out and "tokenization: cold" in out and "cached" in out
 
 
-def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
+def test_every_epoch_of_a_lightning_run_sees_every_batch_in_its_own_order(tmp_path):
     class Count(L.LightningModule):
         def __init__(self):
             super().__init__()
@@ -376,7 +376,7 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
             self.train_batches, self.val_batches = {}, []
 
         def training_step(self, batch, batch_idx):
-            self.train_batches[self.current_epoch] = self.train_batches.get(self.current_epoch, 0) + 1
+            self.train_batches.setdefault(self.current_epoch, []).append(batch["index"].tolist())
             return self.weight.sum()
 
         def validation_step(self, batch, batch_idx):
@@ -397,8 +397,11 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch(tmp_path):
         enable_model_summary=False,
     )
     trainer.fit(module, dm)
-    n_train, n_val = len(dm.train_sampler), len(dm.val_dataloader())
+    n_val = len(dm.val_dataloader())
     assert n_val > 2  # so that the sanity check stops the validation loader before its end
-    assert module.train_batches == {0: n_train, 1: n_train, 2: n_train}
+    # Epoch e sees exactly the batches of the documented order for seed + e: every one, and a new order each epoch.
+    for epoch in range(3):
+        assert module.train_batches[epoch] == [b.tolist() for b in dm.train_sampler.all_batches(epoch)], epoch
+    assert module.train_batches[0] != module.train_batches[1] != module.train_batches[2]
     # The sanity check's 2 batches, then every validation whole (the abandoned pass does not shorten the next)
     assert module.val_batches == [0, 1] + list(range(n_val)) * 3

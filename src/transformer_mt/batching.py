@@ -94,6 +94,12 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._resume_at = 0  # where the next pass starts: a restored position, else 0
         self._cache: tuple[int, list[np.ndarray]] | None = None
 
+    @property
+    def sampler(self) -> TokenBucketSampler:
+        """Lightning calls `dataloader.batch_sampler.sampler.set_epoch(epoch)` at every epoch (as for a
+        DistributedSampler inside a BatchSampler), never `batch_sampler.set_epoch`: this is how it reaches ours."""
+        return self
+
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch, self.position, self._resume_at = epoch, 0, 0
