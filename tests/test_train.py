@@ -197,6 +197,31 @@ def test_a_failed_start_ends_in_one_line_and_leaves_no_run_folder(tmp_path):
     assert not (tmp_path / "outputs").exists()  # Hydra's outputs/<date>/<time>/ is removed again
 
 
+def test_divergence_stops_at_the_first_non_finite_update_without_a_nan_checkpoint(corpus, tmp_path):
+    run = tmp_path / "run"
+    proc = run_train(
+        [
+            f"data.path={corpus}",
+            "optim.lr_factor=1e30",
+            "trainer.max_steps=8",
+            "checkpoint.every_n_train_steps=1",
+            f"hydra.run.dir={run}",
+        ],
+        tmp_path,
+        check=False,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: training diverged at update ") and "optim.lr_factor" in lines[0]
+    diverged_at = int(lines[0].split("update ")[1].split(":")[0])
+    written = sorted((run / "checkpoints").glob("*.ckpt")) if (run / "checkpoints").exists() else []
+    assert written  # update 1 is still finite: its checkpoint (and last.ckpt, a copy of it) exist
+    for path in written:  # every checkpoint is from before the divergence, and finite
+        checkpoint = load(path)
+        assert checkpoint["global_step"] < diverged_at
+        assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+
+
 def test_hub_failure_says_how_to_work_offline(tmp_path):
     proc = run_train(
         ["experiment=multi30k", "data=multi30k", "trainer.max_steps=1"],

@@ -10,12 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer_mt.files import UserError
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import PAD_ID, Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(UserError):
+    """A non-finite loss or gradient: the run stops with one line instead of training on NaN."""
 
 
 def label_smoothed_nll(
@@ -99,7 +104,17 @@ class TranslationModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         norms = [p.grad.detach().norm() for p in self.parameters() if p.grad is not None]
-        self.log("train/grad_norm", torch.stack(norms).norm())
+        grad_norm = torch.stack(norms).norm()
+        self.log("train/grad_norm", grad_norm)
+        # Stop before a non-finite gradient reaches the weights, so no checkpoint ever holds NaN or inf.
+        # (fp16's loss scaler skips such steps itself; one check per update, not per micro-batch.)
+        if self.trainer.precision != "16-mixed" and not torch.isfinite(grad_norm):
+            raise TrainingDiverged(
+                f"training diverged at update {self.global_step + 1}: the gradient norm is {grad_norm.item()}. "
+                "Likely causes: a learning rate too high (optim.lr_factor, optim.warmup_steps), fp16 overflow "
+                "(use trainer.precision=bf16-mixed or 32-true), or corrupt data. The weights were not updated; "
+                "the checkpoints written so far are finite"
+            )
 
     def configure_optimizers(self):
         h = self.hparams
