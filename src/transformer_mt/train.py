@@ -24,6 +24,7 @@ from transformer_mt.files import InputError, exit_on_user_error
 from transformer_mt.model import DecoderLayer, EncoderLayer
 from transformer_mt.module import TranslationModule
 from transformer_mt.progress import ProgressLog, UpdateProgressBar, next_steps, setup_logging
+from transformer_mt.resume import RandomState
 from transformer_mt.tokenizer import PAD_ID
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,11 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
         callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, enable_version_counter=False, **best, **common))
     if cfg.early_stopping_patience:
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
-    callbacks += [LearningRateMonitor(logging_interval="step"), ProgressLog(cfg.progress_every_n_updates)]
+    callbacks += [
+        LearningRateMonitor(logging_interval="step"),
+        ProgressLog(cfg.progress_every_n_updates),
+        RandomState(),
+    ]
     return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
 
 
