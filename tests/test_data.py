@@ -13,6 +13,7 @@ from conftest import ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, 
 from transformer_mt.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
 from transformer_mt.corpus import Corpus, drop_empty, length_filter, read_lines, read_text_pair
 from transformer_mt.data import TranslationDataModule
+from transformer_mt.files import InputError
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}
@@ -60,6 +61,19 @@ def test_invalid_utf8_names_file_and_line(tmp_path):
     (tmp_path / "bad.de").write_bytes(b"gut\nauch gut\n" + b"schlecht \xe4\n")
     with pytest.raises(ValueError, match=r"bad\.de, line 3: invalid UTF-8"):
         read_lines(tmp_path / "bad.de")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
+    (tmp_path / "refs.de").write_bytes("\ufeffErste Zeile\nzweite\n".encode())
+    assert read_lines(tmp_path / "refs.de") == ["Erste Zeile", "zweite"]
+
+
+@pytest.mark.parametrize(
+    "key, value", [("max_tokens", -5), ("max_tokens", 0), ("vocab_size", 0), ("max_len", -1), ("tokens_per_update", 0)]
+)
+def test_impossible_batch_settings_are_refused(tmp_path, key, value):
+    with pytest.raises(InputError, match=rf"data\.{key}={value}: "):
+        text_datamodule(tmp_path, **{key: value})
 
 
 def test_missing_split_names_what_was_looked_for(tmp_path):

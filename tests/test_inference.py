@@ -76,6 +76,19 @@ def test_averaging_incompatible_checkpoints_is_a_clear_error(tmp_path):
         read_checkpoint(tmp_path / "junk.ckpt")
 
 
+@pytest.mark.parametrize("n", [0, -1])
+def test_averaging_fewer_than_one_checkpoint_is_refused_in_one_line(trained_run, n):
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.averaging", str(trained_run / "out"), "-n", str(n)],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        proc.returncode == 1
+        and proc.stderr.strip() == f"error: N={n}: average at least 1 checkpoint (the paper: N=5 for base, 20 for big)"
+    )
+
+
 def test_average_of_a_real_run_loads_like_any_checkpoint(trained_run):
     checkpoints = run_checkpoints(trained_run / "out")
     assert [p.name for p in checkpoints] == [f"step{s:07d}.ckpt" for s in (3, 6, 9, 12)][-len(checkpoints) :]

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
+from transformer_mt.files import InputError, MissingInputError, exit_on_user_error
 
 STEP = re.compile(r"step(\d+)")
 
@@ -25,14 +26,14 @@ def run_checkpoints(run_dir: str | Path) -> list[Path]:
         if match and not path.stem.startswith("average"):
             by_step.setdefault(int(match.group(1)), path)  # time- and step-triggered saves can coincide
     if not by_step:
-        raise FileNotFoundError(f"no periodic checkpoints (*step<N>.ckpt) in {folder}")
+        raise MissingInputError(f"no periodic checkpoints (*step<N>.ckpt) in {folder}")
     return [by_step[s] for s in sorted(by_step)]
 
 
 def average_checkpoints(paths: list[str | Path]) -> dict:
     """Mean of the weights; everything else (config, SentencePiece) from the newest checkpoint."""
     if not paths:
-        raise ValueError("no checkpoints to average")
+        raise InputError("no checkpoints to average")
     first_path = Path(paths[0])
     total: dict[str, torch.Tensor] = {}
     reference: dict | None = None
@@ -45,12 +46,12 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
             continue
         if state.keys() != total.keys():
             diff = sorted(state.keys() ^ total.keys())[:5]
-            raise ValueError(
+            raise InputError(
                 f"{path} and {first_path} hold different parameters (e.g. {diff}); average checkpoints of one run only"
             )
         for key, value in state.items():
             if value.shape != total[key].shape:
-                raise ValueError(
+                raise InputError(
                     f"{path}: {key} has shape {tuple(value.shape)}, {first_path} has "
                     f"{tuple(total[key].shape)}; average checkpoints of one run only"
                 )
@@ -64,6 +65,8 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
 
 
 def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -> Path:
+    if n < 1:
+        raise InputError(f"N={n}: average at least 1 checkpoint (the paper: N=5 for base, 20 for big)")
     paths = run_checkpoints(run_dir)[-n:]
     if len(paths) < n:
         print(f"warning: only {len(paths)} checkpoints in {run_dir}, averaging those")
@@ -79,7 +82,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=5, help="how many of the latest checkpoints (paper: 5 base, 20 big)")
     parser.add_argument("-o", "--output", help="where to write (default: <checkpoints>/average-last<N>.ckpt)")
     args = parser.parse_args()
-    average_run(args.run_dir, args.n, args.output)
+    exit_on_user_error(average_run, args.run_dir, args.n, args.output)
 
 
 if __name__ == "__main__":

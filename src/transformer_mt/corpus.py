@@ -23,13 +23,14 @@ SPLITS = ("train", "validation", "test")
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """Lines of a UTF-8 file, split on '\\n' only (str.splitlines() also splits on U+0085)."""
+    """Lines of a UTF-8 file, split on '\\n' only (str.splitlines() also splits on U+0085); a leading
+    byte-order mark is not text (it would stay glued to the first sentence, e.g. in BLEU references)."""
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"no such file: {path}")
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise InputError(

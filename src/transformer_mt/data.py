@@ -63,6 +63,11 @@ class TranslationDataModule(L.LightningDataModule):
         cache_dir: str = "~/.cache/transformer_mt",
     ):
         super().__init__()
+        for key, value in {"max_tokens": max_tokens, "vocab_size": vocab_size, "max_len": max_len}.items():
+            if not isinstance(value, int) or value < 1:
+                raise InputError(f"data.{key}={value}: must be a positive whole number")
+        if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
+            raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus(name, src_lang, tgt_lang, path, hub_name, hub_config, dict(text_files or {}))
         self.vocab_size, self.spm_max_sentences = vocab_size, spm_max_sentences
         self.max_len, self.max_len_ratio = max_len, max_len_ratio
