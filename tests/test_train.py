@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, SHARED_DATA, run_train
 from transformer_mt.data import TranslationDataModule
-from transformer_mt.files import InputError
+from transformer_mt.files import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.train import check_config, make_callbacks, trainer_arguments
 
@@ -107,10 +107,15 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     assert step3["global_step"] == 3 and isinstance(step3["hyper_parameters"]["config"], dict)
     assert step3["sentencepiece"] == (run / "sentencepiece.model").read_bytes()
     assert step3["TranslationDataModule"]["train_sampler"]["position"] == 3  # mid-epoch
-    # best.ckpt: the best val/bleu of the validations at updates 4 and 8
+    # best.ckpt: the validation (of updates 4 and 8) with the higher val/bleu
     best = load(ckpts / "best.ckpt")
-    scores = {c["monitor"]: c for c in best["callbacks"].values() if c.get("monitor") == "val/bleu"}
-    assert best["global_step"] in (4, 8) and scores
+    logged = {
+        int(line.split("validation at update ")[1].split(":")[0]): float(line.split("sacreBLEU ")[1].split(",")[0])
+        for line in proc.stdout.splitlines()
+        if "validation at update" in line
+    }
+    assert set(logged) == {4, 8}
+    assert best["global_step"] == (8 if logged[8] > logged[4] else 4), logged
 
     # The run log: every line once, Lightning's included; each data split once; a progress line; what to do next.
     lines = (run / "train.log").read_text().splitlines()
@@ -268,13 +273,15 @@ def test_two_process_ddp_on_cpu_logs_each_line_once(corpus, tmp_path):
             f"data.path={corpus}",
             "trainer.strategy=ddp",
             "trainer.devices=2",
-            "trainer.max_steps=3",
+            "trainer.max_steps=4",  # one validation (every 4): BLEU gathered from both ranks, best.ckpt on both
             f"hydra.run.dir={tmp_path / 'ddp'}",
         ],
         tmp_path,
     )
     assert "x 2 device(s)" in proc.stdout
-    assert load(tmp_path / "ddp" / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert load(tmp_path / "ddp" / "checkpoints" / "last.ckpt")["global_step"] == 4
+    assert load(tmp_path / "ddp" / "checkpoints" / "best.ckpt")["global_step"] == 4
+    assert proc.stdout.count("validation at update 4:") == 1 and "(8 sentences)" in proc.stdout
     for split in ("train", "validation", "test"):  # rank 1 builds the data too, silently
         assert proc.stdout.count(f"text {split}: ") == 1, proc.stdout
 
@@ -296,8 +303,9 @@ def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_
     )
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert [j.name for j in jobs] == ["0", "1"]  # no re-launched sweeps, no extra directories
-    dropouts = [load(j / "checkpoints" / "last.ckpt")["hyper_parameters"]["model"]["dropout"] for j in jobs]
-    assert dropouts == [0.1, 0.3]
+    lasts = [load(j / "checkpoints" / "last.ckpt") for j in jobs]
+    assert [c["hyper_parameters"]["model"]["dropout"] for c in lasts] == [0.1, 0.3]
+    assert [c["global_step"] for c in lasts] == [2, 2]  # written by the spawned workers, not the idle main process
     assert "ddp_spawn" in proc.stdout + proc.stderr
 
 
@@ -386,3 +394,21 @@ def test_installed_without_editable_mode_the_entry_points_find_their_configs(tmp
             cwd=tmp_path,
         )
         assert proc.returncode == 0 and expected in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_failed_run_removes_only_its_own_hydra_only_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "outputs" / "2026-11-30" / "10-00-00"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "train.log").write_text("started\n")
+    keep = tmp_path / "outputs" / "2026-11-29" / "09-00-00" / "checkpoints"
+    keep.mkdir(parents=True)
+    remove_if_empty(run)
+    assert not run.exists() and not run.parent.exists() and keep.exists()  # outputs/ still holds another run
+    (tmp_path / ".hydra").mkdir()
+    remove_if_empty(tmp_path)  # translate's run folder is "."
+    assert (tmp_path / ".hydra").exists()
+    done = tmp_path / "done"
+    (done / "checkpoints").mkdir(parents=True)
+    remove_if_empty(done)
+    assert done.exists()

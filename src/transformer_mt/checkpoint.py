@@ -31,7 +31,7 @@ def read_checkpoint(path: str | Path) -> dict:
     except Exception as e:  # truncated file, pickle of arbitrary objects, not a torch file ...
         raise InputError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
     hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
-    if "state_dict" not in checkpoint or "model" not in hparams:
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "model" not in hparams:
         raise InputError(f"{path}: not a transformer_mt checkpoint (no state_dict / hyper_parameters.model)")
     return checkpoint
 

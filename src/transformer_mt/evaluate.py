@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer_mt.checkpoint import load_for_inference, pick_device
 from transformer_mt.config import CONF_DIR
 from transformer_mt.corpus import Corpus, read_lines, read_text_pair
-from transformer_mt.files import InputError, exit_on_user_error
+from transformer_mt.files import InputError, exit_on_user_error, required
 from transformer_mt.scoring import score
 from transformer_mt.search import translate_lines
 
@@ -45,7 +45,7 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    model, tokenizer, checkpoint = load_for_inference(cfg.ckpt)
+    model, tokenizer, checkpoint = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
     data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
     name, sources, references = test_set(cfg, data_cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 
@@ -17,6 +18,7 @@ from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import PAD_ID, Tokenizer
 
 log = logging.getLogger(__name__)
+BEAM_SEARCH_OPTIONS = set(inspect.signature(beam_search).parameters) - {"model", "src"}
 
 
 class TrainingDiverged(UserError):
@@ -153,8 +155,10 @@ class TranslationModule(L.LightningModule):
                 f", greedy sacreBLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} ({len(self._hyps)} sentences)"
             )
         # Every rank holds the same values (sums reduced, hypotheses gathered): checkpoint monitors agree.
-        self.log_dict({k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}, prog_bar=True)
-        self.log_dict(metrics)
+        self.log_dict(
+            {k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}, prog_bar=True, sync_dist=True
+        )
+        self.log_dict(metrics, sync_dist=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 
@@ -175,7 +179,7 @@ class TranslationModule(L.LightningModule):
         loss, nll = self._mean_losses()
         metrics = {"test/loss": loss, "test/ppl": torch.exp(nll)}
         metrics.update({f"test/{name}": value for name, value in self._score_hypotheses().items()})
-        self.log_dict(metrics)
+        self.log_dict(metrics, sync_dist=True)
 
     # -- shared by validation and test
 

@@ -66,19 +66,26 @@ class ProgressLog(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start = self.since = time.monotonic()
         self.first_step = self.since_step = trainer.global_step
-        self.loss_sum, self.batches, self.tokens = 0.0, 0, 0
+        self.loss_sum, self.batches, self.tokens, self.paused = 0.0, 0, 0, 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        # outputs["loss"] is divided by the accumulation factor; tokens are counted without padding.
-        self.loss_sum += float(outputs["loss"]) * trainer.accumulate_grad_batches
+        # Sums stay on the device until a line is written (no synchronisation per batch). outputs["loss"]
+        # is divided by the accumulation factor; tokens are counted without padding.
+        self.loss_sum += outputs["loss"].detach() * trainer.accumulate_grad_batches
         self.batches += 1
-        self.tokens += int(batch["tgt_out"].ne(PAD_ID).sum())
+        self.tokens += batch["tgt_out"].ne(PAD_ID).sum()
         step = trainer.global_step
         if self.every and step != self.since_step and step % self.every == 0:
             self.report(trainer)
 
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.validation_start = time.monotonic()
+
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if not trainer.sanity_checking and trainer.state.fn == "fit" and trainer.global_step != self.since_step:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.paused += time.monotonic() - self.validation_start  # tokens/s counts training time only
+        if trainer.global_step != self.since_step:
             self.report(trainer)
 
     @rank_zero_only
@@ -90,15 +97,17 @@ class ProgressLog(L.Callback):
             + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")
         ]
         if self.batches:
-            parts.append(f"loss {self.loss_sum / self.batches:.3f}")
+            parts.append(f"loss {float(self.loss_sum) / self.batches:.3f}")
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
-        parts.append(f"{self.tokens / max(now - self.since, 1e-9):,.0f} target tok/s")
+        # rank 0's tokens x ranks: every rank's batches hold about as many tokens (token buckets)
+        seconds = max(now - self.since - self.paused, 1e-9)
+        parts.append(f"{int(self.tokens) * trainer.world_size / seconds:,.0f} target tok/s")
         parts.append(f"elapsed {duration(elapsed)}")
         eta = eta_seconds(trainer, step, rate)
         if eta is not None:
             parts.append(f"ETA {duration(eta)}")
         log.info(" | ".join(parts))
-        self.since, self.since_step, self.loss_sum, self.batches, self.tokens = now, step, 0.0, 0, 0
+        self.since, self.since_step, self.loss_sum, self.batches, self.tokens, self.paused = now, step, 0.0, 0, 0, 0.0
 
 
 def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> float | None:
@@ -153,6 +162,31 @@ def shown(path: Path) -> str:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
         return str(path)
+
+
+class RunEnd(L.Callback):
+    """At the end of training, in every process that trained (also ddp_spawn's workers): the final
+    state as last.ckpt, whatever the schedule (optimizer and loops too, for resuming), and on rank 0
+    a summary of the checkpoints with the commands that use them."""
+
+    def __init__(self, checkpoint_dir: Path, keep_last: int):
+        self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.checkpoint_dir / "last.ckpt", weights_only=False)
+        if not trainer.is_global_zero:
+            return
+        # best.ckpt of this run only: a resumed run restores the best path of the run it came from
+        best = next((c for c in trainer.checkpoint_callbacks if c.filename == "best"), None)
+        if best is None or best.best_model_score is None or Path(best.best_model_path).parent != self.checkpoint_dir:
+            best = None
+        summary = next_steps(
+            self.checkpoint_dir.parent,
+            self.checkpoint_dir,
+            self.keep_last,
+            (best.monitor, float(best.best_model_score)) if best else None,
+        )
+        log.info("finished after %s updates; next:\n%s", f"{trainer.global_step:,}", summary)
 
 
 def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[str, float] | None) -> str:

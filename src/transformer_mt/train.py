@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from transformer_mt.data import TranslationDataModule
 from transformer_mt.files import InputError, exit_on_user_error
 from transformer_mt.model import DecoderLayer, EncoderLayer
 from transformer_mt.module import TranslationModule
-from transformer_mt.progress import ProgressLog, UpdateProgressBar, next_steps, setup_logging
+from transformer_mt.progress import ProgressLog, RunEnd, UpdateProgressBar, setup_logging
 from transformer_mt.resume import RandomState
 from transformer_mt.tokenizer import PAD_ID
 
@@ -125,6 +124,7 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
         LearningRateMonitor(logging_interval="step"),
         ProgressLog(cfg.progress_every_n_updates),
         RandomState(),
+        RunEnd(checkpoint_dir, cfg.checkpoint.keep_last),
     ]
     return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
 
@@ -208,40 +208,15 @@ def train(cfg: DictConfig) -> float | None:
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-        # The final state, whatever the schedule (weights_only=False: optimizer and loops too, for resuming)
-        trainer.save_checkpoint(checkpoint_dir / "last.ckpt", weights_only=False)
     finally:
         finish_wandb(logger)
-    if trainer.is_global_zero:
-        best = next((c for c in trainer.checkpoint_callbacks if c.filename == "best" and c.best_model_path), None)
-        log.info(
-            "finished after %s updates; next:\n%s",
-            f"{trainer.global_step:,}",
-            next_steps(
-                run_dir,
-                checkpoint_dir,
-                cfg.checkpoint.keep_last,
-                (best.monitor, float(best.best_model_score)) if best else None,
-            ),
-        )
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 
 
-def remove_if_empty(run_dir: Path) -> None:
-    """A run that failed before writing anything leaves no folder behind (only Hydra's own files)."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
-        shutil.rmtree(run_dir)
-        for parent in list(run_dir.parents)[:2]:  # outputs/<date>/ and outputs/, when this run emptied them
-            if parent == Path.cwd() or not parent.is_dir() or any(parent.iterdir()):
-                break
-            parent.rmdir()
-
-
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    return exit_on_user_error(train, cfg, cleanup=lambda: remove_if_empty(run_dir))
+    return exit_on_user_error(train, cfg)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.checkpoint import load_for_inference, pick_device
 from transformer_mt.config import CONF_DIR
-from transformer_mt.files import exit_on_user_error
+from transformer_mt.files import exit_on_user_error, required
 from transformer_mt.search import translate_lines
 
 
@@ -24,7 +24,7 @@ def warn_about_input(message: str) -> None:
 
 
 def translate(cfg: DictConfig) -> None:
-    model, tokenizer, _ = load_for_inference(cfg.ckpt)
+    model, tokenizer, _ = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
     decoding = OmegaConf.to_container(cfg.decoding)
     # Lines end with "\n" only: U+0085 and friends inside a line are text, not line breaks.
