@@ -169,9 +169,8 @@ class TranslationModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._add_losses(batch)
-        options = {
-            k: v for k, v in (self.hparams.decoding or {}).items() if k != "tokens_per_batch"
-        }  # batches are given
+        # beam_search's own options (batches are given: no tokens_per_batch), whatever else the config holds
+        options = {k: v for k, v in (self.hparams.decoding or {}).items() if k in BEAM_SEARCH_OPTIONS}
         hyps, _ = beam_search(self.model, batch["src"], **options)  # beam_search's defaults are §6.1's
         self._keep_hypotheses(batch, torch.ones_like(batch["index"], dtype=torch.bool), hyps)
 
