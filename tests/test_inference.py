@@ -1,8 +1,10 @@
 """Checkpoint averaging, scoring, evaluate and translate on a checkpoint from a real (tiny) run."""
 
 import json
+import random
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,6 +15,7 @@ from conftest import run_train, write_corpus
 from transformer_mt.averaging import average_checkpoints, run_checkpoints
 from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
 from transformer_mt.data import TranslationDataModule
+from transformer_mt.files import InputError
 from transformer_mt.module import TranslationModule
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
@@ -71,9 +74,33 @@ def test_averaging_incompatible_checkpoints_is_a_clear_error(tmp_path):
         average_checkpoints([a, b])
     with pytest.raises(ValueError, match=r"c\.ckpt and .*a\.ckpt hold different parameters"):
         average_checkpoints([a, c])
-    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=r"junk\.ckpt: cannot be read"):
-        read_checkpoint(tmp_path / "junk.ckpt")
+
+
+class NotPlainData:
+    pass
+
+
+def test_unreadable_checkpoints_are_named_in_one_line_without_unsafe_advice(tmp_path):
+    good = Path(fake_checkpoint(tmp_path / "good.ckpt", {"model.w": torch.zeros(64, 64)}, 1))
+    data = good.read_bytes()
+    (tmp_path / "random.ckpt").write_bytes(bytes(random.Random(0).randrange(256) for _ in range(5000)))
+    (tmp_path / "truncated.ckpt").write_bytes(data[: len(data) // 2])  # a copy cut short
+    torch.save({"state_dict": {}, "payload": NotPlainData()}, tmp_path / "pickle.ckpt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.ckpt")
+    expected = {
+        "random.ckpt": "not a checkpoint (torch.save writes a zip archive",
+        "truncated.ckpt": "damaged or incomplete checkpoint",
+        "pickle.ckpt": "holds Python objects besides tensors and plain values",
+        "foreign.ckpt": "not a transformer_mt checkpoint",
+    }
+    for name, message in expected.items():
+        for mmap in (False, True):
+            with pytest.raises(InputError) as error:
+                read_checkpoint(tmp_path / name, mmap=mmap)
+            text = str(error.value)
+            assert text.startswith(f"{tmp_path / name}: {message}") and "\n" not in text, text
+            assert "weights_only" not in text  # torch's advice to switch the protection off is not passed on
+    assert read_checkpoint(good, mmap=True)["global_step"] == 1
 
 
 @pytest.mark.parametrize("n", [0, -1])

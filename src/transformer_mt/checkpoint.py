@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+import shutil
 from pathlib import Path
 
 import torch
 
-from transformer_mt.files import InputError, MissingInputError, atomic_write
+from transformer_mt.files import InputError, MissingInputError, UserError, atomic_write
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import Tokenizer
 
@@ -14,22 +16,42 @@ from transformer_mt.tokenizer import Tokenizer
 def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
     """torch.save to a temporary file, then rename: a crash never leaves a truncated checkpoint."""
     path = Path(path)
-    with atomic_write(path) as tmp:
-        torch.save(checkpoint, tmp)
+    try:
+        with atomic_write(path) as tmp:
+            torch.save(checkpoint, tmp)
+    except (OSError, RuntimeError) as e:  # a full disk: torch says "[enforce fail ...] unexpected pos"
+        free = shutil.disk_usage(path.parent).free / 2**20
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"could not write {path} ({cause}); {free:,.0f} MiB are free on its disk. Nothing partial was "
+            "left behind: free space (or point hydra.run.dir at a larger disk) and resume with ckpt_path=last"
+        ) from e
     return path
 
 
-def read_checkpoint(path: str | Path) -> dict:
-    """torch.load with weights_only=True, and a clear error for files that are not ours."""
+def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
+    """torch.load with weights_only=True, and a clear error for files that are not ours.
+    mmap: tensors are read from the file when used (cheap to look inside a large checkpoint)."""
     if not str(path).strip():
         raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"checkpoint not found: {path}")
+    with open(path, "rb") as f:
+        is_zip = f.read(4) == b"PK\x03\x04"
+    if not is_zip:
+        raise InputError(f"{path}: not a checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated file, pickle of arbitrary objects, not a torch file ...
-        raise InputError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:
+        # torch's own message advises weights_only=False, which would let the file run code: not here.
+        raise InputError(
+            f"{path}: holds Python objects besides tensors and plain values, which are not loaded (unpickling "
+            "them can run code); it was not written by transformer_mt"
+        ) from None
+    except Exception as e:  # a truncated or damaged archive
+        cause = str(e).split(". ")[0].splitlines()[0]
+        raise InputError(f"{path}: damaged or incomplete checkpoint ({type(e).__name__}: {cause})") from None
     hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "model" not in hparams:
         raise InputError(f"{path}: not a transformer_mt checkpoint (no state_dict / hyper_parameters.model)")

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -17,12 +18,13 @@ from pathlib import Path
 import datasets
 import lightning as L
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from transformer_mt.batching import TokenBucketSampler, TokenizedSplit, accumulation_steps, collate
 from transformer_mt.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
-from transformer_mt.files import InputError, atomic_write
+from transformer_mt.files import InputError, atomic_write, remove_stale_temporaries
 from transformer_mt.tokenizer import Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,6 @@ class TranslationDataModule(L.LightningDataModule):
         self.tokenizer: Tokenizer | None = None
         self.splits: dict[str, TokenizedSplit] = {}
         self.train_sampler: TokenBucketSampler | None = None
-        self._sampler_state: dict | None = None
         self.timings: dict[str, tuple[str, float]] = {}  # split -> (how, seconds)
 
     # -- building and caching
@@ -92,6 +93,9 @@ class TranslationDataModule(L.LightningDataModule):
 
     def build(self) -> None:
         """Tokenizer and tokenized splits: from the cache when present, else built and cached."""
+        for folder in ("sentencepiece", "corpus"):  # what a killed build left half-written
+            for path in remove_stale_temporaries(self.cache_dir / folder):
+                log.info("removed %s (an unfinished cache write of a killed run)", path)
         raw = {split: self.corpus.load(split) for split in SPLITS}
         self.tokenizer = self.load_or_train_tokenizer(raw["train"])
         self.splits = {split: self.load_or_tokenize(raw[split]) for split in SPLITS}
@@ -206,19 +210,25 @@ class TranslationDataModule(L.LightningDataModule):
         data = self.splits[split]
         # Validation and test batches carry their raw references: the module scores BLEU from batches alone.
         collate_fn = collate if split == "train" else partial(collate, references=data.texts("tgt_text"))
-        return DataLoader(
-            data,
+        kwargs = dict(
             batch_sampler=sampler,
             collate_fn=collate_fn,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            # Each iter() over a loader draws a seed for its workers; from the global generator, that draw
+            # would shift dropout's random numbers by whether a validation or an epoch start came between
+            # a checkpoint and the next update, so a resumed run would not match. Collation draws nothing.
+            generator=torch.Generator().manual_seed(self.seed),
         )
+        if split == "train":
+            return ResumableLoader(data, batches_done=self._batches_done, **kwargs)
+        return DataLoader(data, **kwargs)
+
+    def _batches_done(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         self.train_sampler = self.sampler("train", shuffle=True)
-        if self._sampler_state is not None:
-            self.train_sampler.load_state_dict(self._sampler_state)
-            self._sampler_state = None
         return self._loader("train", self.train_sampler)
 
     def val_dataloader(self) -> DataLoader:
@@ -227,18 +237,22 @@ class TranslationDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.sampler("test", shuffle=False))
 
+
+class ResumableLoader(DataLoader):
+    """The training loader, resumable inside an epoch: Lightning keeps the state_dict of such a loader
+    in every checkpoint and hands it back on resume (and warns about loaders without one).
+
+    The state is the epoch and the number of its batches that training has processed. The sampler
+    itself runs ahead of training (Lightning and the workers prefetch), so that number comes from
+    the trainer (`batches_done`), not from how far the sampler got.
+    """
+
+    def __init__(self, *args, batches_done: Callable[[], int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+
     def state_dict(self) -> dict:
-        """Where the training epoch stands, for resuming. The sampler itself runs ahead of
-        training (loaders prefetch), so the position is the trainer's count of processed batches."""
-        if self.train_sampler is None:
-            return {}
-        state = self.train_sampler.state_dict()
-        if self.trainer is not None:
-            state = {
-                "epoch": self.trainer.current_epoch,
-                "position": self.trainer.fit_loop.epoch_loop.batch_progress.current.processed,
-            }
-        return {"train_sampler": state}
+        return {"epoch": self.batch_sampler.epoch, "position": self.batches_done()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._sampler_state = state.get("train_sampler")
+        self.batch_sampler.load_state_dict(state)

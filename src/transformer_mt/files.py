@@ -74,6 +74,9 @@ def remove_if_empty(run_dir: Path) -> None:
             break
 
 
+TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
+
+
 @contextmanager
 def atomic_write(target: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `target` (a file or a directory); rename it to `target`
@@ -86,7 +89,7 @@ def atomic_write(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     # host, process and a random part: ranks on nodes that share the folder never share a temporary name
-    tmp = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = target.with_name(f".{target.name}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         yield tmp
     except BaseException:
@@ -105,3 +108,27 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Remove the temporary files and folders that atomic_write left in `directory` (or a folder
+    inside it) when its process was killed: those of this host whose process is gone (another
+    host's may still be writing)."""
+    host, removed = socket.gethostname(), []
+    found = [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")] if directory.is_dir() else []
+    for path in found:
+        owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)
+        if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not process_exists(int(owner[1])):
+            remove(path)
+            removed.append(path)
+    return removed
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

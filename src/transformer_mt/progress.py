@@ -171,9 +171,21 @@ class RunEnd(L.Callback):
 
     def __init__(self, checkpoint_dir: Path, keep_last: int):
         self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+        self.saved_step: int | None = None
+
+    def save_last(self, trainer: L.Trainer) -> None:
+        trainer.save_checkpoint(self.checkpoint_dir / "last.ckpt", weights_only=False)
+        self.saved_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        # Right after the final update, like a periodic checkpoint: resumed with a larger max_steps, it
+        # continues the epoch. Saved at on_train_end, the loops would already count the epoch as done.
+        if 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step:
+            self.save_last(trainer)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        trainer.save_checkpoint(self.checkpoint_dir / "last.ckpt", weights_only=False)
+        if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
+            self.save_last(trainer)
         if not trainer.is_global_zero:
             return
         # best.ckpt of this run only: a resumed run restores the best path of the run it came from

@@ -1,13 +1,17 @@
-"""What a checkpoint must hold beyond weights and optimizer for a resumed run to continue exactly."""
+"""Resuming a run exactly: what a checkpoint holds beyond weights and optimizer, and which one to resume from."""
 
 from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
+
+from transformer_mt.checkpoint import read_checkpoint
+from transformer_mt.files import InputError, MissingInputError
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +72,76 @@ class RandomState(L.Callback):
                     len(self._restore),
                 )
             self._restore = None
+
+
+# ---------------------------------------------------------------- which checkpoint to resume from
+
+RESUMABLE = "*.ckpt"  # periodic step*.ckpt / time-step*.ckpt and last.ckpt; best.ckpt and averages are not
+NOT_RESUMABLE = ("best.ckpt",)
+
+
+def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
+    """The checkpoint of a run folder with the most updates that reads completely (a kill can only
+    leave a temporary file behind, but a file may still be damaged later), and its contents."""
+    found = []
+    for path in checkpoint_dir.glob(RESUMABLE):
+        if path.name in NOT_RESUMABLE or path.name.startswith("average-"):
+            continue
+        try:
+            checkpoint = read_checkpoint(path, mmap=True)  # tensors stay on disk until used
+        except InputError as e:
+            log.warning("not resuming from %s: %s", path, e)
+            continue
+        if "optimizer_states" in checkpoint and "loops" in checkpoint:
+            found.append((checkpoint["global_step"], path.name == "last.ckpt", path.stat().st_mtime, path, checkpoint))
+    if not found:
+        raise MissingInputError(
+            f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}; continue a run with "
+            "ckpt_path=last hydra.run.dir=<the run's folder>, or give ckpt_path=<a .ckpt file>"
+        )
+    *_, path, checkpoint = max(found, key=lambda item: item[:3])
+    return path, checkpoint
+
+
+def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path, dict] | None:
+    """ckpt_path as given (`last`: the newest complete checkpoint of this run's folder) -> (path, contents)."""
+    if ckpt_path is None:
+        return None
+    if str(ckpt_path) == "last":
+        return newest_checkpoint(checkpoint_dir)
+    return Path(ckpt_path), read_checkpoint(ckpt_path, mmap=True)
+
+
+def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
+    """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
+    saved = checkpoint["hyper_parameters"]
+    changed = {k: (v, model.get(k)) for k, v in saved["model"].items() if k != "dropout" and model.get(k) != v}
+    if changed:
+        shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))
+        raise InputError(
+            f"ckpt_path={path}: the checkpoint's model has {shown}; resume with the run's own settings "
+            "(the same CONFIG and ARGS), or start a new run without ckpt_path"
+        )
+    if checkpoint.get("sentencepiece") != sentencepiece:
+        raise InputError(
+            f"ckpt_path={path}: the checkpoint was trained with another SentencePiece model than the one "
+            "these data settings give (data.path, data.vocab_size, seed ...); resume with the run's own "
+            "data settings (the same CONFIG and ARGS), or start a new run without ckpt_path"
+        )
+    before, now = flatten(saved.get("config") or {}), flatten(config)
+    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
+    if differ:
+        log.warning(
+            "resuming with settings that differ from the checkpoint's: %s",
+            "; ".join(f"{k}: {before.get(k)} -> {now.get(k)}" for k in differ),
+        )
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,11 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 from transformer_mt.checkpoint import write_checkpoint
 from transformer_mt.config import CONF_DIR
 from transformer_mt.data import TranslationDataModule
-from transformer_mt.files import InputError, exit_on_user_error
+from transformer_mt.files import InputError, exit_on_user_error, remove_stale_temporaries
 from transformer_mt.model import DecoderLayer, EncoderLayer
 from transformer_mt.module import TranslationModule
 from transformer_mt.progress import ProgressLog, RunEnd, UpdateProgressBar, setup_logging
-from transformer_mt.resume import RandomState
+from transformer_mt.resume import RandomState, check_resume, resume_checkpoint
 from transformer_mt.tokenizer import PAD_ID
 
 log = logging.getLogger(__name__)
@@ -110,14 +111,18 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
                 filename="time-step{step:07d}",
             )
         )
-    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
+    # No "-v1" copies: a run resumed in place rewrites a killed attempt's file of the same name with the same content.
+    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False, enable_version_counter=False)
+    # save_on_train_epoch_end: saved right after update N, never deferred to a later validation
+    # (which Lightning does at an epoch's last batch for checkpoints with a monitor such as "step").
+    on_time = dict(save_last=True, save_on_train_epoch_end=True, **common)
     callbacks = [
-        ModelCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", save_last=True, **common, **kw)
+        ModelCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", **on_time, **kw)
         for kw in periodic
-    ] or [ModelCheckpoint(save_top_k=0, save_last=True, **common)]
+    ] or [ModelCheckpoint(save_top_k=0, **on_time)]
     best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
     if best["monitor"]:
-        callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, enable_version_counter=False, **best, **common))
+        callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, **best, **common))
     if cfg.early_stopping_patience:
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
     callbacks += [
@@ -163,6 +168,11 @@ def train(cfg: DictConfig) -> float | None:
     trainer_args = trainer_arguments(cfg.trainer)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    checkpoint_dir = run_dir / "checkpoints"
+    for path in remove_stale_temporaries(checkpoint_dir):
+        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
+    # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
+    resume_path, resumed = resume_checkpoint(cfg.ckpt_path, checkpoint_dir) or (None, None)
     datamodule = TranslationDataModule(**plain(cfg.data))
     datamodule.build()  # the vocabulary size is known only after SentencePiece
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
@@ -175,7 +185,12 @@ def train(cfg: DictConfig) -> float | None:
         config=plain(cfg),
         tokenizer=datamodule.tokenizer,
     )
-    checkpoint_dir = run_dir / "checkpoints"
+    if resume_path:
+        check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, plain(cfg))
+        log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
+        if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        del resumed  # Lightning reads the file itself
     logger = make_logger(cfg.get("logger"))
     trainer = L.Trainer(
         **trainer_args,
@@ -207,7 +222,7 @@ def train(cfg: DictConfig) -> float | None:
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
     finally:
         finish_wandb(logger)
     bleu = trainer.callback_metrics.get("val/bleu")
