@@ -122,11 +122,16 @@ TINY_RUN = [
 
 
 def run_train(
-    args: list[str], tmp_path: Path, env: dict | None = None, check: bool = True
+    args: list[str],
+    tmp_path: Path,
+    env: dict | None = None,
+    check: bool = True,
+    entry: tuple[str, ...] = ("-m", "transformer_mt.train"),
 ) -> subprocess.CompletedProcess:
     """`python -m transformer_mt.train` with TINY_RUN and `args` (Hydra flags such as -m first), as a user runs it.
 
-    A key given in `args` replaces TINY_RUN's (e.g. data=multi30k instead of data=text).
+    A key given in `args` replaces TINY_RUN's (e.g. data=multi30k instead of data=text). `entry`
+    replaces `-m transformer_mt.train` (e.g. by tests/kill_at.py and its kill point).
     """
     flags = [a for a in args if a.startswith("-")]
     overrides = [a for a in args if not a.startswith("-")]
@@ -134,8 +139,7 @@ def run_train(
     defaults = [a for a in TINY_RUN if a.split("=")[0] not in given]
     cmd = [
         sys.executable,
-        "-m",
-        "transformer_mt.train",
+        *entry,
         *flags,
         *defaults,
         f"data.cache_dir={tmp_path / 'cache'}",

@@ -1,0 +1,82 @@
+"""`python -m transformer_mt.train`, SIGKILLed by itself at one point of training (fault injection).
+
+    python tests/kill_at.py <point> <train overrides ...>
+
+Points:
+  update:N          after update N, before its checkpoints are written (mid-epoch)
+  epoch-end:E       at the end of epoch E, after the checkpoints of its last update
+  validation:N      inside the first validation batch after update N
+  write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
+
+The process really dies by SIGKILL (exit status -9 for the caller): nothing runs after it, no
+`finally`, no atexit handler, exactly as when a node dies or the OOM killer strikes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import lightning as L
+import torch
+
+import transformer_mt.checkpoint
+import transformer_mt.train
+
+
+def die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Killer(L.Callback):
+    def __init__(self, kind: str, at: int):
+        self.kind, self.at = kind, at
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.kind == "update" and trainer.global_step == self.at:
+            die()
+
+    def on_train_epoch_end(self, trainer, module) -> None:
+        if self.kind == "epoch-end" and trainer.current_epoch == self.at:
+            die()
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.kind == "validation" and not trainer.sanity_checking and trainer.global_step >= self.at:
+            die()
+
+
+def kill_while_writing(name: str, step: int) -> None:
+    """torch.save of checkpoint `name` at update `step` writes half the file, then the process dies."""
+    real_save = torch.save
+
+    def save(checkpoint, path, *args, **kwargs):
+        if f".{name}.tmp-" in str(path) and checkpoint.get("global_step") == step:
+            real_save(checkpoint, path, *args, **kwargs)
+            size = os.path.getsize(path)
+            os.truncate(path, size // 2)
+            die()
+        real_save(checkpoint, path, *args, **kwargs)
+
+    transformer_mt.checkpoint.torch.save = save
+
+
+def main() -> None:
+    point, sys.argv[1:] = sys.argv[1], sys.argv[2:]
+    kind, *where = point.split(":")
+    if kind == "write":
+        kill_while_writing(where[0], int(where[1]))
+    else:
+        make_callbacks = transformer_mt.train.make_callbacks
+
+        def with_killer(cfg, checkpoint_dir):
+            return [Killer(kind, int(where[0])), *make_callbacks(cfg, checkpoint_dir)]
+
+        transformer_mt.train.make_callbacks = with_killer
+    transformer_mt.train.main()
+
+
+if __name__ == "__main__":
+    main()

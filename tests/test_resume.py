@@ -1,0 +1,110 @@
+"""Fault injection: training SIGKILLed at many points, resumed with the documented command
+(`ckpt_path=last hydra.run.dir=<run>`), must end bit-identical to the run that was never killed."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_train, write_corpus
+
+MAX_STEPS = 39  # 18 updates per epoch on this corpus: the runs span three epochs; a multiple of EVERY
+EVERY = 3  # a periodic checkpoint every 3 updates: a crash costs at most 3 updates
+
+
+def common(corpus: Path) -> list[str]:
+    return [
+        f"data.path={corpus}",
+        "model.dropout=0.1",  # as every shipped model: resume must restore the dropout masks' generator
+        f"checkpoint.every_n_train_steps={EVERY}",
+        f"trainer.max_steps={MAX_STEPS}",
+    ]
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    corpus = write_corpus(root / "corpus")
+    run_train([*common(corpus), f"hydra.run.dir={root / 'run'}"], root)
+    return root / "run" / "checkpoints"
+
+
+def assert_same_training_state(expected: Path, actual: Path) -> None:
+    a, b = load(expected), load(actual)
+    assert a["global_step"] == b["global_step"] == MAX_STEPS
+    for key, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][key], value), key
+    for param, state in a["optimizer_states"][0]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+KILLS = [
+    pytest.param(["write:last.ckpt:12"], id="during-the-last.ckpt-write"),  # the fast variant, in `make test`
+    pytest.param(["update:10"], id="mid-epoch", marks=pytest.mark.slow),
+    pytest.param(["epoch-end:0"], id="at-the-epoch-boundary", marks=pytest.mark.slow),
+    pytest.param(["validation:20"], id="during-validation", marks=pytest.mark.slow),
+    pytest.param(["write:step0000030.ckpt:30"], id="during-a-periodic-checkpoint-write", marks=pytest.mark.slow),
+    pytest.param(["update:25"], id="inside-the-second-epoch", marks=pytest.mark.slow),
+    pytest.param(["update:7", "update:31"], id="twice-in-one-run", marks=pytest.mark.slow),
+]
+
+
+def resumed_from(proc) -> tuple[str, int]:
+    found = re.search(r"resuming from (\S+) \(update (\d+)\)", proc.stdout)
+    assert found, proc.stdout[-3000:]
+    return Path(found.group(1)).name, int(found.group(2))
+
+
+@pytest.mark.parametrize("kills", KILLS)
+def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(kills, uninterrupted, tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    args = [*common(corpus), f"hydra.run.dir={run}"]
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    for attempt, point in enumerate(kills):
+        # Every attempt after the first is the documented command: the same settings and folder, ckpt_path=last.
+        killed = run_train(
+            [*args, *(["ckpt_path=last"] if attempt else [])], tmp_path, check=False, entry=(kill_at, point)
+        )
+        assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]  # SIGKILL, really
+        kind, *where = point.split(":")
+        if kind == "write":  # the half-written file of the killed write is there, under its temporary name
+            assert [p.name.split(".tmp-")[0] for p in checkpoints.glob(".*.tmp-*")] == [f".{where[0]}"]
+        if kind == "validation":  # killed inside it: that validation never reported
+            done = [int(v) for v in re.findall(r"validation at update (\d+):", killed.stdout)]
+            assert done and all(v < int(where[0]) for v in done)
+        # What the next start resumes from: the newest complete checkpoint, at most one interval back.
+        following = kills[attempt + 1] if attempt + 1 < len(kills) else None
+        if following is None:
+            proc = run_train([*args, "ckpt_path=last"], tmp_path)
+        else:
+            proc = run_train([*args, "ckpt_path=last"], tmp_path, check=False, entry=(kill_at, following))
+        name, step = resumed_from(proc)
+        if kind in ("update", "write"):
+            assert int(where[-1]) - EVERY <= step <= int(where[-1]), step
+        if point == "write:last.ckpt:12":  # last.ckpt was cut short; the step checkpoint of update 12 is complete
+            assert (name, step) == ("step0000012.ckpt", 12)
+        if kind == "epoch-end":
+            assert step == 18  # the epoch's last update; training goes on with the next epoch
+        for noise in ("not resumable", "unreliable results", "exists and is not empty", "Traceback"):
+            assert noise not in proc.stdout + proc.stderr, noise
+        if following is not None:
+            continue  # that run is killed in its turn, at the next point
+
+        assert_same_training_state(uninterrupted / "last.ckpt", checkpoints / "last.ckpt")
+        periodic = f"step{MAX_STEPS:07d}.ckpt"
+        assert_same_training_state(uninterrupted / periodic, checkpoints / periodic)
+        # The same files as the uninterrupted run: the last 5 periodic ones, last, best. No stale temporary
+        # file, no "-v1" copy beside a killed attempt's file, no periodic file beyond keep_last, except
+        # the file a run resumed from, which Lightning never deletes (here when last.ckpt was cut short).
+        expected = {p.name for p in uninterrupted.iterdir()} | {resumed_from(proc)[0]}
+        assert sorted(p.name for p in checkpoints.iterdir()) == sorted(expected)
+        assert load(checkpoints / "best.ckpt")["global_step"] == load(uninterrupted / "best.ckpt")["global_step"]
