@@ -127,6 +127,7 @@ def run_train(
     env: dict | None = None,
     check: bool = True,
     entry: tuple[str, ...] = ("-m", "transformer_mt.train"),
+    **popen,
 ) -> subprocess.CompletedProcess:
     """`python -m transformer_mt.train` with TINY_RUN and `args` (Hydra flags such as -m first), as a user runs it.
 
@@ -152,6 +153,7 @@ def run_train(
         timeout=600,
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        **popen,
     )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

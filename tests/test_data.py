@@ -97,8 +97,8 @@ def test_empty_split_after_cleaning_is_an_error(tmp_path):
 
 
 def test_drop_empty_strips_and_counts():
-    src, tgt, dropped = drop_empty([" a ", "", "b", "c"], ["x", "y", "  ", " z\r"])
-    assert (src, tgt, dropped) == (["a", "c"], ["x", "z"], 2)
+    src, tgt, rows = drop_empty([" a ", "", "b", "c"], ["x", "y", "  ", " z\r"])
+    assert (src, tgt, rows) == (["a", "c"], ["x", "z"], [0, 3])
 
 
 def test_length_filter_counts_each_rule():

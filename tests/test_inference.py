@@ -194,6 +194,24 @@ def test_translate_keeps_order_and_empty_lines_and_warns_on_truncation(trained_r
     assert again.stdout == lines[2] + "\n"
 
 
+def test_translate_stops_at_invalid_utf8_after_writing_the_lines_before_it(trained_run):
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    valid = b"the cat sees a dog .\nthe big tree .\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2", "batch_lines=1"],
+        input=valid + "die Katze läuft .\n".encode("latin-1") + b"the house .\n",
+        capture_output=True,
+    )
+    assert proc.returncode == 1
+    out = proc.stdout.decode().split("\n")
+    assert len(out) == 3 and out[0] and out[1] and out[2] == ""  # lines 1 and 2 translated and written
+    assert proc.stderr.decode().strip().splitlines()[-1] == (
+        "error: standard input, line 3: invalid UTF-8 (invalid continuation byte at byte 11 of the line); "
+        "re-encode the input as UTF-8 (e.g. iconv -f latin1 -t utf-8); the 2 lines before it were translated "
+        "and written"
+    )
+
+
 def test_evaluate_files_and_data_test_split(trained_run, tmp_path):
     ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
     corpus = trained_run / "corpus"

@@ -2,6 +2,8 @@
 (`ckpt_path=last hydra.run.dir=<run>`), must end bit-identical to the run that was never killed."""
 
 import re
+import resource
+import signal
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,59 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         expected = {p.name for p in uninterrupted.iterdir()} | {resumed_from(proc)[0]}
         assert sorted(p.name for p in checkpoints.iterdir()) == sorted(expected)
         assert load(checkpoints / "best.ckpt")["global_step"] == load(uninterrupted / "best.ckpt")["global_step"]
+
+
+# ---------------------------------------------------------------- what resuming refuses, and a full disk
+
+
+def one_error_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_resume_refuses_what_it_cannot_continue_in_one_line(tmp_path):
+    corpus, other = write_corpus(tmp_path / "corpus"), write_corpus(tmp_path / "other")
+    for path in other.iterdir():  # other text, the same vocabulary size: another SentencePiece model
+        path.write_text(path.read_text().upper())
+    run = tmp_path / "run"
+    run_train([f"data.path={corpus}", "trainer.max_steps=3", f"hydra.run.dir={run}"], tmp_path)
+    last = run / "checkpoints" / "last.ckpt"
+
+    def resume(*args):
+        return one_error_line(run_train([f"data.path={corpus}", "trainer.max_steps=6", *args], tmp_path, check=False))
+
+    line = resume(f"data.path={other}", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'a'}")
+    assert f"ckpt_path={last}: the checkpoint was trained with another SentencePiece model" in line
+    line = resume("model.d_model=64", "ckpt_path=last", f"hydra.run.dir={run}")
+    assert f"ckpt_path={last}: the checkpoint's model has d_model 32 (now 64)" in line
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(last.read_bytes()[:1000])  # a copy cut short
+    line = resume(f"ckpt_path={junk}", f"hydra.run.dir={tmp_path / 'b'}")
+    assert line == f"error: {junk}: damaged or incomplete checkpoint (RuntimeError: PytorchStreamReader failed " + (
+        "reading zip archive: failed finding central directory)"
+    )
+    line = resume("ckpt_path=last", f"hydra.run.dir={tmp_path / 'fresh'}")
+    assert "ckpt_path=last: no complete checkpoint in" in line and "hydra.run.dir=<the run's folder>" in line
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "fresh"))  # failed starts leave no folder
+    # Nothing was written into the run that the refused resume named.
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+def limit_file_size(limit: int):
+    def apply() -> None:  # in the child: a write past `limit` bytes fails with EFBIG, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_checkpoint_write_that_fails_ends_in_one_line_and_leaves_no_partial_file(tmp_path):
+    corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    args = [f"data.path={corpus}", "trainer.max_steps=3", f"hydra.run.dir={run}"]
+    run_train(["trainer.max_steps=0", *args[:1], f"hydra.run.dir={tmp_path / 'cache-only'}"], tmp_path)
+    # The data cache exists; the checkpoint (~0.8 MB with Adam's moments) is larger than the limit.
+    proc = run_train(args, tmp_path, check=False, preexec_fn=limit_file_size(400_000))
+    line = one_error_line(proc)
+    assert line.startswith(f"error: could not write {run / 'checkpoints'}/") and "Nothing partial was left" in line
+    assert list((run / "checkpoints").iterdir()) == []  # no truncated file, no temporary file

@@ -24,6 +24,7 @@ class TokenizedSplit(Dataset):
         self.tgt_offsets, self.tgt_values = tgt.offsets.to_numpy(), tgt.values.to_numpy()
         self.src_lens = np.diff(self.src_offsets)
         self.tgt_lens = np.diff(self.tgt_offsets)
+        self.rows = table.column("row").to_numpy()  # where each pair is in the raw split (from 0)
 
     def __len__(self) -> int:
         return len(self.src_lens)
@@ -81,8 +82,11 @@ class TokenBucketSampler(Sampler[list[int]]):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        indices: np.ndarray | None = None,
     ):
-        if len(src_lens) == 0:
+        """indices: the items to batch (default: all)."""
+        self.indices = np.arange(len(src_lens)) if indices is None else np.asarray(indices)
+        if len(self.indices) == 0:
             raise InputError("cannot batch an empty split")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -107,7 +111,7 @@ class TokenBucketSampler(Sampler[list[int]]):
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
         rng = np.random.default_rng(self.seed + epoch)
-        order = rng.permutation(len(self.src_lens)) if self.shuffle else np.arange(len(self.src_lens))
+        order = self.indices[rng.permutation(len(self.indices))] if self.shuffle else self.indices
         # Sort by the longer side (what a batch pays for), then by the total; stable, so ties stay shuffled.
         src, tgt = self.src_lens[order], self.tgt_lens[order]
         order = order[np.lexsort((src + tgt, np.maximum(src, tgt)))]
@@ -125,7 +129,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         while len(batches) % self.world_size:  # equal shares: split the largest batch in two
             largest = max(range(len(batches)), key=lambda i: len(batches[i]))
             if len(batches[largest]) < 2:
-                raise InputError(f"{len(self.src_lens)} sentences cannot fill {self.world_size} ranks")
+                raise InputError(f"{len(self.indices)} sentences cannot fill {self.world_size} ranks")
             half = len(batches[largest]) // 2
             batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
         return batches

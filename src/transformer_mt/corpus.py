@@ -145,6 +145,14 @@ class RawSplit:
     dataset: datasets.Dataset | None = None
     text_pair: tuple[Path, Path] | None = None
 
+    def describe(self, row: int | None = None) -> str:
+        """Where the split (or its row, from 0) comes from, as an error message names it."""
+        if self.text_pair is not None:
+            where = " and ".join(str(p) for p in self.text_pair)
+            return where if row is None else f"{where}, line {row + 1}"
+        where = f"data '{self.corpus.name}' {self.split}"
+        return where if row is None else f"{where}, row {row}"
+
     def pairs(self) -> tuple[list[str], list[str]]:
         if self.text_pair is not None:
             return read_text_pair(*self.text_pair)
@@ -168,10 +176,11 @@ class RawSplit:
 # ---------------------------------------------------------------- cleaning
 
 
-def drop_empty(src: list[str], tgt: list[str]) -> tuple[list[str], list[str], int]:
-    """Strip both sides; drop pairs where either side is empty. Returns (src, tgt, dropped)."""
-    kept = [(s, t) for s, t in zip((s.strip() for s in src), (t.strip() for t in tgt)) if s and t]
-    return [s for s, _ in kept], [t for _, t in kept], len(src) - len(kept)
+def drop_empty(src: list[str], tgt: list[str]) -> tuple[list[str], list[str], list[int]]:
+    """Strip both sides; drop pairs where either side is empty. Returns (src, tgt, rows kept), rows
+    counted from 0 in the input (so that an error can name the line)."""
+    kept = [(i, s, t) for i, (s, t) in enumerate(zip((s.strip() for s in src), (t.strip() for t in tgt))) if s and t]
+    return [s for _, s, _ in kept], [t for _, _, t in kept], [i for i, _, _ in kept]
 
 
 def length_filter(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int, max_ratio: float | None) -> dict:

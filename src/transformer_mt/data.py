@@ -77,6 +77,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.num_workers, self.seed = num_workers, seed
         self.cache_dir = Path(os.path.expanduser(cache_dir))
         self.tokenizer: Tokenizer | None = None
+        self.raw: dict[str, RawSplit] = {}
         self.splits: dict[str, TokenizedSplit] = {}
         self.train_sampler: TokenBucketSampler | None = None
         self.timings: dict[str, tuple[str, float]] = {}  # split -> (how, seconds)
@@ -96,9 +97,9 @@ class TranslationDataModule(L.LightningDataModule):
         for folder in ("sentencepiece", "corpus"):  # what a killed build left half-written
             for path in remove_stale_temporaries(self.cache_dir / folder):
                 log.info("removed %s (an unfinished cache write of a killed run)", path)
-        raw = {split: self.corpus.load(split) for split in SPLITS}
-        self.tokenizer = self.load_or_train_tokenizer(raw["train"])
-        self.splits = {split: self.load_or_tokenize(raw[split]) for split in SPLITS}
+        self.raw = {split: self.corpus.load(split) for split in SPLITS}
+        self.tokenizer = self.load_or_train_tokenizer(self.raw["train"])
+        self.splits = {split: self.load_or_tokenize(self.raw[split]) for split in SPLITS}
 
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
         key = cache_key(
@@ -112,6 +113,10 @@ class TranslationDataModule(L.LightningDataModule):
         if (directory / "sentencepiece.model").exists():
             return Tokenizer(directory / "sentencepiece.model")
         src, tgt, _ = drop_empty(*train.pairs())
+        if not src:
+            raise InputError(
+                f"{train.describe()}: no training pair with text on both sides; check data.path (and data.text_files)"
+            )
         return train_tokenizer([src, tgt], directory, self.vocab_size, self.spm_max_sentences, self.seed)
 
     def load_or_tokenize(self, raw: RawSplit) -> TokenizedSplit:
@@ -124,6 +129,7 @@ class TranslationDataModule(L.LightningDataModule):
             langs=[self.corpus.src_lang, self.corpus.tgt_lang],
             max_len=self.max_len if filtered else None,
             ratio=self.max_len_ratio if filtered else None,
+            layout=2,  # columns: src, tgt, row (+ src_text, tgt_text)
         )
         directory = self.cache_dir / "corpus" / f"{self.corpus.name}-{split}-{key}"
         start, cached = time.perf_counter(), directory.exists()
@@ -144,9 +150,11 @@ class TranslationDataModule(L.LightningDataModule):
         return tokenized
 
     def write_tokenized(self, raw: RawSplit, directory: Path, filtered: bool) -> str:
-        """Clean, tokenize and cache one split as an Arrow dataset; returns what was dropped, for the log."""
+        """Clean, tokenize and cache one split as an Arrow dataset; returns what was dropped, for the log.
+        Each pair keeps its row in the raw split (`row`), so that later checks can name the line."""
         name, split = self.corpus.name, raw.split
-        src, tgt, n_empty = drop_empty(*raw.pairs())
+        raw_src, raw_tgt = raw.pairs()
+        src, tgt, rows = drop_empty(raw_src, raw_tgt)
         src_ids, tgt_ids = [], []
         chunk = 20_000
         # A bar on a terminal only (disable=None); in a log file the split's line says how long it took.
@@ -155,7 +163,7 @@ class TranslationDataModule(L.LightningDataModule):
         ):
             src_ids += self.tokenizer.encode(src[i : i + chunk])
             tgt_ids += self.tokenizer.encode(tgt[i : i + chunk])
-        drops = {"empty side": n_empty}
+        drops = {"empty side": len(raw_src) - len(rows)}
         if filtered:
             rule = length_filter(
                 np.array([len(x) for x in src_ids]),
@@ -164,33 +172,48 @@ class TranslationDataModule(L.LightningDataModule):
                 self.max_len_ratio,
             )
             keep = rule["keep"].tolist()
-            src_ids = [x for x, k in zip(src_ids, keep) if k]
-            tgt_ids = [x for x, k in zip(tgt_ids, keep) if k]
-            src = [x for x, k in zip(src, keep) if k]
-            tgt = [x for x, k in zip(tgt, keep) if k]
+            src_ids, tgt_ids, src, tgt, rows = (
+                [x for x, k in zip(column, keep) if k] for column in (src_ids, tgt_ids, src, tgt, rows)
+            )
             drops.update(rule["drops"])
         if not src_ids:
             raise InputError(
-                f"data '{name}' split {split} is empty after cleaning (dropped: {drops}); "
+                f"{raw.describe()}: the {split} split is empty after cleaning (dropped: {drops}); "
                 "check data.path and data.max_len"
             )
-        columns = {"src": src_ids, "tgt": tgt_ids}
+        columns = {"src": src_ids, "tgt": tgt_ids, "row": rows}
+        features = {
+            "src": datasets.Sequence(datasets.Value("int32")),
+            "tgt": datasets.Sequence(datasets.Value("int32")),
+            "row": datasets.Value("int64"),
+        }
         if split != "train":  # references for BLEU
             columns.update(src_text=src, tgt_text=tgt)
-        features = datasets.Features(
-            {
-                "src": datasets.Sequence(datasets.Value("int32")),
-                "tgt": datasets.Sequence(datasets.Value("int32")),
-                **(
-                    {"src_text": datasets.Value("string"), "tgt_text": datasets.Value("string")}
-                    if split != "train"
-                    else {}
-                ),
-            }
-        )
+            features.update(src_text=datasets.Value("string"), tgt_text=datasets.Value("string"))
         with atomic_write(directory) as tmp, quiet_datasets():  # a crash never leaves a half-written cache
-            datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
+            datasets.Dataset.from_dict(columns, features=datasets.Features(features)).save_to_disk(str(tmp))
         return "; dropped " + ", ".join(f"{n:,} ({why})" for why, n in drops.items())
+
+    def check_lengths(self, max_positions: int) -> None:
+        """Every pair of every split fits the model's position table (with EOS, or BOS for the decoder
+        input): found now, not at the first validation after hours of training."""
+        for split, data in self.splits.items():
+            longest = np.maximum(data.src_lens, data.tgt_lens) + 1
+            too_long = np.flatnonzero(longest > max_positions)
+            if not len(too_long):
+                continue
+            i = too_long[0]
+            side = "source" if data.src_lens[i] >= data.tgt_lens[i] else "target"
+            fix = (
+                f"lower data.max_len to {max_positions - 1} or less (longer training pairs are dropped)"
+                if split == "train"
+                else "shorten or remove it (validation and test sets are used whole)"
+            )
+            raise InputError(
+                f"{self.raw[split].describe(int(data.rows[i]))}: the {side} sentence has {longest[i] - 1} tokens, "
+                f"more than model.max_positions={max_positions} allows with EOS ({len(too_long) - 1} more such "
+                f"pairs in {split}); {fix}, or raise model.max_positions"
+            )
 
     # -- batching
 
@@ -202,9 +225,28 @@ class TranslationDataModule(L.LightningDataModule):
         return accumulation_steps(self.tokens_per_update, self.max_tokens, world_size)
 
     def sampler(self, split: str, shuffle: bool) -> TokenBucketSampler:
+        """Token buckets of a split. A training pair longer than max_tokens (with EOS/BOS) is left out, and
+        counted in the log; a validation or test sentence that long is kept, in a batch of its own."""
         rank, world = self._rank_world()
         data = self.splits[split]
-        return TokenBucketSampler(data.src_lens, data.tgt_lens, self.max_tokens, shuffle, self.seed, rank, world)
+        fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= self.max_tokens
+        indices = np.flatnonzero(fits) if split == "train" else None
+        if not fits.all():
+            if split == "train" and not fits.any():
+                raise InputError(
+                    f"no training pair fits data.max_tokens={self.max_tokens} (the shortest needs "
+                    f"{int(np.maximum(data.src_lens, data.tgt_lens).min()) + 1}); raise data.max_tokens"
+                )
+            (log.info if split == "train" else log.warning)(
+                "%s: %s pairs are longer than data.max_tokens=%d tokens: %s",
+                split,
+                f"{int((~fits).sum()):,}",
+                self.max_tokens,
+                "left out of training" if split == "train" else "each is batched alone, over the limit",
+            )
+        return TokenBucketSampler(
+            data.src_lens, data.tgt_lens, self.max_tokens, shuffle, self.seed, rank, world, indices=indices
+        )
 
     def _loader(self, split: str, sampler: TokenBucketSampler) -> DataLoader:
         data = self.splits[split]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,12 @@ class TransformerConfig:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # values from YAML or the command line: "abc" and 1.5 fail here, by name
+            value, whole = getattr(self, f.name), f.type == "int"
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+                raise ValueError(f"{f.name}={value!r}: must be a {'whole number' if whole else 'number'}")
+            if f.name != "pad_id" and not (0 <= value < 1 if f.name == "dropout" else value > 0):
+                raise ValueError(f"{f.name}={value}: must be {'in [0, 1)' if f.name == 'dropout' else 'positive'}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.d_model % 2:

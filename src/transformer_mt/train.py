@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from transformer_mt.checkpoint import write_checkpoint
 from transformer_mt.config import CONF_DIR
 from transformer_mt.data import TranslationDataModule
 from transformer_mt.files import InputError, exit_on_user_error, remove_stale_temporaries
-from transformer_mt.model import DecoderLayer, EncoderLayer
+from transformer_mt.model import DecoderLayer, EncoderLayer, TransformerConfig
 from transformer_mt.module import TranslationModule
 from transformer_mt.progress import ProgressLog, RunEnd, UpdateProgressBar, setup_logging
 from transformer_mt.resume import RandomState, check_resume, resume_checkpoint
@@ -134,8 +135,33 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
     return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
 
 
+NUMBERS = {  # keys outside the model whose wrong type would fail late or silently, and what each must be
+    "seed": int,
+    "label_smoothing": float,
+    "optim.lr_factor": float,
+    "optim.warmup_steps": int,
+    "optim.eps": float,
+    "val_bleu_sentences": int,
+    "progress_every_n_updates": int,
+}
+
+
 def check_config(cfg: DictConfig) -> None:
-    """Settings that only fail late (at the first validation) are refused before any work."""
+    """Settings that only fail late (after the data is built, or at the first validation) are refused
+    before any work."""
+    for key, kind in NUMBERS.items():
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value < 0:
+            what = "a number" if kind is float else "a whole number"
+            raise InputError(f"{key}={value!r}: must be {what}, 0 or more")
+    known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
+    unknown = sorted(set(cfg.model) - known)
+    if unknown:
+        raise InputError(f"model.{unknown[0]}: not a model setting; the model takes {', '.join(sorted(known))}")
+    try:  # the model's own checks (types, positive sizes, heads dividing d_model); the vocabulary comes later
+        TransformerConfig(**plain(cfg.model), vocab_size=PAD_ID + 1, pad_id=PAD_ID)
+    except ValueError as e:
+        raise InputError(f"model.{e}") from None
     monitor = cfg.checkpoint.best_monitor
     if monitor and monitor.removeprefix("val/") in ("bleu", "chrf") and not cfg.val_bleu_sentences:
         raise InputError(
@@ -175,6 +201,7 @@ def train(cfg: DictConfig) -> float | None:
     resume_path, resumed = resume_checkpoint(cfg.ckpt_path, checkpoint_dir) or (None, None)
     datamodule = TranslationDataModule(**plain(cfg.data))
     datamodule.build()  # the vocabulary size is known only after SentencePiece
+    datamodule.check_lengths(cfg.model.max_positions)
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
         model=model_cfg,

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.checkpoint import load_for_inference, pick_device
 from transformer_mt.config import CONF_DIR
-from transformer_mt.files import exit_on_user_error, required
+from transformer_mt.files import InputError, exit_on_user_error, required
 from transformer_mt.search import translate_lines
 
 
@@ -23,14 +23,30 @@ def warn_about_input(message: str) -> None:
     stderr(f"warning: input {message}")
 
 
+def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | None]:
+    """UTF-8 lines up to the first invalid one, and the error that names it (None if all are valid)."""
+    lines = []
+    for number, line in enumerate(raw, first_line):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return lines, (
+                f"standard input, line {number}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
+                "re-encode the input as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            )
+        lines.append(text.removesuffix("\n").removeprefix("\ufeff" if number == 1 else ""))
+    return lines, None
+
+
 def translate(cfg: DictConfig) -> None:
     model, tokenizer, _ = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
     decoding = OmegaConf.to_container(cfg.decoding)
-    # Lines end with "\n" only: U+0085 and friends inside a line are text, not line breaks.
-    stdin = open(sys.stdin.fileno(), encoding="utf-8", errors="strict", newline="\n", closefd=False)  # noqa: SIM115 (stdin stays open)
     lines_done, start = 0, time.perf_counter()
-    while chunk := [line.rstrip("\n") for line in itertools.islice(stdin, cfg.batch_lines)]:
+    # Bytes, split on "\n" only (U+0085 and friends inside a line are text), decoded line by line: an
+    # invalid line ends the run with its number, after the lines before it are translated and written.
+    while raw := list(itertools.islice(sys.stdin.buffer, cfg.batch_lines)):
+        chunk, error = decode_lines(raw, first_line=lines_done + 1)
         texts = translate_lines(
             model,
             tokenizer,
@@ -44,6 +60,8 @@ def translate(cfg: DictConfig) -> None:
             sys.stdout.write(text + "\n")
         sys.stdout.flush()
         lines_done += len(chunk)
+        if error:
+            raise InputError(f"{error}; the {lines_done} lines before it were translated and written")
     seconds = time.perf_counter() - start
     stderr(
         f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
