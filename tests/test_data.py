@@ -1,5 +1,7 @@
 """Reading, cleaning, SentencePiece, caching and token-bucket batching (issue: data)."""
 
+import os
+import socket
 import subprocess
 import sys
 
@@ -89,8 +91,68 @@ def test_missing_split_names_what_was_looked_for(tmp_path):
 
 def test_empty_split_after_cleaning_is_an_error(tmp_path):
     dm = text_datamodule(tmp_path, max_len=1)  # every synthetic sentence has more tokens
-    with pytest.raises(ValueError, match="empty after cleaning"):
+    with pytest.raises(ValueError, match=r"corpus/train\.en and .*corpus/train\.de: the train split is empty after"):
         dm.build()
+
+
+def test_empty_training_files_are_named(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    for side in ("en", "de"):
+        (tmp_path / "corpus" / f"train.{side}").write_text("\n\n")
+    with pytest.raises(InputError, match=r"corpus/train\.en and .*corpus/train\.de: no training pair with text"):
+        text_datamodule(tmp_path).build()
+
+
+def test_a_pair_longer_than_the_models_positions_is_found_when_the_data_is_built(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    valid = (tmp_path / "corpus" / "valid.de").read_text().splitlines()
+    valid[6] = " ".join(["Katze"] * 70)  # line 7: about 70 tokens
+    (tmp_path / "corpus" / "valid.de").write_text("\n".join(valid) + "\n")
+    dm = text_datamodule(tmp_path, max_len=40)
+    dm.build()
+    dm.check_lengths(max_positions=256)  # fits a larger table
+    with pytest.raises(InputError) as error:
+        dm.check_lengths(max_positions=64)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path}/corpus/valid.en and {tmp_path}/corpus/valid.de, line 7: the target sentence")
+    assert "more than model.max_positions=64 allows with EOS (0 more such pairs in validation)" in message
+    assert "shorten or remove it" in message
+    with pytest.raises(InputError, match=r"train\.de, line \d+: .* lower data\.max_len to 19 or less"):
+        dm.check_lengths(max_positions=20)  # training pairs up to max_len=40 tokens
+
+
+def test_training_pairs_longer_than_max_tokens_are_left_out_and_counted(tmp_path, caplog):
+    dm = text_datamodule(tmp_path, max_tokens=12)
+    dm.build()
+    data = dm.splits["train"]
+    too_long = np.maximum(data.src_lens, data.tgt_lens) + 1 > 12
+    assert 0 < too_long.sum() < len(too_long)
+    with caplog.at_level("INFO"):
+        sampler = dm.sampler("train", shuffle=True)
+    assert (
+        f"train: {too_long.sum()} pairs are longer than data.max_tokens=12 tokens: left out of training" in caplog.text
+    )
+    batched = np.concatenate(sampler.all_batches(0))
+    assert sorted(batched.tolist()) == np.flatnonzero(~too_long).tolist()  # each short pair once, no long one
+    for batch in sampler.all_batches(0):
+        assert len(batch) * max(sampler.src_lens[batch].max(), sampler.tgt_lens[batch].max()) <= 12
+    tiny = text_datamodule(tmp_path, max_tokens=2)
+    tiny.build()
+    with pytest.raises(InputError, match="no training pair fits data.max_tokens=2"):
+        tiny.sampler("train", shuffle=True)
+
+
+def test_a_killed_cache_write_is_cleaned_up_by_the_next_build(tmp_path):
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host, pid = socket.gethostname(), dead.stdout.strip()  # a process that has ended
+    stale = tmp_path / "cache" / "corpus" / f".synthetic-train-x.tmp-{host}-{pid}-abcd"
+    stale.mkdir()
+    alive = tmp_path / "cache" / "corpus" / f".synthetic-valid-x.tmp-{host}-{os.getpid()}-abcd"  # still writing
+    alive.mkdir()
+    text_datamodule(tmp_path).build()
+    assert not stale.exists() and alive.exists()
 
 
 # ---------------------------------------------------------------- cleaning

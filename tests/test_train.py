@@ -186,6 +186,18 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         check_config(cfg)
     with pytest.raises(InputError, match="early_stopping_patience needs checkpoint.best_monitor"):
         check_config(compose_train(["early_stopping_patience=3", "checkpoint.best_monitor=null"], tmp_path))
+    # Wrong types and values, by key, before the data is built (not "TypeError: not all arguments converted")
+    for override, message in [
+        ("model.d_model=abc", "model.d_model='abc': must be a whole number"),
+        ("model.dropout=1.5", "model.dropout=1.5: must be in [0, 1)"),
+        ("model.n_heads=3", "model.d_model=512 is not divisible by n_heads=3"),
+        ("+model.d_modle=3", "model.d_modle: not a model setting; the model takes d_ff, d_model"),
+        ("optim.lr_factor=fast", "optim.lr_factor='fast': must be a number, 0 or more"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps=-5: must be a whole number, 0 or more"),
+    ]:
+        with pytest.raises(InputError) as error:
+            check_config(compose_train([override], tmp_path))
+        assert str(error.value).startswith(message), (override, str(error.value))
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* add trainer=cpu"):
             trainer_arguments(compose_train(["trainer=gpu"], tmp_path).trainer)
