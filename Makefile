@@ -42,7 +42,7 @@ CONFIG ?= multi30k
 ARGS   ?=
 
 .PHONY: train
-train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."]; CONFIG defaults to multi30k
+train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."] (CONFIG defaults to multi30k); resume a run: add ARGS="ckpt_path=last hydra.run.dir=<its folder>"
 	$(PY) -m transformer_mt.train $(ARGS) experiment=$(CONFIG)  # ARGS first: Hydra flags such as -m precede overrides
 
 CKPT ?=

@@ -166,3 +166,14 @@ def test_a_checkpoint_write_that_fails_ends_in_one_line_and_leaves_no_partial_fi
     line = one_error_line(proc)
     assert line.startswith(f"error: could not write {run / 'checkpoints'}/") and "Nothing partial was left" in line
     assert list((run / "checkpoints").iterdir()) == []  # no truncated file, no temporary file
+
+
+def test_a_finished_run_extended_with_more_updates_continues_its_epoch(uninterrupted, tmp_path):
+    # 20 updates end inside the second epoch; continuing to 39 must match the run that went to 39 at once.
+    corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    args = [*common(corpus), f"hydra.run.dir={run}"]
+    run_train([*args, "trainer.max_steps=20"], tmp_path)
+    proc = run_train([*args, "ckpt_path=last"], tmp_path)
+    assert resumed_from(proc) == ("last.ckpt", 20)
+    assert "trainer.max_steps: 20 -> 39" in proc.stdout  # the changed setting is logged
+    assert_same_training_state(uninterrupted / "last.ckpt", run / "checkpoints" / "last.ckpt")
