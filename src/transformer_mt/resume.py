@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.files import InputError, MissingInputError
@@ -130,7 +131,7 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
         )
     before, now = flatten(saved.get("config") or {}), flatten(config)
     differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
-    if differ:
+    if differ and rank_zero_only.rank == 0:
         log.warning(
             "resuming with settings that differ from the checkpoint's: %s",
             "; ".join(f"{k}: {before.get(k)} -> {now.get(k)}" for k in differ),
