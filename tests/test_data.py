@@ -481,3 +481,29 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch_in_its_own_order(tmp_pa
     assert module.train_batches[0] != module.train_batches[1] != module.train_batches[2]
     # The sanity check's 2 batches, then every validation whole (the abandoned pass does not shorten the next)
     assert module.val_batches == [0, 1] + list(range(n_val)) * 3
+
+
+def test_scale_corpus_generator_is_deterministic_and_read_like_wmt14(tmp_path):
+    source = tmp_path / "source"
+    en, de = synthetic_corpus(300, seed=3)
+    write_pair(source / "train-sample", "news2008-2012", en, de)
+    write_pair(source, "newstest2013", en[:20], de[:20])
+    write_pair(source, "newstest2014", en[20:40], de[20:40])
+
+    def generate(out: str, pairs: int, seed: int = 0) -> Corpus:
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "make_scale_corpus.py"), "--out", str(tmp_path / out)]
+            + ["--pairs", str(pairs), "--shard", "700", "--seed", str(seed), "--source", str(source)],
+            check=True,
+            capture_output=True,
+        )
+        return Corpus("wmt14", path=str(tmp_path / out), hub_name="wmt14", hub_config="de-en")
+
+    corpus = generate("a", 2000)
+    src, tgt = corpus.load("train").pairs()
+    assert len(src) == len(tgt) == 2000 and len(list((tmp_path / "a" / "de-en").glob("train-*"))) == 3
+    assert corpus.load("validation").pairs() == (en[:20], de[:20])  # the real newstest files, unchanged
+    assert generate("b", 2000).load("train").pairs() == (src, tgt)  # the same seed: the same corpus
+    assert generate("c", 2000, seed=1).load("train").pairs() != (src, tgt)
+    distinct = [len({w for s in tgt[:n] for w in s.split()}) for n in (200, 2000)]
+    assert distinct[1] > distinct[0] > len({w for s in de for w in s.split()})  # new words keep coming
