@@ -55,6 +55,8 @@ KILLS = [
     pytest.param(["write:step0000030.ckpt:30"], id="during-a-periodic-checkpoint-write", marks=pytest.mark.slow),
     pytest.param(["update:25"], id="inside-the-second-epoch", marks=pytest.mark.slow),
     pytest.param(["update:7", "update:31"], id="twice-in-one-run", marks=pytest.mark.slow),
+    # data=wmt14 loads with 2 persistent worker processes: the same batches, the same result
+    pytest.param(["epoch-end:0", "update:25"], id="with-2-loader-workers", marks=pytest.mark.slow),
 ]
 
 
@@ -65,11 +67,13 @@ def resumed_from(proc) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("kills", KILLS)
-def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(kills, uninterrupted, tmp_path):
+def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(kills, uninterrupted, tmp_path, request):
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
-    args = [*common(corpus), f"hydra.run.dir={run}"]
+    args = [*common(corpus), f"hydra.run.dir={run}"] + (
+        ["data.num_workers=2"] if "workers" in request.node.name else []
+    )
     kill_at = str(ROOT / "tests" / "kill_at.py")
     for attempt, point in enumerate(kills):
         # Every attempt after the first is the documented command: the same settings and folder, ckpt_path=last.

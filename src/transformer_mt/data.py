@@ -294,7 +294,15 @@ class ResumableLoader(DataLoader):
         self.batches_done = batches_done
 
     def state_dict(self) -> dict:
-        return {"epoch": self.batch_sampler.epoch, "position": self.batches_done()}
+        """Where the next batch comes from. After an epoch's last batch that is the next epoch: with worker
+        processes the loader's iterator is created (and starts prefetching) before Lightning calls
+        set_epoch for the new epoch, so the restored state must already name it."""
+        epoch, done = self.batch_sampler.epoch, self.batches_done()
+        return (
+            {"epoch": epoch + 1, "position": 0}
+            if done >= len(self.batch_sampler)
+            else {"epoch": epoch, "position": done}
+        )
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.load_state_dict(state)
