@@ -94,7 +94,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
         self.rank, self.world_size = rank, world_size
-        self.epoch, self.position = 0, 0  # position: batches of this epoch already handed out
+        self.epoch = 0
         self._resume_at = 0  # where the next pass starts: a restored position, else 0
         self._cache: tuple[int, list[np.ndarray]] | None = None
 
@@ -106,7 +106,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.epoch, self.position, self._resume_at = epoch, 0, 0
+            self.epoch, self._resume_at = epoch, 0
 
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
@@ -149,15 +149,12 @@ class TokenBucketSampler(Sampler[list[int]]):
         # The epoch only changes through set_epoch() (Lightning calls it every epoch).
         start, self._resume_at = (self._resume_at if self._resume_at < len(batches) else 0), 0
         for i in range(start, len(batches)):
-            self.position = i + 1
             yield batches[i].tolist()
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._resume_at = self.position
+        """Resume at batch `position` of `epoch` (ResumableLoader saves how many batches training processed:
+        the sampler itself runs ahead of training)."""
+        self.epoch, self._resume_at = state["epoch"], state["position"]
 
 
 def accumulation_steps(tokens_per_update: int | None, max_tokens: int, world_size: int) -> int:

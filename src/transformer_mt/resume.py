@@ -77,16 +77,13 @@ class RandomState(L.Callback):
 
 # ---------------------------------------------------------------- which checkpoint to resume from
 
-RESUMABLE = "*.ckpt"  # periodic step*.ckpt / time-step*.ckpt and last.ckpt; best.ckpt and averages are not
-NOT_RESUMABLE = ("best.ckpt",)
-
 
 def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
     """The checkpoint of a run folder with the most updates that reads completely (a kill can only
     leave a temporary file behind, but a file may still be damaged later), and its contents."""
     found = []
-    for path in checkpoint_dir.glob(RESUMABLE):
-        if path.name in NOT_RESUMABLE or path.name.startswith("average-"):
+    for path in checkpoint_dir.glob("*.ckpt"):  # last.ckpt, step*.ckpt, time-step*.ckpt
+        if path.name == "best.ckpt" or path.name.startswith("average-"):  # written at validation / no optimizer
             continue
         try:
             checkpoint = read_checkpoint(path, mmap=True)  # tensors stay on disk until used
