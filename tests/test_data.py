@@ -218,7 +218,9 @@ def test_second_build_reads_the_cache(tmp_path):
     assert {how for how, _ in again.timings.values()} == {"loaded from cache"}
     for split in ("train", "validation", "test"):
         assert len(again.splits[split]) == len(dm.splits[split])
-        np.testing.assert_array_equal(again.splits[split].src_values, dm.splits[split].src_values)
+        for a, b in zip(again.splits[split], dm.splits[split], strict=True):
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
     assert again.splits["test"].texts("tgt_text") == dm.splits["test"].texts("tgt_text")
     # Changing the data invalidates the cache.
     (tmp_path / "corpus" / "test.de").write_text("anders\n" * 30, encoding="utf-8")
@@ -226,6 +228,30 @@ def test_second_build_reads_the_cache(tmp_path):
     changed = text_datamodule(tmp_path)
     changed.build()
     assert changed.timings["test"][0] == "tokenized" and changed.timings["train"][0] == "loaded from cache"
+
+
+def test_the_cache_written_in_chunks_holds_each_kept_pair_as_the_tokenizer_encodes_it(tmp_path):
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 400)
+    for side in ("en", "de"):  # an empty side here and there, and two pairs too long for max_len
+        lines = (corpus / f"train.{side}").read_text(encoding="utf-8").split("\n")
+        if side == "en":
+            lines[5] = lines[77] = ""
+        lines[100] = lines[301] = " ".join(["word"] * 80)
+        (corpus / f"train.{side}").write_text("\n".join(lines), encoding="utf-8")
+    dm = text_datamodule(tmp_path)
+    dm.chunk_size = 37  # 11 chunks of the 400 training pairs
+    dm.build()
+    train = dm.splits["train"]
+    assert len(train.src_chunks) == 11
+    assert list(train.rows) == [i for i in range(400) if i not in (5, 77, 100, 301)]
+    src, tgt = read_text_pair(corpus / "train.en", corpus / "train.de")
+    for (src_ids, tgt_ids, index), row in zip(train, train.rows, strict=True):
+        assert list(src_ids) == dm.tokenizer.encode([src[row].strip()])[0]
+        assert list(tgt_ids) == dm.tokenizer.encode([tgt[row].strip()])[0]
+        assert train.src_lens[index] == len(src_ids) and train.tgt_lens[index] == len(tgt_ids)
+    test = dm.splits["test"]
+    assert test.texts("src_text") == [s.strip() for s in read_text_pair(corpus / "test.en", corpus / "test.de")[0]]
 
 
 def test_collate_shifts_target_right():

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,34 +24,55 @@ SPLITS = ("train", "validation", "test")
 # ---------------------------------------------------------------- reading raw text
 
 
-def read_lines(path: str | Path) -> list[str]:
-    """Lines of a UTF-8 file, split on '\\n' only (str.splitlines() also splits on U+0085); a leading
-    byte-order mark is not text (it would stay glued to the first sentence, e.g. in BLEU references)."""
+def iter_lines(path: str | Path) -> Iterator[str]:
+    """Lines of a UTF-8 file, one at a time (a file is never held whole), split on '\\n' only
+    (str.splitlines() also splits on U+0085); a leading byte-order mark is not text (it would stay
+    glued to the first sentence, e.g. in BLEU references)."""
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"no such file: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise InputError(
-            f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {e.start}); "
-            "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-        ) from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the final newline ends the last line, it does not start a new one
-    return lines
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(
+                    f"{path}, line {number}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            yield text.removesuffix("\n")
+
+
+def read_lines(path: str | Path) -> list[str]:
+    return list(iter_lines(path))
+
+
+def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
+    """Aligned lines of two files, `size` pairs at a time; a misalignment is found at the end."""
+    src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
+    src, tgt = [], []
+    for count, (s, t) in enumerate(itertools.zip_longest(src_lines, tgt_lines)):
+        if s is None or t is None:
+            extra = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))  # zip_longest took one
+            n_src, n_tgt = (count, count + extra) if s is None else (count + extra, count)
+            raise InputError(
+                f"misaligned parallel files: {src_path} has {n_src} lines but {tgt_path} has "
+                f"{n_tgt}; they must be aligned line by line"
+            )
+        src.append(s)
+        tgt.append(t)
+        if len(src) == size:
+            yield src, tgt
+            src, tgt = [], []
+    if src:
+        yield src, tgt
 
 
 def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise InputError(
-            f"misaligned parallel files: {src_path} has {len(src)} lines but {tgt_path} has "
-            f"{len(tgt)}; they must be aligned line by line"
-        )
+    src, tgt = [], []
+    for s, t in iter_text_pair(src_path, tgt_path, size=1 << 20):
+        src += s
+        tgt += t
     return src, tgt
 
 
@@ -131,19 +154,26 @@ class Corpus:
                 "scripts/make_wmt14_layout.py builds this layout from aligned text files."
             )
         builder = "parquet" if files[0].suffix == ".parquet" else "json"
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
-        return RawSplit(self, split, hash_files(files), dataset=ds)
+        # Opened when read: a start whose caches are present only hashes the files.
+        return RawSplit(
+            self,
+            split,
+            hash_files(files),
+            open_dataset=lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
+        )
 
 
 @dataclass
 class RawSplit:
-    """One split before tokenization; its fingerprint identifies the content for caching."""
+    """One split before tokenization; its fingerprint identifies the content for caching. The text is
+    read in chunks (`batches`), never held whole: WMT14's 4.5M pairs are ~1.3 GB as Python strings."""
 
     corpus: Corpus
     split: str
     fingerprint: str
     dataset: datasets.Dataset | None = None
     text_pair: tuple[Path, Path] | None = None
+    open_dataset: Callable[[], datasets.Dataset] | None = None
 
     def describe(self, row: int | None = None) -> str:
         """Where the split (or its row, from 0) comes from, as an error message names it."""
@@ -153,24 +183,35 @@ class RawSplit:
         where = f"data '{self.corpus.name}' {self.split}"
         return where if row is None else f"{where}, row {row}"
 
-    def pairs(self) -> tuple[list[str], list[str]]:
+    def batches(self, size: int = 50_000) -> Iterator[tuple[list[str], list[str]]]:
+        """(source, target) texts of `size` consecutive rows at a time, in order; a missing value is ''."""
         if self.text_pair is not None:
-            return read_text_pair(*self.text_pair)
-        src, tgt = self.corpus.src_lang, self.corpus.tgt_lang
-        ds = self.dataset
-        if "translation" in ds.column_names:  # the Hub's wmt14 schema
-            rows = ds["translation"]
-            try:
-                return [r[src] for r in rows], [r[tgt] for r in rows]
-            except KeyError as e:
-                raise InputError(f"data '{self.corpus.name}' {self.split}: no language {e} in 'translation'") from None
-        missing = [lang for lang in (src, tgt) if lang not in ds.column_names]
+            yield from iter_text_pair(*self.text_pair, size)
+            return
+        if self.dataset is None:
+            self.dataset = self.open_dataset()
+        langs, names = (self.corpus.src_lang, self.corpus.tgt_lang), self.dataset.column_names
+        nested = "translation" in names  # the Hub's wmt14 schema: {"translation": {"de": ..., "en": ...}}
+        present = [f.name for f in self.dataset.data.schema.field("translation").type] if nested else names
+        missing = [lang for lang in langs if lang not in present]
         if missing:
             raise InputError(
-                f"data '{self.corpus.name}' {self.split}: columns {ds.column_names} have neither "
-                f"'translation' nor {missing}"
+                f"{self.describe()}: no {' or '.join(missing)} text: its columns are {names}"
+                + (f", with languages {present} in 'translation'" if nested else "")
             )
-        return ds[src], ds[tgt]
+        for table in self.dataset.with_format("arrow").iter(batch_size=size):
+            if nested:
+                table = table.column("translation").combine_chunks()  # a StructArray
+            sides = [table.field(lang) if nested else table.column(lang) for lang in langs]
+            yield tuple([x or "" for x in side.to_pylist()] for side in sides)
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        """Every (source, target) text of the split; for small splits (validation, test, a file to score)."""
+        src, tgt = [], []
+        for s, t in self.batches():
+            src += s
+            tgt += t
+        return src, tgt
 
 
 # ---------------------------------------------------------------- cleaning

@@ -7,17 +7,19 @@ caches the tokenized splits and hands Lightning its loaders.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
-from contextlib import contextmanager
+from collections import Counter
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
 import datasets
 import lightning as L
 import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -29,21 +31,13 @@ from transformer_mt.tokenizer import Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-
-@contextmanager
-def quiet_datasets():
-    """No `datasets` progress bars (its "Saving the dataset" bar on every cache write)."""
-    was_disabled = datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
+CACHE_FILE = "pairs.arrow"  # one tokenized split: Arrow IPC stream, read memory-mapped by datasets
 
 
 class TranslationDataModule(L.LightningDataModule):
     """Loads a corpus, trains/loads the shared SentencePiece model, caches token ids, batches."""
+
+    chunk_size = 50_000  # pairs read, tokenized and written at a time: memory follows the chunk, not the corpus
 
     def __init__(
         self,
@@ -112,12 +106,25 @@ class TranslationDataModule(L.LightningDataModule):
         directory = self.cache_dir / "sentencepiece" / key
         if (directory / "sentencepiece.model").exists():
             return Tokenizer(directory / "sentencepiece.model")
-        src, tgt, _ = drop_empty(*train.pairs())
-        if not src:
+        sentences = self.sentences(train)
+        first = next(sentences, None)
+        if first is None:
             raise InputError(
                 f"{train.describe()}: no training pair with text on both sides; check data.path (and data.text_files)"
             )
-        return train_tokenizer([src, tgt], directory, self.vocab_size, self.spm_max_sentences, self.seed)
+        return train_tokenizer(
+            itertools.chain([first], sentences), directory, self.vocab_size, self.spm_max_sentences, self.seed
+        )
+
+    def sentences(self, train: RawSplit) -> Iterator[str]:
+        """Both sides of every training pair with text on both sides, stripped, read in chunks."""
+        bar = tqdm(desc=f"SentencePiece sample from {self.corpus.name} train", unit=" pairs", disable=None, leave=False)
+        with bar:
+            for src, tgt in train.batches(self.chunk_size):
+                src, tgt, _ = drop_empty(src, tgt)
+                for pair in zip(src, tgt):
+                    yield from pair
+                bar.update(len(src))
 
     def load_or_tokenize(self, raw: RawSplit) -> TokenizedSplit:
         """One split's token ids from its cache, written first if missing; one log line per split."""
@@ -129,12 +136,12 @@ class TranslationDataModule(L.LightningDataModule):
             langs=[self.corpus.src_lang, self.corpus.tgt_lang],
             max_len=self.max_len if filtered else None,
             ratio=self.max_len_ratio if filtered else None,
-            layout=2,  # columns: src, tgt, row (+ src_text, tgt_text)
+            layout=3,  # pairs.arrow with columns src, tgt, row (+ src_text, tgt_text)
         )
         directory = self.cache_dir / "corpus" / f"{self.corpus.name}-{split}-{key}"
         start, cached = time.perf_counter(), directory.exists()
         dropped = "" if cached else self.write_tokenized(raw, directory, filtered)
-        tokenized = TokenizedSplit(datasets.load_from_disk(str(directory)))
+        tokenized = TokenizedSplit(datasets.Dataset.from_file(str(directory / CACHE_FILE)))
         how = "loaded from cache" if cached else "tokenized"
         self.timings[split] = (how, time.perf_counter() - start)
         log.info(
@@ -150,49 +157,50 @@ class TranslationDataModule(L.LightningDataModule):
         return tokenized
 
     def write_tokenized(self, raw: RawSplit, directory: Path, filtered: bool) -> str:
-        """Clean, tokenize and cache one split as an Arrow dataset; returns what was dropped, for the log.
-        Each pair keeps its row in the raw split (`row`), so that later checks can name the line."""
-        name, split = self.corpus.name, raw.split
-        raw_src, raw_tgt = raw.pairs()
-        src, tgt, rows = drop_empty(raw_src, raw_tgt)
-        src_ids, tgt_ids = [], []
-        chunk = 20_000
+        """Clean, tokenize and cache one split as an Arrow file, chunk by chunk (memory follows the chunk,
+        not the corpus); returns what was dropped, for the log. Each pair keeps its row in the raw split
+        (`row`), so that later checks can name the line; validation and test keep their text for BLEU."""
+        with_text = raw.split != "train"
+        schema = pa.schema(
+            [("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32())), ("row", pa.int64())]
+            + ([("src_text", pa.string()), ("tgt_text", pa.string())] if with_text else [])
+        )
+        drops, kept, first_row = Counter(), 0, 0
         # A bar on a terminal only (disable=None); in a log file the split's line says how long it took.
-        for i in tqdm(
-            range(0, len(src), chunk), desc=f"tokenizing {name} {split}", unit="chunk", disable=None, leave=False
-        ):
-            src_ids += self.tokenizer.encode(src[i : i + chunk])
-            tgt_ids += self.tokenizer.encode(tgt[i : i + chunk])
-        drops = {"empty side": len(raw_src) - len(rows)}
-        if filtered:
-            rule = length_filter(
-                np.array([len(x) for x in src_ids]),
-                np.array([len(x) for x in tgt_ids]),
-                self.max_len,
-                self.max_len_ratio,
-            )
-            keep = rule["keep"].tolist()
-            src_ids, tgt_ids, src, tgt, rows = (
-                [x for x, k in zip(column, keep) if k] for column in (src_ids, tgt_ids, src, tgt, rows)
-            )
-            drops.update(rule["drops"])
-        if not src_ids:
-            raise InputError(
-                f"{raw.describe()}: the {split} split is empty after cleaning (dropped: {drops}); "
-                "check data.path and data.max_len"
-            )
-        columns = {"src": src_ids, "tgt": tgt_ids, "row": rows}
-        features = {
-            "src": datasets.Sequence(datasets.Value("int32")),
-            "tgt": datasets.Sequence(datasets.Value("int32")),
-            "row": datasets.Value("int64"),
-        }
-        if split != "train":  # references for BLEU
-            columns.update(src_text=src, tgt_text=tgt)
-            features.update(src_text=datasets.Value("string"), tgt_text=datasets.Value("string"))
-        with atomic_write(directory) as tmp, quiet_datasets():  # a crash never leaves a half-written cache
-            datasets.Dataset.from_dict(columns, features=datasets.Features(features)).save_to_disk(str(tmp))
+        bar = tqdm(desc=f"tokenizing {self.corpus.name} {raw.split}", unit=" pairs", disable=None, leave=False)
+        with atomic_write(directory) as tmp, bar:  # a crash never leaves a half-written cache
+            tmp.mkdir()
+            with pa.ipc.new_stream(str(tmp / CACHE_FILE), schema) as writer:
+                for raw_src, raw_tgt in raw.batches(self.chunk_size):
+                    batch = self.tokenize_chunk(raw_src, raw_tgt, first_row, filtered, with_text, drops)
+                    writer.write_batch(pa.record_batch(batch, schema=schema))
+                    kept += len(batch[2])
+                    first_row += len(raw_src)
+                    bar.update(len(raw_src))
+            if not kept:
+                raise InputError(
+                    f"{raw.describe()}: the {raw.split} split is empty after cleaning (dropped: {dict(drops)}); "
+                    "check data.path and data.max_len"
+                )
         return "; dropped " + ", ".join(f"{n:,} ({why})" for why, n in drops.items())
+
+    def tokenize_chunk(
+        self, raw_src: list[str], raw_tgt: list[str], first_row: int, filtered: bool, with_text: bool, drops: Counter
+    ) -> list[pa.Array]:
+        """The cache's columns for consecutive raw rows from `first_row`; counts what it drops in `drops`."""
+        src, tgt, rows = drop_empty(raw_src, raw_tgt)
+        drops["empty side"] += len(raw_src) - len(src)
+        rows = np.asarray(rows, dtype=np.int64) + first_row
+        (src_ids, src_lens), (tgt_ids, tgt_lens) = self.tokenizer.encode_flat(src), self.tokenizer.encode_flat(tgt)
+        keep = np.ones(len(rows), dtype=bool)
+        if filtered:
+            rule = length_filter(src_lens, tgt_lens, self.max_len, self.max_len_ratio)
+            keep = rule["keep"]
+            drops.update(rule["drops"])
+        columns = [ragged(src_ids, src_lens, keep), ragged(tgt_ids, tgt_lens, keep), pa.array(rows[keep])]
+        if with_text:
+            columns += [pa.array(list(itertools.compress(side, keep)), pa.string()) for side in (src, tgt)]
+        return columns
 
     def check_lengths(self, max_positions: int) -> None:
         """Every pair of every split fits the model's position table (with EOS, or BOS for the decoder
@@ -278,6 +286,15 @@ class TranslationDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.sampler("test", shuffle=False))
+
+
+def ragged(values: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> pa.ListArray:
+    """A list<int32> column of the items where `keep` is set, from their flat values and lengths."""
+    if not keep.all():
+        values, lengths = values[np.repeat(keep, lengths)], lengths[keep]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))
 
 
 class ResumableLoader(DataLoader):

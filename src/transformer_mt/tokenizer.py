@@ -7,10 +7,10 @@ import io
 import json
 import logging
 import os
-import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 from transformer_mt.files import InputError, MissingInputError, atomic_write
@@ -49,6 +49,13 @@ class Tokenizer:
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
         return self.sp.encode(list(texts))
 
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of many texts as one flat int32 array, and each text's length (int32): for caching a
+        corpus. SentencePiece encodes the batch on every core, in threads of its own."""
+        arrays = self.sp.encode(texts, return_type="numpy", num_threads=os.cpu_count() or 1)
+        lengths = np.fromiter(map(len, arrays), dtype=np.int32, count=len(arrays))
+        return (np.concatenate(arrays) if arrays else np.zeros(0, np.int32)), lengths
+
     def decode(self, ids: Sequence[Sequence[int]]) -> list[str]:
         # Drop anything at and after EOS, and pad/BOS: search output may carry them.
         cleaned = []
@@ -67,28 +74,19 @@ class Tokenizer:
         return target
 
 
-def sample_sentences(sides: Iterable[Sequence[str]], max_sentences: int, seed: int) -> list[str]:
-    """All sentences of every side, or a seeded uniform sample of `max_sentences` of them."""
-    everything = [s for side in sides for s in side]
-    if len(everything) <= max_sentences:
-        return everything
-    return random.Random(seed).sample(everything, max_sentences)
-
-
 def train_tokenizer(
-    sides: Sequence[Sequence[str]],
+    sentences: Iterable[str],
     directory: str | Path,
     vocab_size: int,
     max_sentences: int = 10_000_000,
     seed: int = 0,
 ) -> Tokenizer:
-    """Train one BPE model on the sentences of both languages; written atomically."""
-    sentences = sample_sentences(sides, max_sentences, seed)
-    if not sentences:
-        raise InputError("cannot train SentencePiece on an empty corpus")
+    """Train one BPE model on the sentences of both languages; written atomically. The sentences are
+    streamed: SentencePiece keeps a seeded uniform sample of at most `max_sentences` of them (reservoir
+    sampling while reading), so memory follows the sample, not the corpus."""
     proto = io.BytesIO()
     spm.set_random_generator_seed(seed)  # reproducible sentence sampling inside the trainer
-    log.info("training SentencePiece BPE (vocab %d) on %d sentences", vocab_size, len(sentences))
+    log.info("training SentencePiece BPE (vocab %d), sampling at most %s sentences", vocab_size, f"{max_sentences:,}")
     options = dict(
         sentence_iterator=iter(sentences),
         model_writer=proto,

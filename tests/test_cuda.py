@@ -1,0 +1,100 @@
+"""The GPU paths against the CPU: same weights, same answers. Skipped without a CUDA GPU; `make gpu-check` runs them."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import random_batch, tiny_config
+from transformer_mt.model import Transformer
+from transformer_mt.module import label_smoothed_nll
+from transformer_mt.search import beam_search, greedy, pad_sources
+from transformer_mt.tokenizer import EOS_ID
+
+pytestmark = pytest.mark.cuda
+
+SOURCES = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22], [23], [24, 25, 26, 27]]
+
+
+@pytest.fixture(autouse=True)
+def full_fp32_matmuls():
+    """fp32 comparisons mean fp32 products: no TF32 (PyTorch's default, set here in case a user changed it)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def cpu_and_cuda(seed: int = 0, **overrides) -> tuple[Transformer, Transformer]:
+    """The same random weights on the CPU and on the GPU, fp32, eval mode; d = 64 so the fused kernels apply."""
+    torch.manual_seed(seed)
+    values = dict(vocab_size=60, d_model=64, d_ff=128, n_heads=4, max_positions=128, dropout=0.0)
+    cpu = Transformer(tiny_config(**{**values, **overrides})).eval()
+    return cpu, copy.deepcopy(cpu).cuda()
+
+
+def test_forward_in_fp32_matches_the_cpu():
+    cpu, gpu = cpu_and_cuda()
+    src = random_batch([9, 5, 12, 2], 60, seed=1)  # padded sources: the boolean key mask on the GPU kernels
+    tgt = random_batch([8, 8, 3, 11], 60, seed=2)
+    with torch.no_grad():
+        expected, got = cpu(src, tgt), gpu(src.cuda(), tgt.cuda()).cpu()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_autocast_training_step_is_finite_and_close_to_fp32():
+    _, model = cpu_and_cuda()
+    model.train()
+    src = random_batch([9, 5, 12, 0], 60, seed=1).cuda()  # the last source is all padding: no NaN from the kernels
+    tgt_in = random_batch([8, 8, 3, 11], 60, seed=2).cuda()
+    tgt_out = random_batch([8, 8, 3, 11], 60, seed=3).cuda()
+
+    def loss(autocast: bool) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss_sum, _, n = label_smoothed_nll(model(src, tgt_in), tgt_out, 0.1)
+        return loss_sum / n
+
+    with torch.no_grad():
+        reference = loss(autocast=False).item()
+    bf16 = loss(autocast=True)
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16)  # the loss is computed in fp32 from bf16 logits
+    assert bf16.item() == pytest.approx(reference, rel=2e-2)
+    bf16.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert sum(g.abs().sum().item() > 0 for g in grads.values()) == len(grads)  # every parameter learns
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9, fused=True).step()  # as module.py
+    for name, p in model.named_parameters():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[name]), name
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_cached_decoding_equals_recomputation_on_cuda(autocast):
+    _, model = cpu_and_cuda()
+    src = random_batch([7, 3, 9], 60, seed=1).cuda()
+    tgt = random_batch([10, 10, 10], 60, seed=2).cuda()
+    tolerance = 1e-1 if autocast else 1e-4  # bf16 (8 bits of mantissa) rounds the cached step's other shapes differently
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        full = model(src, tgt).float()
+        state = model.start_decoding(*model.encode(src))
+        for t in range(tgt.size(1)):
+            step = model.decode_step(tgt[:, t], state).float()
+            torch.testing.assert_close(step, full[:, t], atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_and_beam_search_give_the_cpus_tokens(seed):
+    cpu, gpu = cpu_and_cuda(seed)
+    for model in (cpu, gpu):  # raise EOS, so hypotheses end at varied lengths and beams finish early
+        with torch.no_grad():
+            model.embed.tokens.weight[EOS_ID] *= 3
+    src = pad_sources(SOURCES)
+    assert greedy(gpu, src.cuda(), max_len_b=12) == greedy(cpu, src, max_len_b=12)
+    best_cpu, nbest_cpu = beam_search(cpu, src, beam_size=4, max_len_b=12, n_best=4)
+    best_gpu, nbest_gpu = beam_search(gpu, src.cuda(), beam_size=4, max_len_b=12, n_best=4)
+    assert best_gpu == best_cpu
+    for hyps_gpu, hyps_cpu in zip(nbest_gpu, nbest_cpu):
+        assert [tokens for tokens, _ in hyps_gpu] == [tokens for tokens, _ in hyps_cpu]
+        assert [score for _, score in hyps_gpu] == pytest.approx([score for _, score in hyps_cpu], abs=1e-4)
