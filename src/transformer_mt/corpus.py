@@ -183,13 +183,17 @@ class RawSplit:
         where = f"data '{self.corpus.name}' {self.split}"
         return where if row is None else f"{where}, row {row}"
 
+    def open(self) -> None:
+        """Open a local copy's dataset if not yet open (`datasets` converts its files to Arrow, once)."""
+        if self.dataset is None and self.open_dataset is not None:
+            self.dataset = self.open_dataset()
+
     def batches(self, size: int = 50_000) -> Iterator[tuple[list[str], list[str]]]:
         """(source, target) texts of `size` consecutive rows at a time, in order; a missing value is ''."""
         if self.text_pair is not None:
             yield from iter_text_pair(*self.text_pair, size)
             return
-        if self.dataset is None:
-            self.dataset = self.open_dataset()
+        self.open()
         langs, names = (self.corpus.src_lang, self.corpus.tgt_lang), self.dataset.column_names
         nested = "translation" in names  # the Hub's wmt14 schema: {"translation": {"de": ..., "en": ...}}
         present = [f.name for f in self.dataset.data.schema.field("translation").type] if nested else names

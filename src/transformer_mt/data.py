@@ -13,6 +13,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -32,6 +33,22 @@ from transformer_mt.tokenizer import Tokenizer, cache_key, train_tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "pairs.arrow"  # one tokenized split: Arrow IPC stream, read memory-mapped by datasets
+
+
+class Stopwatch:
+    """Seconds spent per stage, summed over its calls (`with watch("tokenizing"): ...`): how a cold
+    build's time divides between reading, cleaning, tokenizing and writing, for the log and scale report."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
 
 
 class TranslationDataModule(L.LightningDataModule):
@@ -75,6 +92,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.splits: dict[str, TokenizedSplit] = {}
         self.train_sampler: TokenBucketSampler | None = None
         self.timings: dict[str, tuple[str, float]] = {}  # split -> (how, seconds)
+        self.watch = Stopwatch()
 
     # -- building and caching
 
@@ -95,15 +113,19 @@ class TranslationDataModule(L.LightningDataModule):
         self.tokenizer = self.load_or_train_tokenizer(self.raw["train"])
         self.splits = {split: self.load_or_tokenize(self.raw[split]) for split in SPLITS}
 
-    def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
+    def tokenizer_directory(self, train: RawSplit) -> Path:
         key = cache_key(
             data=train.fingerprint,
             langs=[self.corpus.src_lang, self.corpus.tgt_lang],
             vocab=self.vocab_size,
             max_sentences=self.spm_max_sentences,
             seed=self.seed,
+            sampling=2,  # SentencePiece's reservoir sample of the streamed sentences
         )
-        directory = self.cache_dir / "sentencepiece" / key
+        return self.cache_dir / "sentencepiece" / key
+
+    def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
+        directory = self.tokenizer_directory(train)
         if (directory / "sentencepiece.model").exists():
             return Tokenizer(directory / "sentencepiece.model")
         sentences = self.sentences(train)
@@ -170,10 +192,16 @@ class TranslationDataModule(L.LightningDataModule):
         bar = tqdm(desc=f"tokenizing {self.corpus.name} {raw.split}", unit=" pairs", disable=None, leave=False)
         with atomic_write(directory) as tmp, bar:  # a crash never leaves a half-written cache
             tmp.mkdir()
+            chunks = raw.batches(self.chunk_size)
             with pa.ipc.new_stream(str(tmp / CACHE_FILE), schema) as writer:
-                for raw_src, raw_tgt in raw.batches(self.chunk_size):
+                while True:
+                    with self.watch("reading"):
+                        raw_src, raw_tgt = next(chunks, ([], []))
+                    if not raw_src:
+                        break
                     batch = self.tokenize_chunk(raw_src, raw_tgt, first_row, filtered, with_text, drops)
-                    writer.write_batch(pa.record_batch(batch, schema=schema))
+                    with self.watch("writing"):
+                        writer.write_batch(pa.record_batch(batch, schema=schema))
                     kept += len(batch[2])
                     first_row += len(raw_src)
                     bar.update(len(raw_src))
@@ -188,10 +216,12 @@ class TranslationDataModule(L.LightningDataModule):
         self, raw_src: list[str], raw_tgt: list[str], first_row: int, filtered: bool, with_text: bool, drops: Counter
     ) -> list[pa.Array]:
         """The cache's columns for consecutive raw rows from `first_row`; counts what it drops in `drops`."""
-        src, tgt, rows = drop_empty(raw_src, raw_tgt)
+        with self.watch("cleaning"):
+            src, tgt, rows = drop_empty(raw_src, raw_tgt)
         drops["empty side"] += len(raw_src) - len(src)
         rows = np.asarray(rows, dtype=np.int64) + first_row
-        (src_ids, src_lens), (tgt_ids, tgt_lens) = self.tokenizer.encode_flat(src), self.tokenizer.encode_flat(tgt)
+        with self.watch("tokenizing"):
+            (src_ids, src_lens), (tgt_ids, tgt_lens) = self.tokenizer.encode_flat(src), self.tokenizer.encode_flat(tgt)
         keep = np.ones(len(rows), dtype=bool)
         if filtered:
             rule = length_filter(src_lens, tgt_lens, self.max_len, self.max_len_ratio)
