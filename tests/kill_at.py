@@ -71,8 +71,8 @@ def main() -> None:
     else:
         make_callbacks = transformer_mt.train.make_callbacks
 
-        def with_killer(cfg, checkpoint_dir):
-            return [Killer(kind, int(where[0])), *make_callbacks(cfg, checkpoint_dir)]
+        def with_killer(cfg, checkpoint_dir, startup):
+            return [Killer(kind, int(where[0])), *make_callbacks(cfg, checkpoint_dir, startup)]
 
         transformer_mt.train.make_callbacks = with_killer
     transformer_mt.train.main()

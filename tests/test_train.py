@@ -1,6 +1,7 @@
 """Hydra configs and the training entry point, run as a user runs them (subprocesses)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from conftest import CONF, ROOT, SHARED_DATA, run_train
 from transformer_mt.data import TranslationDataModule
 from transformer_mt.files import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.progress import StartupLog
 from transformer_mt.train import check_config, make_callbacks, trainer_arguments
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -35,7 +37,7 @@ def test_every_experiment_composes_and_instantiates(experiment, tmp_path):
     TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         cfg.trainer.accelerator = "cpu"  # the same keys, checked on CPU
-    L.Trainer(**trainer_arguments(cfg.trainer), logger=False, callbacks=make_callbacks(cfg, tmp_path))
+    L.Trainer(**trainer_arguments(cfg.trainer), logger=False, callbacks=make_callbacks(cfg, tmp_path, StartupLog(0.0)))
 
 
 @pytest.mark.parametrize("group", ["data", "model", "trainer", "logger"])
@@ -128,6 +130,8 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     for split in ("train", "validation", "test"):
         assert sum(f"text {split}: " in line for line in lines) == 1, split
     assert len(lines) == len(set(lines))
+    (startup,) = [line for line in lines if "first update done" in line]  # how long the start took, once
+    assert re.search(r"first update done [\d.]+ s after the start \(data ready at [\d.]+ s, training loop", startup)
     assert any(
         "update 3/8 (38%) | loss " in line and "target tok/s | elapsed" in line and "ETA" in line for line in lines
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from dataclasses import fields
 from datetime import timedelta
@@ -24,7 +25,7 @@ from transformer_mt.data import TranslationDataModule
 from transformer_mt.files import InputError, exit_on_user_error, remove_stale_temporaries
 from transformer_mt.model import DecoderLayer, EncoderLayer, TransformerConfig
 from transformer_mt.module import TranslationModule
-from transformer_mt.progress import ProgressLog, RunEnd, UpdateProgressBar, setup_logging
+from transformer_mt.progress import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, setup_logging
 from transformer_mt.resume import RandomState, check_resume, resume_checkpoint
 from transformer_mt.tokenizer import PAD_ID
 
@@ -99,7 +100,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_checkpoint(checkpoint, path)
 
 
-def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
+def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -> list:
     """Periodic checkpoints (by updates and/or time, the last N kept, for averaging), last.ckpt,
     best.ckpt by a validation metric, optional early stopping on it, progress and learning rate."""
     periodic = []
@@ -129,6 +130,7 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path) -> list:
     callbacks += [
         LearningRateMonitor(logging_interval="step"),
         ProgressLog(cfg.progress_every_n_updates),
+        startup,
         RandomState(),
         RunEnd(checkpoint_dir, cfg.checkpoint.keep_last),
     ]
@@ -189,6 +191,7 @@ def make_strategy(name):
 
 def train(cfg: DictConfig) -> float | None:
     """Fit one run; returns the last validation BLEU (the objective of hparams_search)."""
+    startup = StartupLog(time.monotonic())
     setup_logging()
     check_config(cfg)
     trainer_args = trainer_arguments(cfg.trainer)
@@ -202,6 +205,7 @@ def train(cfg: DictConfig) -> float | None:
     datamodule = TranslationDataModule(**plain(cfg.data))
     datamodule.build()  # the vocabulary size is known only after SentencePiece
     datamodule.check_lengths(cfg.model.max_positions)
+    startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
         model=model_cfg,
@@ -222,7 +226,7 @@ def train(cfg: DictConfig) -> float | None:
     trainer = L.Trainer(
         **trainer_args,
         logger=logger,
-        callbacks=make_callbacks(cfg, checkpoint_dir),
+        callbacks=make_callbacks(cfg, checkpoint_dir, startup),
         plugins=[AtomicCheckpointIO()],
         default_root_dir=run_dir,
         enable_model_summary=False,
