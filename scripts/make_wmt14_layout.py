@@ -5,7 +5,10 @@
 
 reads {prefix}.en / {prefix}.de for each split and writes
 /data/wmt14/de-en/{split}-00000-of-00001.parquet with rows {"translation": {"de": ..., "en": ...}},
-the schema of the Hub's `wmt14` dataset. Train with `data.path=/data/wmt14`.
+the files and schema of the Hub's `wmt/wmt14` dataset (config de-en), and a README.md whose
+`configs:` header maps the config to its files as the Hub's dataset card does, so that
+`datasets.load_dataset("/data/wmt14", "de-en")` reads it as it reads the Hub. Train with
+`data.path=/data/wmt14`.
 """
 
 import argparse
@@ -14,6 +17,18 @@ from pathlib import Path
 import datasets
 
 from transformer_mt.corpus import read_text_pair
+
+
+def write_card(out: Path, config: str = "de-en", splits=("train", "validation", "test")) -> Path:
+    """README.md with the `configs:` header of a Parquet dataset on the Hub: config -> files per split."""
+    files = "".join(f"  - split: {split}\n    path: {config}/{split}-*\n" for split in splits)
+    card = out / "README.md"
+    card.write_text(
+        f"---\nconfigs:\n- config_name: {config}\n  data_files:\n{files}---\n"
+        "A local copy of the Hugging Face Hub dataset wmt/wmt14 in its layout (scripts/make_wmt14_layout.py).\n",
+        encoding="utf-8",
+    )
+    return card
 
 
 def write_layout(out: Path, prefixes: dict[str, str], langs=("en", "de"), config="de-en", fmt="parquet") -> list[Path]:
@@ -27,6 +42,7 @@ def write_layout(out: Path, prefixes: dict[str, str], langs=("en", "de"), config
         ds.to_parquet(str(target)) if fmt == "parquet" else ds.to_json(str(target), force_ascii=False)
         print(f"{split}: {len(rows):,} pairs -> {target}")
         written.append(target)
+    write_card(out, config)
     return written
 
 

@@ -10,8 +10,9 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from conftest import ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_corpus, write_pair
+from conftest import CONF, ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_corpus, write_pair
 from transformer_mt.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
 from transformer_mt.corpus import Corpus, drop_empty, length_filter, read_lines, read_text_pair
 from transformer_mt.data import TranslationDataModule
@@ -393,8 +394,9 @@ def test_hub_path_calls_datasets_load_dataset(monkeypatch):
         return datasets.Dataset.from_dict({"translation": hub_rows(3)})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    raw = Corpus("wmt14", hub_name="wmt14", hub_config="de-en").load("validation")
-    assert calls == [("wmt14", "de-en", "validation")] and len(raw.pairs()[0]) == 3
+    wmt14 = OmegaConf.load(CONF / "data" / "wmt14.yaml")  # where data=wmt14 loads from without data.path
+    raw = Corpus("wmt14", hub_name=wmt14.hub_name, hub_config=wmt14.hub_config).load("validation")
+    assert calls == [("wmt/wmt14", "de-en", "validation")] and len(raw.pairs()[0]) == 3
     with pytest.raises(ValueError, match="set data.path"):
         Corpus("text").load("train")
 
@@ -442,6 +444,20 @@ def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     assert len(raw_valid) == 3000 and dm.splits["validation"].texts("tgt_text")[0] == raw_valid[0].strip()
     assert dm.splits["test"].texts("src_text") == [s.strip() for s in read_lines(wmt / "newstest2014.en")]
     assert 12_000 < len(dm.splits["train"]) <= 13_071
+    # The same copy read as the Hub is read (data.path unset, data.hub_name = a repository in the Hub's
+    # layout): datasets.load_dataset(name, "de-en", split=...) finds the files through the README's configs.
+    hub = TranslationDataModule(
+        "wmt14",
+        hub_name=str(tmp_path / "wmt14"),
+        hub_config="de-en",
+        vocab_size=4000,
+        max_len_ratio=1.5,
+        cache_dir=str(tmp_path / "cache-hub"),
+    )
+    hub.build()
+    for split in ("train", "validation", "test"):
+        assert len(hub.splits[split]) == len(dm.splits[split])
+        assert (hub.splits[split].src_lens == dm.splits[split].src_lens).all()
     batch = next(iter(dm.train_dataloader()))
     assert batch["src"].numel() <= 4096 and batch["tgt_out"].numel() <= 4096
     assert dm.tokenizer.decode(batch["tgt_out"][:1].tolist())[0]  # real German back
