@@ -34,9 +34,17 @@ def reset_peak_memory() -> None:
         f.write("5")  # resets VmHWM, the peak resident set size
 
 
-def peak_memory_gib() -> float:
+def memory_gib(field: str) -> float:
     status = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 2**20
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) / 2**20
+
+
+def peak_memory_gib() -> float:
+    return memory_gib("VmHWM")
+
+
+def resident_memory_gib() -> float:
+    return memory_gib("VmRSS")
 
 
 def epoch_of_batches(dm: TranslationDataModule):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import io
 import json
@@ -109,7 +111,16 @@ def train_tokenizer(
         raise InputError(
             f"SentencePiece could not train a {vocab_size}-token vocabulary (set data.vocab_size): {e}"
         ) from None
+    release_freed_memory()
     return Tokenizer(Tokenizer(proto=proto.getvalue()).save(directory))
+
+
+def release_freed_memory() -> None:
+    """Hand memory that C/C++ code freed back to the system. SentencePiece's trainer frees its gigabytes
+    of sentences when it ends, but glibc keeps freed heap pages for reuse: at WMT14 scale, 4.8 GB
+    stayed resident in the training process. Not glibc (macOS, musl): nothing to do."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def cache_key(**inputs) -> str:
