@@ -69,3 +69,7 @@ average:  ## Average the last N checkpoints of a run: make average RUN=outputs/.
 .PHONY: bench
 bench:  ## Speed of training and decoding against peers: make bench [ARGS="--model base --device cuda"]
 	$(PY) scripts/benchmark.py $(ARGS)
+
+.PHONY: gpu-check
+gpu-check:  ## Check every GPU path once (<= 8 min on one GPU), summary table at the end: make gpu-check [ARGS="--device cpu"]
+	$(PY) scripts/gpu_check.py $(ARGS)

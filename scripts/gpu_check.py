@@ -65,7 +65,7 @@ BF16_PEAK = [
 ]
 
 # The plumbing mode (--device cpu): a tiny model, fp32, small batches; the rest as on a GPU.
-TINY_MODEL = dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, max_positions=128)
+TINY_MODEL = dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2)
 TINY_RUN = [
     "trainer=cpu",
     "trainer.precision=32-true",
@@ -538,8 +538,9 @@ def run_check(number: int, name: str, check, plan: Plan) -> tuple[str, str, str,
         traceback.print_exc(file=sys.stdout)
         status, figures = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
     finally:
-        if plan.cuda:
-            torch.cuda.empty_cache()  # leave the GPU's memory to the next check's subprocesses
+        if plan.cuda:  # leave the GPU's memory to the next check's subprocesses (after a CUDA error this raises too)
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.empty_cache()
     seconds = time.perf_counter() - start
     print(f"  -> {status}: {figures} ({seconds:.1f} s)", flush=True)
     return name, status, figures, seconds

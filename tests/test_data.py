@@ -1,6 +1,7 @@
 """Reading, cleaning, SentencePiece, caching and token-bucket batching (issue: data)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -548,3 +549,37 @@ def test_scale_corpus_generator_is_deterministic_and_read_like_wmt14(tmp_path):
     assert generate("c", 2000, seed=1).load("train").pairs() != (src, tgt)
     distinct = [len({w for s in tgt[:n] for w in s.split()}) for n in (200, 2000)]
     assert distinct[1] > distinct[0] > len({w for s in de for w in s.split()})  # new words keep coming
+
+
+@requires_shared_data
+@pytest.mark.real_data
+def test_scale_report_runs_the_wmt14_pipeline_on_20k_generated_pairs_cold_then_cached(tmp_path):
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_scale_corpus.py"), "--out", str(tmp_path / "wmt14")]
+        + ["--pairs", "20000", "--shard", "7000"],
+        check=True,
+        capture_output=True,
+    )
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "scale_report.py"), "experiment=base"]
+        + [f"data.path={tmp_path / 'wmt14'}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=8000"]
+        + ["data.spm_max_sentences=30000", f"hydra.run.dir={tmp_path / 'run'}"],
+        env={**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "hf")},
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    ).stdout
+    first, second = report.split("first pass")[1].split("second pass")
+    for stage in ("SentencePiece: read, sample, train", "train: tokenized", "reading", "tokenizing", "writing"):
+        assert stage in first, stage
+    for stage in ("SentencePiece: load", "train: loaded from cache", "test: loaded from cache"):
+        assert stage in second, stage
+    assert "tokenized" not in second and "datasets: convert" not in second
+    summary = re.search(r"train ([\d,]+), validation 3,000, test 3,003 pairs kept; ([\d,]+) training tokens", report)
+    assert 19_000 < int(summary[1].replace(",", "")) <= 20_000  # a few pairs fail the length-ratio filter
+    assert re.search(r"vocabulary 8,000; [\d,]+ batches of <= 4,096 tokens per epoch", report)
+    for text in (first, second):  # every stage's time and peak memory, and the start-to-first-batch time
+        rows = re.findall(r"^  (\S.*?)\s+([\d.]+)\s+([\d.]+)$", text, flags=re.M)
+        assert len(rows) >= 7 and all(0 < float(peak) < 4 for _, _, peak in rows), rows
+        assert re.search(r"launch to first training batch: [\d.]+ s", text)
