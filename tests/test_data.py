@@ -571,13 +571,13 @@ def test_scale_report_runs_the_wmt14_pipeline_on_20k_generated_pairs_cold_then_c
         cwd=tmp_path,
     ).stdout
     first, second = report.split("first pass")[1].split("second pass")
-    for stage in ("SentencePiece: read, sample, train", "train: tokenized", "reading", "tokenizing", "writing"):
+    for stage in ("datasets: convert the files to Arrow", "SentencePiece: read, sample, train", "train: tokenized"):
         assert stage in first, stage
     for stage in ("SentencePiece: load", "train: loaded from cache", "test: loaded from cache"):
         assert stage in second, stage
     assert "tokenized" not in second and "datasets: convert" not in second
     summary = re.search(r"train ([\d,]+), validation 3,000, test 3,003 pairs kept; ([\d,]+) training tokens", report)
-    assert 19_000 < int(summary[1].replace(",", "")) <= 20_000  # a few pairs fail the length-ratio filter
+    assert 18_000 < int(summary[1].replace(",", "")) <= 20_000  # ~5% fail the length-ratio filter
     assert re.search(r"vocabulary 8,000; [\d,]+ batches of <= 4,096 tokens per epoch", report)
     for text in (first, second):  # every stage's time and peak memory, and the start-to-first-batch time
         rows = re.findall(r"^  (\S.*?)\s+([\d.]+)\s+([\d.]+)$", text, flags=re.M)
