@@ -68,12 +68,17 @@ def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Ite
         yield src, tgt
 
 
-def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
+def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
+    """All (source, target) texts of chunked pairs, in two lists."""
     src, tgt = [], []
-    for s, t in iter_text_pair(src_path, tgt_path, size=1 << 20):
+    for s, t in batches:
         src += s
         tgt += t
     return src, tgt
+
+
+def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
+    return gather(iter_text_pair(src_path, tgt_path, size=1 << 20))
 
 
 def hash_files(paths: list[Path]) -> str:
@@ -211,11 +216,7 @@ class RawSplit:
 
     def pairs(self) -> tuple[list[str], list[str]]:
         """Every (source, target) text of the split; for small splits (validation, test, a file to score)."""
-        src, tgt = [], []
-        for s, t in self.batches():
-            src += s
-            tgt += t
-        return src, tgt
+        return gather(self.batches())
 
 
 # ---------------------------------------------------------------- cleaning
