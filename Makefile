@@ -14,11 +14,11 @@ help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
-install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev]
+install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,export]"
 
 test:  ## Run the fast test suite (tests not marked slow)
 	$(PYTEST) -m "not slow"
@@ -65,6 +65,27 @@ translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.
 average:  ## Average the last N checkpoints of a run: make average RUN=outputs/... N=5
 	$(call need,RUN,make average RUN=outputs/<date>/<time> N=5)
 	$(PY) -m transformer_mt.averaging $(RUN) -n $(N)
+
+FORMAT ?= hf
+OUT    ?=
+TEXT   ?=
+LINE   ?= 1
+
+.PHONY: export attention plot
+export:  ## Export a checkpoint for transformers or CTranslate2: make export CKPT=... FORMAT=hf|ct2 OUT=<new folder>
+	$(call need,CKPT,make export CKPT=outputs/<date>/<time>/checkpoints/last.ckpt FORMAT=hf OUT=exported/hf)
+	$(call need,OUT,make export CKPT=... FORMAT=$(FORMAT) OUT=<a folder that does not exist yet>)
+	$(PY) -m transformer_mt.export $(CKPT) --format $(FORMAT) --out $(OUT) $(ARGS)
+
+# TEXT and REF reach the script through the environment ("$$TEXT"): quotes and commas inside them are safe.
+attention:  ## Attention pictures of one sentence: make attention CKPT=... TEXT="..." [REF="..."], or SRC=<file> LINE=<n> [REF=<file>]
+	$(call need,CKPT,make attention CKPT=outputs/<date>/<time>/checkpoints/last.ckpt TEXT="A sentence.")
+	$(PY) -m transformer_mt.attention $(CKPT) $(if $(TEXT),--text "$$TEXT") $(if $(SRC),--src $(SRC) --line $(LINE)) \
+		$(if $(REF),--ref "$$REF") $(if $(OUT),--out $(OUT)) $(ARGS)
+
+plot:  ## Learning curves of a run as a PNG: make plot RUN=outputs/<date>/<time> (writes <run>/curves.png)
+	$(call need,RUN,make plot RUN=outputs/<date>/<time>)
+	$(PY) -m transformer_mt.plot $(RUN) $(if $(OUT),--out $(OUT))
 
 .PHONY: bench
 bench:  ## Speed of training and decoding against peers: make bench [ARGS="--model base --device cuda"]

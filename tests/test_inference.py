@@ -1,7 +1,12 @@
 """Checkpoint averaging, scoring, evaluate and translate on a checkpoint from a real (tiny) run."""
 
+import ast
 import json
+import os
+import pty
 import random
+import re
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +252,79 @@ def test_trainer_test_decodes_the_test_split_with_beam_search(trained_run):
     hyps = translate_lines(model, tokenizer, datamodule.splits["test"].texts("src_text"), beam_size=4)
     refs = datamodule.splits["test"].texts("tgt_text")
     assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-3)
+
+
+def test_translate_answers_each_line_at_a_terminal_before_stdin_closes(trained_run):
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    primary, secondary = pty.openpty()  # stdin is a terminal, as when a user types
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
+        stdin=secondary,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    os.close(secondary)
+    try:
+        os.write(primary, b"the cat sees a dog .\n")
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "no translation came out while stdin stayed open"
+        first = proc.stdout.readline()
+        assert proc.poll() is None  # still waiting for the next line
+        os.write(primary, b"the big tree .\n")
+        second = proc.stdout.readline()
+    finally:
+        os.close(primary)  # end of input
+        proc.wait(timeout=60)
+    plain = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=2"],
+        input="the cat sees a dog .\nthe big tree .\n",
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert (first + second).decode() == plain.stdout
+
+
+def test_n_best_lists_in_translate_and_evaluate(trained_run, tmp_path):
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    cmd = [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", "decoding.beam_size=4"]
+    text = "the cat sees a dog .\n\nthe big tree .\n"
+    best = subprocess.run(cmd, input=text, capture_output=True, text=True, check=True).stdout.split("\n")
+    nbest = subprocess.run(cmd + ["n_best=3"], input=text, capture_output=True, text=True, check=True).stdout
+    entries = [line.split(" ||| ") for line in nbest.splitlines()]
+    by_line = {n: [(t, float(s)) for m, t, s in entries if int(m) == n] for n in (0, 1, 2)}
+    assert len(entries) == len(by_line[0]) + len(by_line[1]) + len(by_line[2])
+    assert by_line[1] == [("", 0.0)]  # an empty line: one empty hypothesis
+    for n in (0, 2):
+        texts, scores = zip(*by_line[n])
+        assert len(texts) == 3 and texts[0] == best[n] and list(scores) == sorted(scores, reverse=True)
+        assert len(set(texts)) == 3 and all(s < 0 for s in scores)  # three different hypotheses, log-probabilities
+    too_many = subprocess.run(cmd + ["n_best=5"], input=text, capture_output=True, text=True)
+    assert too_many.returncode == 1 and "n_best=5 exceeds the beam size 4" in too_many.stderr
+    corpus = trained_run / "corpus"
+    out = tmp_path / "eval"
+    subprocess.run(
+        [sys.executable, "-m", "transformer_mt.evaluate", f"ckpt={ckpt}", "n_best=2", f"hydra.run.dir={out}"]
+        + [f"src={corpus / 'test.en'}", f"ref={corpus / 'test.de'}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    hyps = (out / "hypotheses.txt").read_text().splitlines()
+    listed = [line.split(" ||| ") for line in (out / "nbest.txt").read_text().splitlines()]
+    firsts = {}
+    for n, t, _ in listed:
+        firsts.setdefault(int(n), t)
+    assert [firsts[i] for i in range(len(hyps))] == hyps and len(listed) <= 2 * len(hyps)
+
+
+def test_the_readme_python_example_translates(trained_run):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("<!-- python example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert len([line for line in example.splitlines() if line.strip()]) <= 5
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    code = re.sub(r'load_for_inference\("[^"]+"\)', f'load_for_inference("{ckpt}")', example)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    model, tokenizer, _ = load_for_inference(ckpt)
+    sentences = ast.literal_eval(re.search(r"\[(\"[^]]+)\]", example).group(0))
+    assert out.strip() == str(translate_lines(model, tokenizer, sentences, beam_size=4))

@@ -8,7 +8,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from conftest import CONF, random_batch, tiny_config
-from transformer_mt.model import Transformer, TransformerConfig, sinusoidal_positions
+from transformer_mt.model import (
+    Transformer,
+    TransformerConfig,
+    explicit_attention,
+    record_attention,
+    sinusoidal_positions,
+)
 
 # ---------------------------------------------------------------- oracle: torch.nn.Transformer
 
@@ -179,6 +185,38 @@ def test_all_padding_row_gives_finite_outputs_and_gradients():
     assert torch.isfinite(logits).all()
     logits.logsumexp(-1).sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_recorded_attention_equals_sdpa_and_its_weights_are_distributions(tiny_model, monkeypatch):
+    src = random_batch([7, 3, 1], 23, seed=1)  # padded rows
+    tgt = random_batch([5, 6, 2], 23, seed=2)
+    expected = tiny_model(src, tgt)
+    with record_attention(tiny_model) as kinds:
+        got = tiny_model(src, tgt)
+        weights = {kind: [a.weights for a in layers] for kind, layers in kinds.items()}
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert [len(w) for w in weights.values()] == [2, 3, 3]
+    src_pad = src.eq(0)[:, None, None, :]
+    for kind, layers in weights.items():
+        for w in layers:
+            assert w.shape[:2] == (3, 4)  # (B, H, rows, keys)
+            torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
+            if kind == "decoder":
+                assert (w.triu(diagonal=1) == 0).all() and (w.diagonal(dim1=-2, dim2=-1) > 0).all()
+            else:
+                assert (w.masked_select(src_pad.expand_as(w)) == 0).all() and (w[~src_pad.expand_as(w)] > 0).all()
+    # Outside the block: nothing kept, and the normal path never computes weights.
+    assert all(a.weights is None and not a.recording for layers in kinds.values() for a in layers)
+    monkeypatch.setattr("transformer_mt.model.explicit_attention", lambda *a: pytest.fail("explicit path used"))
+    torch.testing.assert_close(tiny_model(src, tgt), expected, atol=0, rtol=0)
+
+
+def test_explicit_attention_gives_zeros_where_every_key_is_masked_as_sdpa():
+    q, k, v = torch.randn(3, 2, 1, 3, 4).unbind(0)  # (B=2, H=1, L=3, hd=4) each
+    mask = torch.tensor([[True, False, True], [False, False, False]])[:, None, None, :]  # (B, 1, 1, keys)
+    out, weights = explicit_attention(q, k, v, mask, causal=False)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert (weights[1] == 0).all() and (out[1] == 0).all()
 
 
 # ---------------------------------------------------------------- incremental decoding

@@ -16,7 +16,7 @@ from transformer_mt.config import CONF_DIR
 from transformer_mt.corpus import Corpus, read_lines, read_text_pair
 from transformer_mt.files import InputError, exit_on_user_error, required
 from transformer_mt.scoring import score
-from transformer_mt.search import translate_lines
+from transformer_mt.search import nbest_lines, translate_lines
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,9 @@ def evaluate(cfg: DictConfig) -> dict:
     name, sources, references = test_set(cfg, data_cfg)
     decoding = OmegaConf.to_container(cfg.decoding)
     start = time.perf_counter()
-    hyps = translate_lines(model, tokenizer, sources, warn=log.warning, progress=True, **decoding)
+    hyps = translate_lines(model, tokenizer, sources, warn=log.warning, progress=True, n_best=cfg.n_best, **decoding)
     seconds = time.perf_counter() - start
+    nbest, hyps = (hyps, [h[0][0] for h in hyps]) if cfg.n_best else (None, hyps)
     result = {
         "checkpoint": str(cfg.ckpt),
         "test_set": name,
@@ -64,6 +65,9 @@ def evaluate(cfg: DictConfig) -> dict:
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if nbest:
+        (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(nbest)), nbest)), encoding="utf-8")
+        print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
     print(f"{name}: {len(hyps)} sentences, beam {decoding['beam_size']}, {seconds:.1f} s")
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")

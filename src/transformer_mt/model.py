@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import torch
@@ -90,12 +91,32 @@ def key_mask(src_pad: Tensor) -> Tensor:
     return ~src_pad[:, None, None, :]
 
 
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> tuple[Tensor, Tensor]:
+    """§3.2.1 written out, softmax(Q K^T / sqrt(d_k)) V, also returning the weights (B, H, Lq, Lk).
+
+    Only for looking inside the model (record_attention): SDPA computes the same without keeping
+    the weights. A row whose keys are all masked gets zero weights and a zero output, as in SDPA.
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Lq, Lk)
+    allowed = mask
+    if causal:
+        below = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        allowed = below if allowed is None else allowed & below
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all -inf row: NaN -> 0
+    return weights @ v, weights
+
+
 class MultiHeadAttention(nn.Module):
     """§3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_H) W^O, via scaled dot-product attention."""
+
+    weights: Tensor | None = None  # (B, H, Lq, Lk) of the last call, kept while recording (record_attention)
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.recording = False
         self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -118,10 +139,13 @@ class MultiHeadAttention(nn.Module):
         # query: (B, Lq, d); kv: keys and values already projected, each (B, H, Lk, hd)
         q = self.split_heads(self.q_proj(query))  # (B, H, Lq, hd)
         k, v = kv
-        # On CPU, SDPA's fused kernel is slower than its math backend at sentence lengths (a
-        # Multi30k training step in bf16: 2,595 vs 3,347 target tokens/s), so use math there.
-        with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, hd)
+        if self.recording:
+            out, self.weights = explicit_attention(q, k, v, mask, causal)
+        else:
+            # On CPU, SDPA's fused kernel is slower than its math backend at sentence lengths (a
+            # Multi30k training step in bf16: 2,595 vs 3,347 target tokens/s), so use math there.
+            with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, hd)
         B, H, Lq, hd = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * hd))
 
@@ -289,3 +313,23 @@ class Transformer(nn.Module):
             x = layer(x, memory_kv, state.src_mask, cache=cache)
         state.length += 1
         return self.project(x[:, 0])
+
+
+@contextlib.contextmanager
+def record_attention(model: Transformer) -> Iterator[dict[str, list[MultiHeadAttention]]]:
+    """Inside the block, every attention layer computes its weights explicitly and keeps those of
+    its last call in `.weights`. Yields the layers by kind, each list in layer order:
+    "encoder" (self-attention), "decoder" (masked self-attention), "cross" (encoder-decoder)."""
+    kinds = {
+        "encoder": [layer.self_attn for layer in model.encoder_layers],
+        "decoder": [layer.self_attn for layer in model.decoder_layers],
+        "cross": [layer.cross_attn for layer in model.decoder_layers],
+    }
+    layers = [attn for group in kinds.values() for attn in group]
+    for attn in layers:
+        attn.recording = True
+    try:
+        yield kinds
+    finally:
+        for attn in layers:
+            attn.recording, attn.weights = False, None

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from transformer_mt.files import InputError
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -150,14 +151,18 @@ def translate_ids(
     max_len_b: int = 50,
     tokens_per_batch: int = 4096,
     progress: bool = False,
-) -> list[list[int]]:
+    n_best: int = 0,
+) -> list:
     """Translate token-id sequences in length-sorted batches; results come back in input order.
 
     A batch holds at most `tokens_per_batch` source tokens counted over all beams (sentences x
-    beam x longest). `progress` shows a bar of translated sentences on stderr.
+    beam x longest). `progress` shows a bar of translated sentences on stderr. Each result is the
+    best tokens; with n_best=K > 0, the K best (tokens, score) pairs instead, best first (K <= beam_size).
     """
+    if n_best > beam_size:
+        raise InputError(f"n_best={n_best} exceeds the beam size {beam_size}: set decoding.beam_size={n_best} or more")
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    results: list[list[int]] = [[] for _ in sources]
+    results: list = [[] for _ in sources]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -175,7 +180,9 @@ def translate_ids(
         while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= tokens_per_batch:
             end += 1
         src = pad_sources([sources[i] for i in order[start:end]], device)
-        if beam_size == 1:
+        if n_best:
+            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, n_best=n_best)[1]
+        elif beam_size == 1:
             hyps = greedy(model, src, max_len_a, max_len_b)
         else:
             hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b)[0]
@@ -190,9 +197,10 @@ def translate_ids(
 
 def translate_lines(
     model: Transformer, tokenizer: Tokenizer, lines: list[str], warn=None, first_line: int = 1, **decoding
-) -> list[str]:  # decoding: translate_ids' options (conf/decoding, progress)
+) -> list:  # decoding: translate_ids' options (conf/decoding, progress, n_best)
     """Text in, text out, same order. Empty lines stay empty; inputs longer than the model's
-    positions are truncated, calling `warn(message)` for each (lines numbered from first_line)."""
+    positions are truncated, calling `warn(message)` for each (lines numbered from first_line).
+    With n_best=K, each line gives its K best (text, score) pairs instead of a text."""
     limit = model.cfg.max_positions - 1  # room for EOS
     sources = tokenizer.encode([line.strip() for line in lines])
     for i, ids in enumerate(sources):
@@ -201,7 +209,18 @@ def translate_lines(
                 warn(f"line {first_line + i}: {len(ids)} tokens, truncated to the model's maximum of {limit}")
             sources[i] = ids[:limit]
     todo = [i for i, ids in enumerate(sources) if ids]
+    results = translate_ids(model, [sources[i] for i in todo], **decoding)
+    if decoding.get("n_best"):  # each line: its K best (text, score), best first; an empty line: ("", 0.0)
+        outputs = [[("", 0.0)] for _ in lines]
+        for i, hyps in zip(todo, results):
+            outputs[i] = list(zip(tokenizer.decode([ids for ids, _ in hyps]), [score for _, score in hyps]))
+        return outputs
     outputs = [""] * len(lines)
-    for i, text in zip(todo, tokenizer.decode(translate_ids(model, [sources[i] for i in todo], **decoding))):
+    for i, text in zip(todo, tokenizer.decode(results)):
         outputs[i] = text
     return outputs
+
+
+def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:
+    """One sentence's n-best list in Moses' format: "<sentence number, from 0> ||| <translation> ||| <score>" lines."""
+    return "".join(f"{number} ||| {text} ||| {score:.4f}\n" for text, score in hyps)

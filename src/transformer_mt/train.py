@@ -16,6 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
@@ -70,9 +71,15 @@ def wandb_has_credentials() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def make_logger(cfg: DictConfig | None):
+def make_loggers(cfg: DictConfig | None, run_dir: Path) -> list:
+    """The configured logger, and CSV metrics beside any other (<run>/csv/, for `make plot`); logger=null: none."""
     if cfg is None:
-        return False
+        return []
+    logger = make_logger(cfg)
+    return [logger] if isinstance(logger, CSVLogger) else [logger, CSVLogger(run_dir, name="csv")]
+
+
+def make_logger(cfg: DictConfig):
     kwargs = {}
     if cfg._target_.endswith("WandbLogger"):
         if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
@@ -87,10 +94,11 @@ def make_logger(cfg: DictConfig | None):
     return hydra.utils.instantiate(cfg, **kwargs)
 
 
-def finish_wandb(logger) -> None:
+def finish_wandb(loggers: list) -> None:
     """End this job's wandb run, so that the next job of a sweep starts its own (wandb.init reuses an open one)."""
-    if logger and type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
-        logger.experiment.finish()
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -222,10 +230,10 @@ def train(cfg: DictConfig) -> float | None:
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         del resumed  # Lightning reads the file itself
-    logger = make_logger(cfg.get("logger"))
+    loggers = make_loggers(cfg.get("logger"), run_dir)
     trainer = L.Trainer(
         **trainer_args,
-        logger=logger,
+        logger=loggers,
         callbacks=make_callbacks(cfg, checkpoint_dir, startup),
         plugins=[AtomicCheckpointIO()],
         default_root_dir=run_dir,
@@ -255,7 +263,7 @@ def train(cfg: DictConfig) -> float | None:
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
     finally:
-        finish_wandb(logger)
+        finish_wandb(loggers)
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer_mt.checkpoint import load_for_inference, pick_device
 from transformer_mt.config import CONF_DIR
 from transformer_mt.files import InputError, exit_on_user_error, required
-from transformer_mt.search import translate_lines
+from transformer_mt.search import nbest_lines, translate_lines
 
 
 def stderr(message: str) -> None:
@@ -42,22 +42,25 @@ def translate(cfg: DictConfig) -> None:
     model, tokenizer, _ = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
     decoding = OmegaConf.to_container(cfg.decoding)
+    # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
+    batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
     lines_done, start = 0, time.perf_counter()
     # Bytes, split on "\n" only (U+0085 and friends inside a line are text), decoded line by line: an
     # invalid line ends the run with its number, after the lines before it are translated and written.
-    while raw := list(itertools.islice(sys.stdin.buffer, cfg.batch_lines)):
+    while raw := list(itertools.islice(sys.stdin.buffer, batch_lines)):
         chunk, error = decode_lines(raw, first_line=lines_done + 1)
-        texts = translate_lines(
+        results = translate_lines(
             model,
             tokenizer,
             chunk,
             warn=warn_about_input,
             first_line=lines_done + 1,
-            progress=sys.stderr.isatty(),
+            progress=sys.stderr.isatty() and batch_lines > 1,
+            n_best=cfg.n_best,
             **decoding,
         )
-        for text in texts:
-            sys.stdout.write(text + "\n")
+        for number, result in enumerate(results, lines_done):
+            sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
         sys.stdout.flush()
         lines_done += len(chunk)
         if error:

@@ -1,0 +1,172 @@
+"""Pictures of what the model attends to: `make attention CKPT=... TEXT="..."` (or SRC=<file> LINE=<n>).
+
+For one sentence and the model's own translation of it (or a given reference), writes
+  encoder_self_attention.png    layers x heads, source tokens on both axes
+  decoder_self_attention.png    layers x heads, decoder inputs (<s> y1 .. yn) on both axes
+  encoder_decoder_attention.png layers x heads, output tokens (y1 .. yn </s>) down, source across
+  alignment.png                 the last layer's encoder-decoder attention averaged over heads
+  attention.npz                 the weights (layers, heads, rows, columns) and the tokens
+Tokens are SentencePiece pieces. Row r of a decoder picture is the step that reads input token r
+and writes output token r.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure  # not pyplot: no display, no global state
+from omegaconf import OmegaConf
+
+from transformer_mt.checkpoint import load_for_inference, pick_device
+from transformer_mt.config import CONF_DIR
+from transformer_mt.corpus import read_lines
+from transformer_mt.files import InputError, exit_on_user_error
+from transformer_mt.model import Transformer, record_attention
+from transformer_mt.search import pad_sources, translate_ids
+from transformer_mt.tokenizer import BOS_ID, Tokenizer
+
+PICTURES = {
+    "encoder": ("encoder_self_attention.png", "encoder self-attention"),
+    "decoder": ("decoder_self_attention.png", "decoder self-attention (masked)"),
+    "cross": ("encoder_decoder_attention.png", "encoder-decoder attention"),
+}
+
+
+@torch.no_grad()
+def attention_weights(model: Transformer, src_ids: list[int], tgt_ids: list[int]) -> dict[str, np.ndarray]:
+    """Teacher-forced pass over BOS + tgt_ids -> per kind (layers, heads, rows, columns) float32 arrays."""
+    device = next(model.parameters()).device
+    src = pad_sources([src_ids], device)
+    tgt_in = torch.tensor([[BOS_ID, *tgt_ids]], device=device)
+    with record_attention(model) as kinds:
+        model(src, tgt_in)
+        return {
+            kind: torch.stack([a.weights[0] for a in layers]).float().cpu().numpy() for kind, layers in kinds.items()
+        }
+
+
+def pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.sp.id_to_piece(i) for i in ids]
+
+
+def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: str, path: Path) -> None:
+    """One heat map per layer (down) and head (across); token labels on the outer panels only."""
+    n_layers, n_heads = weights.shape[:2]
+    width, height = max(1.0, 0.13 * len(columns)), max(1.0, 0.13 * len(rows))  # inches per panel
+    label = 0.07 * max(map(len, rows + columns))  # room for the longest piece
+    fig = Figure(figsize=(n_heads * width + label + 0.8, n_layers * height + label + 0.9), layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            ax = axes[layer, head]
+            ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+            # Ticks only where labels are: thousands of unlabelled ticks take most of the drawing time.
+            if layer == n_layers - 1:
+                ax.set_xticks(range(len(columns)), columns, rotation=90, fontsize=6)
+            else:
+                ax.set_xticks([])
+            if head == 0:
+                ax.set_yticks(range(len(rows)), rows, fontsize=6)
+            else:
+                ax.set_yticks([])
+            if layer == 0:
+                ax.set_title(f"head {head + 1}", fontsize=8)
+            if head == 0:
+                ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=80)
+
+
+def plot_alignment(weights: np.ndarray, rows: list[str], columns: list[str], title: str, path: Path) -> None:
+    fig = Figure(figsize=(2 + 0.3 * len(columns), 1.5 + 0.3 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(weights, cmap="Greys", vmin=0.0, vmax=1.0)
+    ax.set_xticks(range(len(columns)), columns, rotation=90)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("source")
+    ax.set_ylabel("output")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.03)
+    fig.savefig(path, dpi=100)
+
+
+def source_sentence(text: str | None, src: str | None, line: int, ref: str | None) -> tuple[str, str | None]:
+    """(source, reference or None) from TEXT [REF=text], or SRC=<file> LINE=<n> [REF=<file>, same line]."""
+    if (text is None) == (src is None):
+        raise InputError('give the sentence as TEXT="..." or as SRC=<file> LINE=<n>, not both')
+    if text is not None:
+        return text, ref
+    lines = read_lines(src)
+    if not 1 <= line <= len(lines):
+        raise InputError(f"LINE={line}: {src} has {len(lines)} lines (count from 1)")
+    if ref is None:
+        return lines[line - 1], None
+    refs = read_lines(ref)
+    if len(refs) != len(lines):
+        raise InputError(f"REF={ref} has {len(refs)} lines, SRC={src} has {len(lines)}: give the aligned reference")
+    return lines[line - 1], refs[line - 1]
+
+
+def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | None, out: str | None, device: str):
+    source, reference = source_sentence(text, src, line, ref)
+    model, tokenizer, _ = load_for_inference(ckpt)
+    model.to(pick_device(device))
+    src_ids = tokenizer.encode([source.strip()])[0][: model.cfg.max_positions - 1]
+    if not src_ids:
+        raise InputError("the sentence is empty")
+    if reference is not None:
+        tgt_ids = tokenizer.encode([reference.strip()])[0][: model.cfg.max_positions - 1]
+        origin = "the reference"
+    else:
+        decoding = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "decoding" / "beam.yaml"))
+        tgt_ids = translate_ids(model, [src_ids], **decoding)[0]
+        origin = f"its own translation (beam {decoding['beam_size']})"
+    weights = attention_weights(model, src_ids, tgt_ids)
+
+    out_dir = Path(out or f"outputs/attention/{datetime.now():%Y-%m-%d_%H-%M-%S}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src_tokens = [*pieces(tokenizer, src_ids), "</s>"]
+    tgt_in, tgt_out = ["<s>", *pieces(tokenizer, tgt_ids)], [*pieces(tokenizer, tgt_ids), "</s>"]
+    axes = {"encoder": (src_tokens, src_tokens), "decoder": (tgt_in, tgt_in), "cross": (tgt_out, src_tokens)}
+    translation = tokenizer.decode([tgt_ids])[0]
+    for kind, (file_name, title) in PICTURES.items():
+        rows, columns = axes[kind]
+        plot_grid(weights[kind], rows, columns, f"{title}: {source!r} -> {translation!r}", out_dir / file_name)
+    plot_alignment(
+        weights["cross"][-1].mean(axis=0),
+        tgt_out,
+        src_tokens,
+        f"encoder-decoder attention, last layer, mean of {weights['cross'].shape[1]} heads\n{origin}",
+        out_dir / "alignment.png",
+    )
+    np.savez(
+        out_dir / "attention.npz",
+        **weights,
+        src_tokens=np.array(src_tokens),
+        tgt_in_tokens=np.array(tgt_in),
+        tgt_out_tokens=np.array(tgt_out),
+    )
+    print(f"source:      {source}\n{'reference' if reference is not None else 'translation'}: {translation}")
+    print(f"wrote {', '.join(f for f, _ in PICTURES.values())}, alignment.png and attention.npz to {out_dir}")
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="a training or averaged checkpoint")
+    parser.add_argument("--text", help="the source sentence")
+    parser.add_argument("--src", help="or a file of source sentences ...")
+    parser.add_argument("--line", type=int, default=1, help="... and the line to picture (from 1)")
+    parser.add_argument("--ref", help="a target to picture instead of the model's translation (a file with --src)")
+    parser.add_argument("--out", help="the folder for the pictures (default: outputs/attention/<time>)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    args = parser.parse_args()
+    exit_on_user_error(draw, args.ckpt, args.text, args.src, args.line, args.ref, args.out, args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""A checkpoint as a Hugging Face Marian model or a CTranslate2 model: `make export CKPT=... FORMAT=hf|ct2 OUT=...`.
+
+Both formats need the optional packages of the `export` extra (transformers, ctranslate2).
+The export is exact: the Marian model gives our logits for our ids (checked after writing).
+Marian's layers are ours (post-norm, ReLU, sqrt(d) embedding scale, shared embeddings); only
+its position table differs: all sines first, then all cosines, where ours interleaves them
+(§3.5). So the residual (d_model) dimension is reordered in every weight that reads or writes
+it; the dimensions inside the heads and the FFN are left as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.files import InputError, UserError, atomic_write, exit_on_user_error
+from transformer_mt.model import Transformer
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+
+EXTRA = 'pip install -e ".[export]"'
+PROBE = [  # sentences the export is checked on (any vocabulary covers them: unseen characters become bytes)
+    "A man in a blue shirt is standing on a ladder.",
+    "The European Parliament adopted the resolution on Tuesday.",
+    "Zwei Hunde spielen im Schnee - 42 Grad, ça va?",
+]
+EXACT = 1e-6  # max abs logit difference in float64; rounding alone gives ~1e-10
+
+
+def optional(module: str):
+    """Import a package of the `export` extra, or a one-line error that says how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise UserError(f"exporting needs the Python package {module!r}: install the extra with {EXTRA}") from None
+
+
+def marian_order(d_model: int) -> Tensor:
+    """Marian's residual feature m is our feature order[m]: its sines (our even features), then its cosines (odd)."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+RENAMES = [  # our parameter names -> Marian's (applied in order)
+    ("embed.tokens.weight", "shared.weight"),
+    ("encoder_layers.", "encoder.layers."),
+    ("decoder_layers.", "decoder.layers."),
+    ("self_attn_res.norm", "self_attn_layer_norm"),
+    ("cross_attn_res.norm", "encoder_attn_layer_norm"),
+    ("cross_attn.", "encoder_attn."),
+    ("ffn_res.norm", "final_layer_norm"),
+    ("ffn.w1", "fc1"),
+    ("ffn.w2", "fc2"),
+]
+READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "w1")  # input features are d_model: reorder columns
+WRITES_RESIDUAL = ("out_proj", "w2")  # output features are d_model: reorder rows and bias
+
+
+def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """Our weights under Marian's names (MarianModel, without the "model." prefix), residual dimension reordered."""
+    order = marian_order(model.cfg.d_model)
+    state = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            weights = {"weight": module.weight[:, order]}
+        elif isinstance(module, nn.LayerNorm):
+            weights = {"weight": module.weight[order], "bias": module.bias[order]}
+        elif isinstance(module, nn.Linear) and module_name.endswith(READS_RESIDUAL):
+            weights = {"weight": module.weight[:, order], "bias": module.bias}
+        elif isinstance(module, nn.Linear) and module_name.endswith(WRITES_RESIDUAL):
+            weights = {"weight": module.weight[order], "bias": module.bias[order]}
+        elif isinstance(module, nn.Linear):
+            raise AssertionError(f"{module_name}: a linear layer the export does not know")
+        else:
+            continue
+        for kind, tensor in weights.items():
+            name = f"{module_name}.{kind}"
+            for ours, theirs in RENAMES:
+                name = name.replace(ours, theirs)
+            state[name] = tensor.detach().clone()
+    return state
+
+
+def marian_config(model: Transformer, dropout: float):
+    transformers = optional("transformers")
+    cfg = model.cfg
+    return transformers.MarianConfig(
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        encoder_layers=cfg.n_encoder_layers,
+        decoder_layers=cfg.n_decoder_layers,
+        encoder_attention_heads=cfg.n_heads,
+        decoder_attention_heads=cfg.n_heads,
+        encoder_ffn_dim=cfg.d_ff,
+        decoder_ffn_dim=cfg.d_ff,
+        activation_function="relu",
+        max_position_embeddings=cfg.max_positions,
+        scale_embedding=True,  # §3.4: embeddings * sqrt(d_model)
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,  # the output projection is the embedding matrix (§3.4)
+        dropout=dropout,  # for fine-tuning: residual branches and embedding sums, as ours
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        decoder_start_token_id=BOS_ID,  # our decoder starts from BOS (Marian's own models start from pad)
+        forced_eos_token_id=EOS_ID,
+    )
+
+
+def generation_config(model: Transformer):
+    """Beam 4 (§6.1), pad never generated, EOS forced at the maximum length, as our beam search.
+    length_penalty is |Y|^alpha in transformers, not GNMT's ((5 + |Y|) / 6)^alpha: see the README."""
+    transformers = optional("transformers")
+    return transformers.GenerationConfig(
+        decoder_start_token_id=BOS_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        forced_eos_token_id=EOS_ID,
+        bad_words_ids=[[PAD_ID]],
+        num_beams=4,
+        length_penalty=HF_LENGTH_PENALTY,
+        max_length=model.cfg.max_positions,
+    )
+
+
+HF_LENGTH_PENALTY = 0.6
+
+
+def write_hf(model: Transformer, tokenizer: Tokenizer, dropout: float, directory: Path, languages: tuple[str, str]):
+    """MarianMTModel + MarianTokenizer files in `directory` (which exists and is empty)."""
+    transformers = optional("transformers")
+    hf = transformers.MarianMTModel(marian_config(model, dropout)).eval()
+    missing, unexpected = hf.model.load_state_dict(marian_state_dict(model), strict=False)
+    left = [k for k in missing if not k.endswith(("embed_positions.weight", "embed_tokens.weight"))]
+    if left or unexpected:
+        raise AssertionError(f"weights Marian has and we do not: {left}; ours it has not: {unexpected}")
+    hf.generation_config = generation_config(model)
+    hf.save_pretrained(directory)
+    # The tokenizer: our SentencePiece model for both sides, and its pieces in id order.
+    spm_file = tokenizer.save(directory)
+    vocab = {tokenizer.sp.id_to_piece(i): i for i in range(len(tokenizer))}
+    (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    hf_tokenizer = transformers.MarianTokenizer(
+        source_spm=str(spm_file),
+        target_spm=str(spm_file),
+        vocab=str(directory / "vocab.json"),
+        source_lang=languages[0],
+        target_lang=languages[1],
+        unk_token=tokenizer.sp.id_to_piece(UNK_ID),
+        eos_token=tokenizer.sp.id_to_piece(EOS_ID),
+        pad_token=tokenizer.sp.id_to_piece(PAD_ID),
+        bos_token=tokenizer.sp.id_to_piece(BOS_ID),  # special, so that decode(skip_special_tokens=True) drops it
+        model_max_length=model.cfg.max_positions - 1,  # room for the EOS
+    )
+    hf_tokenizer.save_pretrained(directory)
+    spm_file.unlink()  # the tokenizer saved it as source.spm and target.spm
+
+
+def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple[float, float]:
+    """Load the export as a user would; compare its tokenizer ids and its logits with ours. Returns the max
+    abs logit difference in float32 and in float64 (which shows the mapping exact, free of rounding)."""
+    transformers = optional("transformers")
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
+    batch = hf_tokenizer(PROBE, return_tensors="pt", padding=True)
+    ours = [ids + [EOS_ID] for ids in tokenizer.encode(PROBE)]
+    theirs = [[i for i in row if i != PAD_ID] for row in batch.input_ids.tolist()]
+    if theirs != ours:
+        raise AssertionError(f"the exported tokenizer gives other ids than ours: {theirs} vs {ours}")
+    tgt_in = torch.cat([torch.full((len(PROBE), 1), BOS_ID), batch.input_ids[:, :-1]], dim=1)  # any target will do
+    diffs = []
+    for dtype in (torch.float32, torch.float64):
+        hf = transformers.MarianMTModel.from_pretrained(directory, dtype=dtype).eval()
+        with torch.no_grad():
+            expected = copy.deepcopy(model).to(dtype)(batch.input_ids, tgt_in)
+            diffs.append((expected - hf(**batch, decoder_input_ids=tgt_in).logits).abs().max().item())
+    if not diffs[1] <= EXACT:
+        raise AssertionError(f"{directory}: exported logits differ from ours by {diffs[1]:.2e} in float64 (> {EXACT})")
+    return diffs[0], diffs[1]
+
+
+def ct2_loader():
+    """CTranslate2's own Marian converter, told our conventions: the decoder starts from BOS's
+    embedding (Marian's from a zero vector) and pad is id 0 (Marian's is last, which its converter drops)."""
+    converters = optional("ctranslate2.converters.transformers")
+
+    class Loader(converters.MarianMTLoader):
+        def get_model_spec(self, model):
+            model.config.normalize_before = False  # post-norm
+            model.config.normalize_embedding = False
+            return converters.BartLoader.get_model_spec(self, model)  # keeps every vocabulary row
+
+        def set_config(self, config, model, tokenizer):
+            super().set_config(config, model, tokenizer)
+            config.bos_token = config.decoder_start_token = tokenizer.bos_token
+            config.add_source_eos = True  # callers pass SentencePiece pieces, as our model takes ids + EOS
+
+        def set_decoder(self, spec, decoder):
+            converters.BartLoader.set_decoder(self, spec, decoder)  # start_from_zero_embedding stays False
+
+        def get_vocabulary(self, model, tokenizer):
+            return converters.BartLoader.get_vocabulary(self, model, tokenizer)
+
+    return Loader()
+
+
+def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> None:
+    transformers = optional("transformers")
+    hf = transformers.MarianMTModel.from_pretrained(hf_directory).eval()
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(hf_directory)
+    spec = ct2_loader()(hf, hf_tokenizer)
+    spec.validate()
+    spec.optimize(quantization=quantization)
+    spec.save(str(directory))
+    (directory / "sentencepiece.model").write_bytes((hf_directory / "source.spm").read_bytes())
+
+
+def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> None:
+    """Greedy tokens of the CTranslate2 model equal ours on the probe sentences."""
+    ctranslate2 = optional("ctranslate2")
+    from transformer_mt.search import translate_ids  # noqa: PLC0415 (search imports tqdm; export is a side tool)
+
+    translator = ctranslate2.Translator(str(directory), device="cpu", compute_type="float32")
+    pieces = [tokenizer.sp.encode(text, out_type=str) for text in PROBE]
+    n = 30  # tokens at most, EOS included, for both
+    results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=n)
+    theirs = [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results]
+    ours = translate_ids(model, tokenizer.encode(PROBE), beam_size=1, max_len_a=0, max_len_b=n)
+    if theirs != ours:
+        raise AssertionError(f"{directory}: CTranslate2's greedy tokens differ from ours: {theirs} vs {ours}")
+
+
+def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Path:
+    if fmt not in ("hf", "ct2"):
+        raise InputError(f"FORMAT={fmt}: choose hf (transformers' MarianMTModel) or ct2 (CTranslate2)")
+    if quantization and fmt != "ct2":
+        raise InputError("--quantization applies to FORMAT=ct2 only")
+    out_dir = Path(out)
+    if out_dir.exists():
+        raise InputError(f"OUT={out_dir} exists; remove it or choose another folder (nothing was written)")
+    optional("transformers").utils.logging.disable_progress_bar()
+    if fmt == "ct2":
+        optional("ctranslate2")
+    model, tokenizer, checkpoint = load_for_inference(ckpt)
+    data = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
+    languages = (data.get("src_lang", "en"), data.get("tgt_lang", "de"))
+    dropout = model.cfg.dropout
+    with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
+        tmp.mkdir()
+        if fmt == "hf":
+            write_hf(model, tokenizer, dropout, tmp, languages)
+            fp32, fp64 = check_hf(model, tokenizer, tmp)
+            print(
+                "checked: the exported tokenizer gives our ids and the model our logits "
+                f"(max abs difference {fp32:.1e} in float32, {fp64:.1e} in float64)"
+            )
+        else:
+            with tempfile.TemporaryDirectory() as hf_dir:
+                write_hf(model, tokenizer, dropout, Path(hf_dir), languages)
+                write_ct2(Path(hf_dir), tmp, quantization)
+            if not quantization or quantization == "float32":
+                check_ct2(model, tokenizer, tmp)
+                print("checked: CTranslate2's greedy translations of the probe sentences are ours, token for token")
+    print(f"exported {ckpt} as {'MarianMTModel' if fmt == 'hf' else 'CTranslate2'} -> {out_dir}")
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="a training or averaged checkpoint")
+    parser.add_argument("--format", default="hf", choices=["hf", "ct2"], help="hf: transformers; ct2: CTranslate2")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    parser.add_argument("--quantization", help="ct2 only: int8, int8_float16, float16, ... (default: float32)")
+    args = parser.parse_args()
+    exit_on_user_error(export, args.ckpt, args.format, args.out, args.quantization)
+
+
+if __name__ == "__main__":
+    main()

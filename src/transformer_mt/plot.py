@@ -1,0 +1,96 @@
+"""Learning curves of a training run as one PNG: `make plot RUN=<run dir>`.
+
+Reads the run's CSV metrics (<run>/csv/version_*/metrics.csv, which every run writes whatever
+its logger, wandb included, online or not) and draws training loss and learning rate per
+update, and validation loss, perplexity and BLEU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from pathlib import Path
+
+from matplotlib.figure import Figure  # not pyplot: no display, no global state
+
+from transformer_mt.files import MissingInputError, exit_on_user_error
+
+PANELS = [  # (title, [(metric, label)], log scale)
+    ("loss (label-smoothed cross-entropy)", [("train/loss", "training"), ("val/loss", "validation")], False),
+    ("learning rate", [("lr-", "Noam schedule")], False),
+    ("validation perplexity", [("val/ppl", "validation")], True),
+    ("validation BLEU (sacreBLEU)", [("val/bleu", "validation")], False),
+]
+
+
+def metrics_files(run: Path) -> list[Path]:
+    files = sorted(run.glob("csv/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
+    if not files:
+        raise MissingInputError(
+            f"no CSV metrics under {run} (looked for {run}/csv/version_*/metrics.csv): give a training run's "
+            "folder (outputs/<date>/<time>, or multirun/<date>/<time>/<job>)"
+        )
+    return files
+
+
+def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(update, value)], from every metrics.csv of the run (a resumed run may add versions)."""
+    series: dict[str, dict[int, float]] = {}
+    for path in metrics_files(run):
+        with open(path, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                step = row.get("step")
+                if not step:
+                    continue
+                for name, value in row.items():
+                    if name not in ("step", "epoch") and value not in ("", None):
+                        series.setdefault(name, {})[int(float(step))] = float(value)  # later versions win
+    return {name: sorted(points.items()) for name, points in series.items()}
+
+
+def find(series: dict, key: str) -> list[tuple[int, float]]:
+    """The series named key, or for a prefix such as "lr-" (LearningRateMonitor's lr-<optimizer>) the first that starts so."""
+    if key.endswith("-"):
+        key = next((name for name in series if name.startswith(key)), key)
+    return [(s, v) for s, v in series.get(key, []) if math.isfinite(v)]
+
+
+def plot_run(run: str, out: str | None = None) -> Path:
+    run_dir = Path(run)
+    series = read_metrics(run_dir)
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    for ax, (title, lines, log_scale) in zip(fig.subplots(2, 2).flat, PANELS):
+        drawn = False
+        for key, label in lines:
+            points = find(series, key)
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, label=label, marker="o" if len(points) < 30 else None, markersize=3)
+                drawn = True
+        if drawn:
+            ax.legend()
+            ax.set_yscale("log" if log_scale else "linear")
+        else:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{run_dir}")
+    path = Path(out) if out else run_dir / "curves.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    print(f"wrote {path} ({', '.join(sorted(series))})")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="a training run's folder")
+    parser.add_argument("--out", help="the PNG to write (default: <run>/curves.png)")
+    args = parser.parse_args()
+    exit_on_user_error(plot_run, args.run, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""make export (transformers' MarianMTModel, CTranslate2), make attention and make plot, on tiny models."""
+
+import csv
+import subprocess
+import sys
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import synthetic_corpus, tiny_config
+from transformer_mt.checkpoint import load_for_inference, write_checkpoint
+from transformer_mt.export import export, marian_order
+from transformer_mt.files import InputError, UserError
+from transformer_mt.model import Transformer, sinusoidal_positions
+from transformer_mt.plot import read_metrics
+from transformer_mt.search import translate_ids
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+
+SENTENCES = [
+    "the cat sees a dog .",
+    "a small red house and a big tree .",
+    "the dog runs .",
+    "Zwei Hunde, 42 Grad - ça va?",  # characters the tokenizer never saw: byte pieces
+]
+
+
+def write_random_checkpoint(path, tokenizer, sharpen: float = 1.0):
+    """A checkpoint of random weights with every parameter away from its initial value (biases and
+    LayerNorm gains too: a permutation missed anywhere shows) and a real SentencePiece model.
+    sharpen > 1 scales attention logits by sharpen^2 and doubles the embeddings, so that greedy
+    outputs vary from step to step instead of repeating one token (at the price of float32
+    logits further from an exact recomputation)."""
+    cfg = tiny_config(vocab_size=len(tokenizer), d_model=32, d_ff=48, max_positions=96)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(sharpen)
+            elif name.startswith("embed") and sharpen > 1:
+                p.mul_(2.0)
+    checkpoint = {
+        "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+        "hyper_parameters": {"model": asdict(cfg), "config": {"data": {"src_lang": "en", "tgt_lang": "de"}}},
+        "sentencepiece": tokenizer.proto,
+    }
+    return write_checkpoint(checkpoint, path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    en, de = synthetic_corpus(300)
+    return train_tokenizer(en + de, tmp_path_factory.mktemp("spm"), vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tokenizer, tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("random") / "random.ckpt", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def sharp_checkpoint(tokenizer, tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("sharp") / "sharp.ckpt", tokenizer, sharpen=4.0)
+
+
+def exported(checkpoint, fmt: str, tmp_path_factory):
+    pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
+    pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
+    return export(str(checkpoint), fmt, str(tmp_path_factory.mktemp(fmt) / "model"))
+
+
+def test_marian_order_maps_our_interleaved_positions_onto_marians_sines_then_cosines():
+    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+    d = 10
+    marian = transformers.models.marian.modeling_marian.MarianSinusoidalPositionalEmbedding(7, d)
+    torch.testing.assert_close(marian.create_weight(), sinusoidal_positions(7, d)[:, marian_order(d)])
+
+
+def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory):
+    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+    out = exported(random_checkpoint, "hf", tmp_path_factory)
+    model, tokenizer, _ = load_for_inference(random_checkpoint)
+    hf = transformers.MarianMTModel.from_pretrained(out).eval()
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+    config = hf.config
+    assert (config.pad_token_id, config.eos_token_id, config.bos_token_id) == (PAD_ID, EOS_ID, BOS_ID)
+    assert config.decoder_start_token_id == BOS_ID and hf.generation_config.decoder_start_token_id == BOS_ID
+    assert hf.model.encoder.embed_scale == pytest.approx(model.cfg.d_model**0.5) == hf.model.decoder.embed_scale
+    assert not hf.final_logits_bias.any()
+    assert hf.lm_head.weight.data_ptr() == hf.model.shared.weight.data_ptr()  # one shared matrix (§3.4)
+    assert hf_tokenizer.pad_token_id == PAD_ID and hf_tokenizer.unk_token_id == tokenizer.unk_id
+
+    batch = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    ours = tokenizer.encode(SENTENCES)
+    assert [[i for i in row if i != PAD_ID] for row in batch.input_ids.tolist()] == [ids + [EOS_ID] for ids in ours]
+    # Teacher forcing on target ids of another length than the source.
+    tgt_in = torch.cat([torch.full((len(SENTENCES), 1), BOS_ID), batch.input_ids.flip(1)[:, :-3]], dim=1)
+    with torch.no_grad():
+        diff = (model(batch.input_ids, tgt_in) - hf(**batch, decoder_input_ids=tgt_in).logits).abs().max()
+        exact = model.double()(batch.input_ids, tgt_in) - hf.double()(**batch, decoder_input_ids=tgt_in).logits
+    assert diff <= 1e-4 and exact.abs().max() <= 1e-9  # float64: no rounding to hide a wrong weight behind
+
+
+def test_hf_export_gives_our_greedy_translations(sharp_checkpoint, tmp_path_factory):
+    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+    out = exported(sharp_checkpoint, "hf", tmp_path_factory)
+    model, tokenizer, _ = load_for_inference(sharp_checkpoint)
+    hf = transformers.MarianMTModel.from_pretrained(out).eval()
+    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+    n = 25  # the same length limit for both: n tokens, then EOS forced
+    expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
+    batch = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)
+    generated = hf.generate(**batch, num_beams=1, do_sample=False, max_length=n + 2)  # BOS, n tokens, EOS
+    got = [[i for i in row if i not in (BOS_ID, EOS_ID, PAD_ID)] for row in generated.tolist()]
+    assert got == expected
+    assert len({tuple(e) for e in expected}) == len(expected) and all(len(set(e)) >= 3 for e in expected)
+    assert hf_tokenizer.batch_decode(generated, skip_special_tokens=True) == tokenizer.decode(expected)
+
+
+def test_ct2_export_gives_our_greedy_tokens(sharp_checkpoint, tmp_path_factory):
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    out = exported(sharp_checkpoint, "ct2", tmp_path_factory)
+    model, tokenizer, _ = load_for_inference(sharp_checkpoint)
+    translator = ctranslate2.Translator(str(out), device="cpu", compute_type="float32")
+    n = 25
+    results = translator.translate_batch(
+        [tokenizer.sp.encode(s, out_type=str) for s in SENTENCES], beam_size=1, max_decoding_length=n
+    )
+    expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
+    assert [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results] == expected
+    assert (out / "sentencepiece.model").read_bytes() == tokenizer.proto
+
+
+def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint, tmp_path, monkeypatch):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(InputError, match="exists; remove it or choose another"):
+        export(str(random_checkpoint), "hf", str(tmp_path / "taken"))
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    with pytest.raises(InputError, match="FORMAT=onnx: choose hf"):
+        export(str(random_checkpoint), "onnx", str(tmp_path / "x"))
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if not installed: import fails
+    with pytest.raises(UserError, match=r"needs the Python package 'ctranslate2': install the extra with pip install"):
+        export(str(random_checkpoint), "ct2", str(tmp_path / "ct2"))
+    assert not (tmp_path / "ct2").exists()
+
+
+# ---------------------------------------------------------------- attention pictures
+
+
+def test_make_attention_writes_pictures_whose_rows_are_distributions(random_checkpoint, tmp_path):
+    out = tmp_path / "pictures"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.attention", str(random_checkpoint)]
+        + ["--text", 'the cat "sees", a dog .', "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    names = ["encoder_self_attention", "decoder_self_attention", "encoder_decoder_attention", "alignment"]
+    for name in names:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = np.load(out / "attention.npz")
+    cfg = load_for_inference(random_checkpoint)[0].cfg
+    S, T = len(saved["src_tokens"]), len(saved["tgt_out_tokens"])
+    assert saved["src_tokens"][-1] == "</s>" and saved["tgt_in_tokens"][0] == "<s>"
+    assert saved["encoder"].shape == (cfg.n_encoder_layers, cfg.n_heads, S, S)
+    assert saved["decoder"].shape == (cfg.n_decoder_layers, cfg.n_heads, T, T)
+    assert saved["cross"].shape == (cfg.n_decoder_layers, cfg.n_heads, T, S)
+    for kind in ("encoder", "decoder", "cross"):
+        np.testing.assert_allclose(saved[kind].sum(-1), 1.0, atol=1e-5)
+    assert np.all(np.triu(saved["decoder"], k=1) == 0)  # no step looks ahead
+    assert "translation:" in proc.stdout
+
+
+def test_make_attention_with_a_file_line_and_reference(random_checkpoint, tmp_path):
+    (tmp_path / "src.en").write_text("the dog runs .\nthe cat sees a dog .\n")
+    (tmp_path / "ref.de").write_text("der Hund läuft .\ndie Katze sieht einen Hund .\n")
+    cmd = [sys.executable, "-m", "transformer_mt.attention", str(random_checkpoint), "--src", str(tmp_path / "src.en")]
+    proc = subprocess.run(
+        cmd + ["--line", "2", "--ref", str(tmp_path / "ref.de"), "--out", str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "reference: die Katze sieht einen Hund ." in proc.stdout
+    assert "".join(np.load(tmp_path / "a" / "attention.npz")["src_tokens"][:-1]).replace("▁", " ").strip() == (
+        "the cat sees a dog ."
+    )
+    bad = subprocess.run(cmd + ["--line", "3"], capture_output=True, text=True)
+    assert (
+        bad.returncode == 1 and bad.stderr.strip() == f"error: LINE=3: {tmp_path / 'src.en'} has 2 lines (count from 1)"
+    )
+
+
+# ---------------------------------------------------------------- learning curves
+
+
+def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
+    metrics = tmp_path / "run" / "csv" / "version_0" / "metrics.csv"
+    metrics.parent.mkdir(parents=True)
+    rows = [{"step": s, "train/loss": 8 - s / 100, "lr-Adam": s * 1e-5} for s in range(0, 300, 50)]
+    rows += [{"step": s, "val/loss": 7 - s / 100, "val/ppl": 900 / (1 + s), "val/bleu": s / 30} for s in (100, 200)]
+    with open(metrics, "w", newline="") as f:
+        writer = csv.DictWriter(
+            f, fieldnames=["epoch", "step", "train/loss", "lr-Adam", "val/loss", "val/ppl", "val/bleu"]
+        )
+        writer.writeheader()
+        writer.writerows(rows)
+    assert read_metrics(tmp_path / "run")["val/bleu"] == [(100, 100 / 30), (200, 200 / 30)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.plot", str(tmp_path / "run")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    empty = subprocess.run([sys.executable, "-m", "transformer_mt.plot", str(tmp_path)], capture_output=True, text=True)
+    assert empty.returncode == 1 and "no CSV metrics under" in empty.stderr
