@@ -75,6 +75,19 @@ def exported(checkpoint, fmt: str, tmp_path_factory):
     return export(str(checkpoint), fmt, str(tmp_path_factory.mktemp(fmt) / "model"))
 
 
+def ours_and_hf(checkpoint, tmp_path_factory):
+    """(our model, our tokenizer, MarianMTModel, MarianTokenizer) of one checkpoint, the latter two via make export."""
+    out = exported(checkpoint, "hf", tmp_path_factory)
+    transformers = pytest.importorskip("transformers")
+    model, tokenizer, _ = load_for_inference(checkpoint)
+    return (
+        model,
+        tokenizer,
+        transformers.MarianMTModel.from_pretrained(out).eval(),
+        transformers.MarianTokenizer.from_pretrained(out),
+    )
+
+
 def test_marian_order_maps_our_interleaved_positions_onto_marians_sines_then_cosines():
     transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
     d = 10
@@ -83,11 +96,7 @@ def test_marian_order_maps_our_interleaved_positions_onto_marians_sines_then_cos
 
 
 def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory):
-    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
-    out = exported(random_checkpoint, "hf", tmp_path_factory)
-    model, tokenizer, _ = load_for_inference(random_checkpoint)
-    hf = transformers.MarianMTModel.from_pretrained(out).eval()
-    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+    model, tokenizer, hf, hf_tokenizer = ours_and_hf(random_checkpoint, tmp_path_factory)
     config = hf.config
     assert (config.pad_token_id, config.eos_token_id, config.bos_token_id) == (PAD_ID, EOS_ID, BOS_ID)
     assert config.decoder_start_token_id == BOS_ID and hf.generation_config.decoder_start_token_id == BOS_ID
@@ -108,11 +117,7 @@ def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory)
 
 
 def test_hf_export_gives_our_greedy_translations(sharp_checkpoint, tmp_path_factory):
-    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
-    out = exported(sharp_checkpoint, "hf", tmp_path_factory)
-    model, tokenizer, _ = load_for_inference(sharp_checkpoint)
-    hf = transformers.MarianMTModel.from_pretrained(out).eval()
-    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+    model, tokenizer, hf, hf_tokenizer = ours_and_hf(sharp_checkpoint, tmp_path_factory)
     n = 25  # the same length limit for both: n tokens, then EOS forced
     expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
     batch = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)

@@ -50,7 +50,7 @@ def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def find(series: dict, key: str) -> list[tuple[int, float]]:
-    """The series named key, or for a prefix such as "lr-" (LearningRateMonitor's lr-<optimizer>) the first that starts so."""
+    """The series named `key`; for a prefix such as "lr-" (LearningRateMonitor's lr-<optimizer>), the first so named."""
     if key.endswith("-"):
         key = next((name for name in series if name.startswith(key)), key)
     return [(s, v) for s, v in series.get(key, []) if math.isfinite(v)]
