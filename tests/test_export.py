@@ -4,12 +4,13 @@ import csv
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import synthetic_corpus, tiny_config
+from conftest import run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
 from transformer_mt.export import export, marian_order
 from transformer_mt.files import InputError, UserError
@@ -104,6 +105,8 @@ def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory)
     assert not hf.final_logits_bias.any()
     assert hf.lm_head.weight.data_ptr() == hf.model.shared.weight.data_ptr()  # one shared matrix (§3.4)
     assert hf_tokenizer.pad_token_id == PAD_ID and hf_tokenizer.unk_token_id == tokenizer.unk_id
+    for side in ("source", "target"):  # the checkpoint's own SentencePiece model
+        assert (Path(hf_tokenizer.name_or_path) / f"{side}.spm").read_bytes() == tokenizer.proto
 
     batch = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)
     ours = tokenizer.encode(SENTENCES)
@@ -218,7 +221,7 @@ def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
         )
         writer.writeheader()
         writer.writerows(rows)
-    assert read_metrics(tmp_path / "run")["val/bleu"] == [(100, 100 / 30), (200, 200 / 30)]
+    assert read_metrics(tmp_path / "run")["val/bleu"] == [(101, 100 / 30), (201, 200 / 30)]  # update = step + 1
     proc = subprocess.run(
         [sys.executable, "-m", "transformer_mt.plot", str(tmp_path / "run")], capture_output=True, text=True
     )
@@ -226,3 +229,21 @@ def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
     assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
     empty = subprocess.run([sys.executable, "-m", "transformer_mt.plot", str(tmp_path)], capture_output=True, text=True)
     assert empty.returncode == 1 and "no CSV metrics under" in empty.stderr
+
+
+@pytest.mark.parametrize("logger", ["~logger", "logger=tensorboard"])
+def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    run_train(
+        [f"data.path={corpus}", "trainer.max_steps=8", "trainer.log_every_n_steps=2", logger, "hydra.run.dir=run"],
+        tmp_path,
+    )
+    series = read_metrics(tmp_path / "run")
+    assert [update for update, _ in series["val/bleu"]] == [4, 8]  # validation every 4 updates (TINY_RUN)
+    assert [update for update, _ in series["train/loss"]] == [2, 4, 6, 8] and len(series["lr-Adam"]) == 4
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.plot", str(tmp_path / "run"), "--out", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG", proc.stderr

@@ -35,7 +35,8 @@ def metrics_files(run: Path) -> list[Path]:
 
 
 def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """metric -> [(update, value)], from every metrics.csv of the run (a resumed run may add versions)."""
+    """metric -> [(update, value)], from every metrics.csv of the run (a resumed run may add versions).
+    Lightning's `step` column counts the updates finished before the one being logged: update = step + 1."""
     series: dict[str, dict[int, float]] = {}
     for path in metrics_files(run):
         with open(path, newline="", encoding="utf-8") as f:
@@ -45,7 +46,7 @@ def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
                     continue
                 for name, value in row.items():
                     if name not in ("step", "epoch") and value not in ("", None):
-                        series.setdefault(name, {})[int(float(step))] = float(value)  # later versions win
+                        series.setdefault(name, {})[int(float(step)) + 1] = float(value)  # later versions win
     return {name: sorted(points.items()) for name, points in series.items()}
 
 

@@ -72,11 +72,12 @@ def wandb_has_credentials() -> bool:
 
 
 def make_loggers(cfg: DictConfig | None, run_dir: Path) -> list:
-    """The configured logger, and CSV metrics beside any other (<run>/csv/, for `make plot`); logger=null: none."""
-    if cfg is None:
-        return []
-    logger = make_logger(cfg)
-    return [logger] if isinstance(logger, CSVLogger) else [logger, CSVLogger(run_dir, name="csv")]
+    """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
+    what `make plot` reads; LearningRateMonitor needs a logger too)."""
+    configured = [make_logger(cfg)] if cfg is not None else []
+    if any(isinstance(logger, CSVLogger) for logger in configured):
+        return configured
+    return [*configured, CSVLogger(run_dir, name="csv")]
 
 
 def make_logger(cfg: DictConfig):
