@@ -38,7 +38,10 @@ def hf_translate(hf, hf_tokenizer, sources, beam: int, alpha: float, batch: int 
         inputs = hf_tokenizer([sources[i] for i in rows], return_tensors="pt", padding=True)
         with torch.no_grad():
             # beam > 1: stop only when no live hypothesis can win, as ours ("never" stop early by a heuristic)
-            search = dict(num_beams=beam, length_penalty=alpha, early_stopping="never") if beam > 1 else {}
+            # (num_beams=1 must be said: the exported generation_config.json defaults to beam 4)
+            search = (
+                dict(num_beams=beam, length_penalty=alpha, early_stopping="never") if beam > 1 else {"num_beams": 1}
+            )
             generated = hf.generate(**inputs, **search, do_sample=False, max_length=inputs.input_ids.size(1) + 51)
         for i, text in zip(rows, hf_tokenizer.batch_decode(generated, skip_special_tokens=True)):
             out[i] = text

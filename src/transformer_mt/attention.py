@@ -13,6 +13,7 @@ and writes output token r.
 from __future__ import annotations
 
 import argparse
+import textwrap
 from datetime import datetime
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: s
                 ax.set_title(f"head {head + 1}", fontsize=8)
             if head == 0:
                 ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
-    fig.suptitle(title)
+    width_chars = int(fig.get_figwidth() * 11)  # characters of 9-point text per line, roughly
+    fig.suptitle("\n".join(textwrap.wrap(title, width_chars)), fontsize=9)
     fig.savefig(path, dpi=80)
 
 

@@ -115,9 +115,14 @@ def marian_config(model: Transformer, dropout: float):
     )
 
 
+# transformers divides by |Y|^alpha, not GNMT's ((5 + |Y|) / 6)^alpha (§6.1). On Multi30k test2016, 0.45 with
+# early_stopping="never" picked our alpha-0.6 translation for 99.2% of the sentences (0.6: 96.7%); see the README.
+HF_LENGTH_PENALTY = 0.45
+
+
 def generation_config(model: Transformer):
-    """Beam 4 (§6.1), pad never generated, EOS forced at the maximum length, as our beam search.
-    length_penalty is |Y|^alpha in transformers, not GNMT's ((5 + |Y|) / 6)^alpha: see the README."""
+    """Beam 4 (§6.1) with the length penalty closest to ours, pad never generated, EOS forced at the
+    maximum length, and a search that stops only when no live hypothesis can win, as ours."""
     transformers = optional("transformers")
     return transformers.GenerationConfig(
         decoder_start_token_id=BOS_ID,
@@ -128,11 +133,9 @@ def generation_config(model: Transformer):
         bad_words_ids=[[PAD_ID]],
         num_beams=4,
         length_penalty=HF_LENGTH_PENALTY,
+        early_stopping="never",
         max_length=model.cfg.max_positions,
     )
-
-
-HF_LENGTH_PENALTY = 0.6
 
 
 def write_hf(model: Transformer, tokenizer: Tokenizer, dropout: float, directory: Path, languages: tuple[str, str]):

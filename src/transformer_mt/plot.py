@@ -16,11 +16,11 @@ from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
 from transformer_mt.files import MissingInputError, exit_on_user_error
 
-PANELS = [  # (title, [(metric, label)], log scale)
-    ("loss (label-smoothed cross-entropy)", [("train/loss", "training"), ("val/loss", "validation")], False),
-    ("learning rate", [("lr-", "Noam schedule")], False),
-    ("validation perplexity", [("val/ppl", "validation")], True),
-    ("validation BLEU (sacreBLEU)", [("val/bleu", "validation")], False),
+PANELS = [  # (title, [(metric, label)])
+    ("loss (label-smoothed cross-entropy)", [("train/loss", "training"), ("val/loss", "validation")]),
+    ("learning rate", [("lr-", "Noam schedule")]),
+    ("validation perplexity", [("val/ppl", "validation")]),
+    ("validation BLEU (sacreBLEU)", [("val/bleu", "validation")]),
 ]
 
 
@@ -61,7 +61,7 @@ def plot_run(run: str, out: str | None = None) -> Path:
     run_dir = Path(run)
     series = read_metrics(run_dir)
     fig = Figure(figsize=(11, 7.5), layout="constrained")
-    for ax, (title, lines, log_scale) in zip(fig.subplots(2, 2).flat, PANELS):
+    for ax, (title, lines) in zip(fig.subplots(2, 2).flat, PANELS):
         drawn = False
         for key, label in lines:
             points = find(series, key)
@@ -71,7 +71,6 @@ def plot_run(run: str, out: str | None = None) -> Path:
                 drawn = True
         if drawn:
             ax.legend()
-            ax.set_yscale("log" if log_scale else "linear")
         else:
             ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title)
