@@ -28,7 +28,7 @@ from transformer_mt.corpus import read_lines
 from transformer_mt.files import InputError, exit_on_user_error
 from transformer_mt.model import Transformer, record_attention
 from transformer_mt.search import pad_sources, translate_ids
-from transformer_mt.tokenizer import BOS_ID, Tokenizer
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer
 
 PICTURES = {
     "encoder": ("encoder_self_attention.png", "encoder self-attention"),
@@ -131,8 +131,8 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
 
     out_dir = Path(out or f"outputs/attention/{datetime.now():%Y-%m-%d_%H-%M-%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    src_tokens = [*pieces(tokenizer, src_ids), "</s>"]
-    tgt_in, tgt_out = ["<s>", *pieces(tokenizer, tgt_ids)], [*pieces(tokenizer, tgt_ids), "</s>"]
+    src_tokens = pieces(tokenizer, [*src_ids, EOS_ID])
+    tgt_in, tgt_out = pieces(tokenizer, [BOS_ID, *tgt_ids]), pieces(tokenizer, [*tgt_ids, EOS_ID])
     axes = {"encoder": (src_tokens, src_tokens), "decoder": (tgt_in, tgt_in), "cross": (tgt_out, src_tokens)}
     translation = tokenizer.decode([tgt_ids])[0]
     for kind, (file_name, title) in PICTURES.items():

@@ -87,7 +87,7 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     return state
 
 
-def marian_config(model: Transformer, dropout: float):
+def marian_config(model: Transformer):
     transformers = optional("transformers")
     cfg = model.cfg
     return transformers.MarianConfig(
@@ -104,7 +104,7 @@ def marian_config(model: Transformer, dropout: float):
         scale_embedding=True,  # §3.4: embeddings * sqrt(d_model)
         share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True,  # the output projection is the embedding matrix (§3.4)
-        dropout=dropout,  # for fine-tuning: residual branches and embedding sums, as ours
+        dropout=cfg.dropout,  # for fine-tuning: residual branches and embedding sums, as ours
         attention_dropout=0.0,
         activation_dropout=0.0,
         pad_token_id=PAD_ID,
@@ -138,10 +138,10 @@ def generation_config(model: Transformer):
     )
 
 
-def write_hf(model: Transformer, tokenizer: Tokenizer, dropout: float, directory: Path, languages: tuple[str, str]):
+def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, languages: tuple[str, str]):
     """MarianMTModel + MarianTokenizer files in `directory` (which exists and is empty)."""
     transformers = optional("transformers")
-    hf = transformers.MarianMTModel(marian_config(model, dropout)).eval()
+    hf = transformers.MarianMTModel(marian_config(model)).eval()
     missing, unexpected = hf.model.load_state_dict(marian_state_dict(model), strict=False)
     left = [k for k in missing if not k.endswith(("embed_positions.weight", "embed_tokens.weight"))]
     if left or unexpected:
@@ -255,11 +255,10 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     model, tokenizer, checkpoint = load_for_inference(ckpt)
     data = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
     languages = (data.get("src_lang", "en"), data.get("tgt_lang", "de"))
-    dropout = model.cfg.dropout
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
         tmp.mkdir()
         if fmt == "hf":
-            write_hf(model, tokenizer, dropout, tmp, languages)
+            write_hf(model, tokenizer, tmp, languages)
             fp32, fp64 = check_hf(model, tokenizer, tmp)
             print(
                 "checked: the exported tokenizer gives our ids and the model our logits "
@@ -267,7 +266,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
             )
         else:
             with tempfile.TemporaryDirectory() as hf_dir:
-                write_hf(model, tokenizer, dropout, Path(hf_dir), languages)
+                write_hf(model, tokenizer, Path(hf_dir), languages)
                 write_ct2(Path(hf_dir), tmp, quantization)
             if not quantization or quantization == "float32":
                 check_ct2(model, tokenizer, tmp)
