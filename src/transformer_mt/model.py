@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
+FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
 
 
 @dataclass
@@ -142,9 +143,11 @@ class MultiHeadAttention(nn.Module):
         if self.recording:
             out, self.weights = explicit_attention(q, k, v, mask, causal)
         else:
-            # On CPU, SDPA's fused kernel is slower than its math backend at sentence lengths (a
-            # Multi30k training step in bf16: 2,595 vs 3,347 target tokens/s), so use math there.
-            with sdpa_kernel(SDPBackend.MATH) if q.device.type == "cpu" else contextlib.nullcontext():
+            # On CPU, SDPA's fused kernel is slower than its math backend for whole sentences (a
+            # Multi30k training step in bf16: 2,595 vs 3,347 target tokens/s), so use math there,
+            # but faster for decoding's few queries per row (scripts/benchmark.py, decoding).
+            whole = q.device.type == "cpu" and q.size(-2) > FEW_QUERIES
+            with sdpa_kernel(SDPBackend.MATH) if whole else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, hd)
         B, H, Lq, hd = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * hd))
@@ -209,38 +212,40 @@ class DecoderLayer(nn.Module):
         cache: list[Tensor] | None = None,
     ) -> Tensor:
         # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
-        # Decoding: x is the newest position (B, 1, d); cache = [keys, values] of earlier
-        # positions, each (B, H, t, hd), extended in place. The newest query may see every
-        # cached key, so no mask is needed.
+        # Decoding: x is the newest position of every hypothesis (B * beam, 1, d); cache = [keys,
+        # values] of earlier positions, each (B * beam, H, t, hd), extended in place. The newest
+        # query may see every cached key, so no mask is needed.
         k, v = self.self_attn.project_kv(x)
         if cache is not None:
             if cache:
                 k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
             cache[:] = [k, v]
         x = self.self_attn_res(x, self.self_attn(x, (k, v), causal=cache is None))
-        x = self.cross_attn_res(x, self.cross_attn(x, memory_kv, mask=src_mask))
+        # The hypotheses of one sentence share its memory and attend to it as one block of queries
+        # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
+        queries = x.view(memory_kv[0].size(0), -1, x.size(-1))
+        x = self.cross_attn_res(x, self.cross_attn(queries, memory_kv, mask=src_mask).view_as(x))
         return self.ffn_res(x, self.ffn(x))
 
 
 @dataclass
 class DecoderState:
-    """What incremental decoding carries between steps; rows follow the batch (or beam) order."""
+    """What incremental decoding carries between steps: `beam` hypotheses per sentence, their
+    rows grouped by sentence (sentence i owns rows i * beam ... (i + 1) * beam - 1)."""
 
     src_mask: Tensor  # (B, 1, 1, S) bool
     memory_kv: list[tuple[Tensor, Tensor]]  # per decoder layer, each (B, H, S, hd), computed once
-    self_kv: list[list[Tensor]]  # per decoder layer, [keys, values] each (B, H, t, hd); grows per step
+    self_kv: list[list[Tensor]]  # per decoder layer, [keys, values] each (B * beam, H, t, hd); grows per step
+    beam: int = 1
     length: int = 0  # target positions decoded so far
 
-    def select(self, rows: Tensor, memory: bool = True) -> DecoderState:
-        """Keep/reorder batch rows (beam search). memory=False skips the encoder-side tensors,
-        which is correct when `rows` only permutes hypotheses of the same sentence."""
-        pick = lambda t: t.index_select(0, rows)  # noqa: E731
-        return DecoderState(
-            src_mask=pick(self.src_mask) if memory else self.src_mask,
-            memory_kv=[(pick(k), pick(v)) for k, v in self.memory_kv] if memory else self.memory_kv,
-            self_kv=[[pick(t) for t in kv] for kv in self.self_kv],
-            length=self.length,
-        )
+    def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep/reorder hypotheses in place (beam search): row i becomes the former row rows[i].
+        When sentences leave, `sentences` names those kept, in order (and `rows` only their rows)."""
+        self.self_kv = [[t.index_select(0, rows) for t in kv] for kv in self.self_kv]
+        if sentences is not None:
+            self.src_mask = self.src_mask.index_select(0, sentences)
+            self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv]
 
 
 class Transformer(nn.Module):
@@ -295,20 +300,22 @@ class Transformer(nn.Module):
         """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
         return self.project(self.features(src, tgt_in))
 
-    def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
-        """Precompute every layer's encoder-decoder keys/values once for incremental decoding."""
+    def start_decoding(self, memory: Tensor, src_pad: Tensor, beam: int = 1) -> DecoderState:
+        """Precompute every layer's encoder-decoder keys/values once for incremental decoding of
+        `beam` hypotheses per sentence."""
         return DecoderState(
             src_mask=key_mask(src_pad),
             memory_kv=[layer.cross_attn.project_kv(memory) for layer in self.decoder_layers],
             self_kv=[[] for _ in self.decoder_layers],
+            beam=beam,
         )
 
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
-        """prev (B,) = the token at position state.length -> logits (B, V) for the next one.
+        """prev (B * beam,) = the token at position state.length -> logits (B * beam, V) for the next one.
 
         Extends `state` in place; equal to forward()'s logits at that position.
         """
-        x = self.embed(prev[:, None], start=state.length)  # (B, 1, d)
+        x = self.embed(prev[:, None], start=state.length)  # (B * beam, 1, d)
         for layer, memory_kv, cache in zip(self.decoder_layers, state.memory_kv, state.self_kv):
             x = layer(x, memory_kv, state.src_mask, cache=cache)
         state.length += 1

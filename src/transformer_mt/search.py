@@ -23,23 +23,25 @@ def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
 
 @torch.no_grad()
 def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[list[int]]:
-    """Arg-max decoding; returns each sentence's tokens without BOS/EOS."""
+    """Arg-max decoding; returns each sentence's tokens without BOS/EOS. Finished sentences leave the batch."""
     memory, src_pad = model.encode(src)
-    state = model.start_decoding(memory, src_pad)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
-    B = src.size(0)
-    prev = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
-    tokens = torch.full((B, int(limits.max()) + 1), PAD_ID, dtype=torch.long, device=src.device)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    state = model.start_decoding(memory, src_pad)
+    alive = torch.arange(src.size(0), device=src.device)  # original index of each sentence still decoding
+    prev = torch.full_like(alive, BOS_ID)
+    tokens = torch.full((src.size(0), int(limits.max()) + 1), PAD_ID, dtype=torch.long, device=src.device)
     for t in range(tokens.size(1)):
         logits = model.decode_step(prev, state)
         logits[:, PAD_ID] = -torch.inf  # padding is never an output
-        prev = logits.argmax(-1)
-        prev = torch.where(done, PAD_ID, torch.where(t >= limits, EOS_ID, prev))
-        tokens[:, t] = prev
-        done |= prev.eq(EOS_ID)
+        prev = torch.where(t >= limits[alive], EOS_ID, logits.argmax(-1))
+        tokens[alive, t] = prev
+        done = prev.eq(EOS_ID)
         if done.all():
             break
+        if done.any():
+            keep = (~done).nonzero().squeeze(1)
+            alive, prev = alive[keep], prev[keep]
+            state.select(keep, sentences=keep)
     return [[i for i in row if i not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
 
 
@@ -70,7 +72,7 @@ def beam_search(
     memory, src_pad = model.encode(src)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
-    state = model.start_decoding(memory, src_pad).select(torch.arange(B, device=device).repeat_interleave(K))
+    state = model.start_decoding(memory, src_pad, beam=K)
 
     alive_ids = torch.arange(B, device=device)  # original index of each sentence still searching
     alive_scores = torch.full((B, K), -torch.inf, device=device)
@@ -82,14 +84,19 @@ def beam_search(
 
     for t in range(width):
         n = alive_ids.numel()
-        logp = torch.log_softmax(model.decode_step(prev, state).float(), dim=-1)  # (n*K, V)
-        logp[:, PAD_ID] = -torch.inf
+        logits = model.decode_step(prev, state).float()  # (n*K, V)
+        log_z = logits.logsumexp(-1, keepdim=True)  # log P(token) = logit - log_z, over the whole vocabulary
+        logits[:, PAD_ID] = -torch.inf
         at_limit = (t >= limits[alive_ids]).repeat_interleave(K)
-        logp[at_limit] = torch.where(torch.arange(logp.size(1), device=device) == EOS_ID, logp[at_limit], -torch.inf)
-        V = logp.size(1)
-        cand = (alive_scores.view(-1, 1) + logp).view(n, K * V)
-        top_scores, top_idx = cand.topk(min(2 * K, K * V), dim=1)  # 2K: at most K of them end in EOS
-        beam, token = top_idx // V, top_idx % V
+        eos = torch.arange(logits.size(1), device=device) == EOS_ID
+        logits[at_limit] = torch.where(eos, logits[at_limit], -torch.inf)
+        # The best 2K of all K * V candidates are among each hypothesis' own best 2K tokens: rank
+        # those (K * 2K per sentence), not the whole (K * V) table.
+        C = min(2 * K, logits.size(1))  # 2K: at most K of them end in EOS
+        row_logits, row_tokens = logits.topk(C, dim=1)  # (n*K, C)
+        cand = (alive_scores.view(-1, 1) + row_logits - log_z).view(n, K * C)
+        top_scores, top_idx = cand.topk(C, dim=1)
+        beam, token = top_idx // C, row_tokens.view(n, K * C).gather(1, top_idx)
         history = alive_tokens.gather(1, beam[..., None].expand(-1, -1, width))  # (n, 2K, width), a copy
         history[:, :, t] = token
         ends = token.eq(EOS_ID)
@@ -112,16 +119,16 @@ def beam_search(
 
         # Early stop: no live hypothesis can beat the K-th finished one.
         best_possible = alive_scores[:, 0] / length_penalty(limits[alive_ids] + 1, alpha)
-        done = best_fin[:, -1] >= best_possible
+        done = best_fin[:, n_best - 1] >= best_possible
         if done.all():
             break
         if done.any():  # drop finished sentences (and their encoder states) from the batch
             keep = (~done).nonzero().squeeze(1)
             alive_ids, alive_scores, alive_tokens = alive_ids[keep], alive_scores[keep], alive_tokens[keep]
-            state = state.select(rows.view(n, K)[keep].view(-1))
+            state.select(rows.view(n, K)[keep].view(-1), sentences=keep)
             prev = prev.view(n, K)[keep].view(-1)
         else:  # rows only permute beams of the same sentence: encoder states stay as they are
-            state = state.select(rows, memory=False)
+            state.select(rows)
 
     nbest = []
     for scores, tokens in zip(fin_scores.tolist(), fin_tokens.tolist()):
@@ -149,7 +156,7 @@ def translate_ids(
     alpha: float = 0.6,
     max_len_a: float = 1.0,
     max_len_b: int = 50,
-    tokens_per_batch: int = 4096,
+    tokens_per_batch: int = 16384,
     progress: bool = False,
     n_best: int = 0,
 ) -> list:
