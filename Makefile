@@ -14,11 +14,11 @@ help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
-install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
+install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export,bench]
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[dev,export]"
+	$(PY) -m pip install -e ".[dev,export,bench]"
 
 test:  ## Run the fast test suite (tests not marked slow)
 	$(PYTEST) -m "not slow"
@@ -88,8 +88,8 @@ plot:  ## Learning curves of a run as a PNG: make plot RUN=outputs/<date>/<time>
 	$(PY) -m transformer_mt.plot $(RUN) $(if $(OUT),--out $(OUT))
 
 .PHONY: bench
-bench:  ## Speed of training and decoding against peers: make bench [ARGS="--model base --device cuda"]
-	$(PY) scripts/benchmark.py $(ARGS)
+bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2): make bench [CKPT=... SRC=... REF=...] [ARGS=...]
+	$(PY) scripts/benchmark.py $(if $(CKPT),--ckpt $(CKPT)) $(if $(SRC),--src $(SRC)) $(if $(REF),--ref $(REF)) $(ARGS)
 
 .PHONY: gpu-check
 gpu-check:  ## Check every GPU path once (<= 8 min on one GPU), summary table at the end: make gpu-check [ARGS="--device cpu"]

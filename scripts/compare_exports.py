@@ -17,48 +17,16 @@ import tempfile
 import time
 
 import sacrebleu
-import torch
 
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.corpus import read_text_pair
 from transformer_mt.export import export, optional
+from transformer_mt.peers import ct2_translate, hf_translate
 from transformer_mt.search import translate_lines
 
 
 def ours(model, tokenizer, sources, beam: int, alpha: float) -> list[str]:
     return translate_lines(model, tokenizer, sources, beam_size=beam, alpha=alpha)
-
-
-def hf_translate(hf, hf_tokenizer, sources, beam: int, alpha: float, batch: int = 64) -> list[str]:
-    """MarianMTModel.generate, length-sorted batches; at most source + 50 tokens, as ours (§6.1)."""
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out = [""] * len(sources)
-    for start in range(0, len(order), batch):
-        rows = order[start : start + batch]
-        inputs = hf_tokenizer([sources[i] for i in rows], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            # beam > 1: stop only when no live hypothesis can win, as ours ("never" stop early by a heuristic)
-            # (num_beams=1 must be said: the exported generation_config.json defaults to beam 4)
-            search = (
-                dict(num_beams=beam, length_penalty=alpha, early_stopping="never") if beam > 1 else {"num_beams": 1}
-            )
-            generated = hf.generate(**inputs, **search, do_sample=False, max_length=inputs.input_ids.size(1) + 51)
-        for i, text in zip(rows, hf_tokenizer.batch_decode(generated, skip_special_tokens=True)):
-            out[i] = text
-    return out
-
-
-def ct2_translate(translator, sp, sources, beam: int, alpha: float) -> list[str]:
-    pieces = [sp.encode(s.strip(), out_type=str) for s in sources]
-    results = translator.translate_batch(
-        pieces,
-        beam_size=beam,
-        length_penalty=alpha,
-        max_batch_size=64,
-        batch_type="examples",
-        max_decoding_length=max(map(len, pieces)) + 51,
-    )
-    return [sp.decode_pieces(r.hypotheses[0]) for r in results]
 
 
 def main() -> None:

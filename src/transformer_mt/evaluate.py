@@ -11,6 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.allocator import keep_freed_memory
 from transformer_mt.checkpoint import load_for_inference, pick_device
 from transformer_mt.config import CONF_DIR
 from transformer_mt.corpus import Corpus, read_lines, read_text_pair
@@ -45,6 +46,7 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
 
 
 def evaluate(cfg: DictConfig) -> dict:
+    keep_freed_memory()
     model, tokenizer, checkpoint = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
     data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})

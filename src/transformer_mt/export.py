@@ -138,14 +138,20 @@ def generation_config(model: Transformer):
     )
 
 
-def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, languages: tuple[str, str]):
-    """MarianMTModel + MarianTokenizer files in `directory` (which exists and is empty)."""
-    transformers = optional("transformers")
-    hf = transformers.MarianMTModel(marian_config(model)).eval()
+def marian_model(model: Transformer):
+    """transformers' MarianMTModel of the same shape, holding our weights (in train mode, as a new model)."""
+    hf = optional("transformers").MarianMTModel(marian_config(model))
     missing, unexpected = hf.model.load_state_dict(marian_state_dict(model), strict=False)
     left = [k for k in missing if not k.endswith(("embed_positions.weight", "embed_tokens.weight"))]
     if left or unexpected:
         raise AssertionError(f"weights Marian has and we do not: {left}; ours it has not: {unexpected}")
+    return hf
+
+
+def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, languages: tuple[str, str]):
+    """MarianMTModel + MarianTokenizer files in `directory` (which exists and is empty)."""
+    transformers = optional("transformers")
+    hf = marian_model(model).eval()
     hf.generation_config = generation_config(model)
     hf.save_pretrained(directory)
     # The tokenizer: our SentencePiece model for both sides, and its pieces in id order.

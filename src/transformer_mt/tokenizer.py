@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hashlib
 import io
 import json
@@ -15,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from transformer_mt.allocator import release_freed_memory
 from transformer_mt.files import InputError, MissingInputError, atomic_write
 
 log = logging.getLogger(__name__)
@@ -113,14 +112,6 @@ def train_tokenizer(
         ) from None
     release_freed_memory()
     return Tokenizer(Tokenizer(proto=proto.getvalue()).save(directory))
-
-
-def release_freed_memory() -> None:
-    """Hand memory that C/C++ code freed back to the system. SentencePiece's trainer frees its gigabytes
-    of sentences when it ends, but glibc keeps freed heap pages for reuse: at WMT14 scale, 4.8 GB
-    stayed resident in the training process. Not glibc (macOS, musl): nothing to do."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def cache_key(**inputs) -> str:

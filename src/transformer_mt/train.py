@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.allocator import keep_freed_memory
 from transformer_mt.checkpoint import write_checkpoint
 from transformer_mt.config import CONF_DIR
 from transformer_mt.data import TranslationDataModule
@@ -203,6 +204,7 @@ def train(cfg: DictConfig) -> float | None:
     startup = StartupLog(time.monotonic())
     setup_logging()
     check_config(cfg)
+    keep_freed_memory()  # no page faults for each step's activations (allocator.py)
     trainer_args = trainer_arguments(cfg.trainer)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -9,6 +9,7 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.allocator import keep_freed_memory
 from transformer_mt.checkpoint import load_for_inference, pick_device
 from transformer_mt.config import CONF_DIR
 from transformer_mt.files import InputError, exit_on_user_error, required
@@ -39,6 +40,7 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
 
 
 def translate(cfg: DictConfig) -> None:
+    keep_freed_memory()
     model, tokenizer, _ = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
     decoding = OmegaConf.to_container(cfg.decoding)
