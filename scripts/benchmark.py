@@ -18,19 +18,22 @@ sentences/s, the share of sentences identical to ours, BLEU when REF is given, a
 latency of one sentence at beam 4. Our alpha 0.6 (GNMT penalty) is compared with their 0.45
 (|Y|^alpha), which picks the same translations most often (README, "Shipping a model").
 
-Every figure is the median of --repeats rounds; within a round the systems take turns.
+Every figure is the median of --repeats rounds; within a round the systems take turns (for
+decoding each in a fresh process: CTranslate2's OpenMP runtime and ours slow each other down).
 Peers need the `bench` extra: pip install -e ".[bench]".
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import random
 import resource
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import sacrebleu
@@ -223,56 +226,87 @@ def bench_training(args, shape: str, pairs, dtype) -> None:
 # ---------------------------------------------------------------- decoding
 
 
+SYSTEMS = ["transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"]
+
+
+def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], singles: list[str]) -> dict:
+    """One round of one system, in a fresh process: {"outputs": {beam: texts}, "seconds": {beam: s}, "latency": [ms]}.
+
+    A process of its own, because two OpenMP runtimes in one process slow each other down for good:
+    CTranslate2 brings its own libgomp, and after both had run, our one-sentence latency went from
+    99 to 157-170 ms and CTranslate2's from 32 to 167 ms, pauses of seconds notwithstanding."""
+    keep_freed_memory()
+    if system == "transformer_mt":
+        model, tokenizer, _ = load_for_inference(ckpt)
+
+        def run(lines, beam):
+            return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=OUR_ALPHA)
+
+    elif system == "transformers generate":
+        transformers = optional("transformers")
+        hf = transformers.MarianMTModel.from_pretrained(exported["hf"]).eval()
+        hf_tokenizer = transformers.MarianTokenizer.from_pretrained(exported["hf"])
+
+        def run(lines, beam):
+            return hf_translate(hf, hf_tokenizer, lines, beam, HF_LENGTH_PENALTY)
+
+    else:
+        kind = system.split()[-1]
+        translator = optional("ctranslate2").Translator(
+            exported["ct2"], device="cpu", compute_type=kind, intra_threads=torch.get_num_threads()
+        )
+        # not load_for_inference: running torch before CTranslate2 in a process made CTranslate2 7x slower
+        # (one sentence: 15 -> 103 ms), their two OpenMP thread pools competing for the cores
+        sp = optional("sentencepiece").SentencePieceProcessor(model_file=f"{exported['ct2']}/sentencepiece.model")
+
+        def run(lines, beam):
+            return ct2_translate(translator, sp, lines, beam, HF_LENGTH_PENALTY)
+
+    run(sources[:8], 4)  # warm-up
+    result = {"outputs": {}, "seconds": {}, "latency": []}
+    for beam in (4, 1):
+        start = time.perf_counter()
+        result["outputs"][beam] = run(sources, beam)
+        result["seconds"][beam] = time.perf_counter() - start
+    for line in singles:
+        start = time.perf_counter()
+        run([line], 4)
+        result["latency"].append(1000 * (time.perf_counter() - start))
+    return result
+
+
 def bench_decoding(args) -> None:
-    transformers, ctranslate2 = optional("transformers"), optional("ctranslate2")
-    transformers.logging.set_verbosity_error()
-    model, tokenizer, _ = load_for_inference(args.ckpt)
+    optional("transformers").logging.set_verbosity_error()
     if args.ref:
         sources, references = read_text_pair(args.src, args.ref)
     else:
         sources, references = Path(args.src).read_text(encoding="utf-8").splitlines(), None
     sources, references = sources[: args.limit], references and references[: args.limit]
-    threads = torch.get_num_threads()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_dir, ct2_dir = export(args.ckpt, "hf", f"{tmp}/hf"), export(args.ckpt, "ct2", f"{tmp}/ct2")
-        hf = transformers.MarianMTModel.from_pretrained(hf_dir).eval()
-        hf_tokenizer = transformers.MarianTokenizer.from_pretrained(hf_dir)
-        ct2 = {
-            kind: ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=kind, intra_threads=threads)
-            for kind in ("float32", "int8")
-        }
-    sp = tokenizer.sp
-    systems = {  # name -> translate(sentences, beam)
-        "transformer_mt": lambda lines, beam: translate_lines(model, tokenizer, lines, beam_size=beam, alpha=OUR_ALPHA),
-        "transformers generate": lambda lines, beam: hf_translate(hf, hf_tokenizer, lines, beam, HF_LENGTH_PENALTY),
-        "CTranslate2 float32": lambda lines, beam: ct2_translate(ct2["float32"], sp, lines, beam, HF_LENGTH_PENALTY),
-        "CTranslate2 int8": lambda lines, beam: ct2_translate(ct2["int8"], sp, lines, beam, HF_LENGTH_PENALTY),
-    }
-    # one-sentence latency: sentences of median length, each alone
-    by_length = sorted(sources, key=len)
+    by_length = sorted(sources, key=len)  # one-sentence latency: sentences of median length, each alone
     singles = by_length[len(by_length) // 2 - args.latency // 2 :][: args.latency]
-    print(
-        f"\ndecoding {len(sources)} sentences of {args.src} (median of {args.repeats} rounds), "
-        f"{args.ckpt}; latency: {len(singles)} median-length sentences one at a time, beam 4"
-    )
-    speed = {(name, beam): [] for name in systems for beam in (4, 1)}
-    latency = {name: [] for name in systems}
+    speed = {(name, beam): [] for name in SYSTEMS for beam in (4, 1)}
+    latency = {name: [] for name in SYSTEMS}
     outputs = {}
-    for _ in range(args.repeats):
-        for beam in (4, 1):
-            for name, run in systems.items():
-                start = time.perf_counter()
-                outputs[name, beam] = run(sources, beam)
-                speed[name, beam].append(len(sources) / (time.perf_counter() - start))
-        for name, run in systems.items():
-            for line in singles:
-                start = time.perf_counter()
-                run([line], 4)
-                latency[name].append(1000 * (time.perf_counter() - start))
+    with tempfile.TemporaryDirectory() as tmp:
+        optional("ctranslate2")
+        exported = {fmt: str(export(args.ckpt, fmt, f"{tmp}/{fmt}")) for fmt in ("hf", "ct2")}
+        print(
+            f"\ndecoding {len(sources)} sentences of {args.src} (median of {args.repeats} rounds, each system "
+            f"in a fresh process), {args.ckpt}; latency: {len(singles)} median-length sentences one at a time, beam 4"
+        )
+        spawn = multiprocessing.get_context("spawn")
+        for _ in range(args.repeats):
+            for name in SYSTEMS:
+                with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                    result = pool.submit(decode_worker, name, args.ckpt, exported, sources, singles).result()
+                for beam in (4, 1):
+                    outputs[name, beam] = result["outputs"][beam]
+                    speed[name, beam].append(len(sources) / result["seconds"][beam])
+                latency[name] += result["latency"]
     print(f"{'system':<22} {'beam':>4} {'sent/s':>7} {'ours / it':>9} {'same as ours':>12} {'BLEU':>6} {'latency':>9}")
     for beam in (4, 1):
         ours = median_of(speed["transformer_mt", beam])
-        for name in systems:
+        for name in SYSTEMS:
             hyps = outputs[name, beam]
             same = sum(h == o for h, o in zip(hyps, outputs["transformer_mt", beam])) / len(hyps)
             bleu = f"{sacrebleu.corpus_bleu(hyps, [references]).score:6.2f}" if references else f"{'':>6}"

@@ -247,3 +247,22 @@ def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
         text=True,
     )
     assert proc.returncode == 0 and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG", proc.stderr
+
+
+def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path):
+    pytest.importorskip("transformers", reason='the bench extra is not installed (pip install -e ".[bench]")')
+    pytest.importorskip("ctranslate2", reason='the bench extra is not installed (pip install -e ".[bench]")')
+    src = tmp_path / "src.txt"
+    src.write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
+    command = [sys.executable, "scripts/benchmark.py", "--ckpt", str(random_checkpoint), "--src", str(src)]
+    options = ["--shapes", "small", "--vocab", "400", "--max-tokens", "128", "--steps", "1", "--repeats", "1"]
+    out = subprocess.run(command + options + ["--latency", "1"], capture_output=True, text=True, check=True).stdout
+    training, decoding = out.split("\ndecoding ")
+    for name in ("transformer_mt", "transformers Marian", "torch.nn.Transformer"):
+        assert sum(line.startswith(name) for line in training.splitlines()) == 1, training
+    for name in ("transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
+        rows = [line.split() for line in decoding.splitlines() if line.startswith(name)]
+        assert len(rows) == 2, decoding  # beam 4 and greedy
+    ours = [line.split() for line in decoding.splitlines() if line.startswith("transformer_mt")]
+    assert all("100.0%" in row for row in ours)  # ours is identical to itself
+    assert "matrix-multiply peak" in training and "GFLOP/s" in training

@@ -246,6 +246,25 @@ def test_reordered_cache_continues_like_the_reordered_batch(tiny_model):
         torch.testing.assert_close(tiny_model.decode_step(tgt[rows, t], state), full[:, t], atol=1e-5, rtol=0)
 
 
+def test_beams_share_their_sentence_memory_through_reorders_and_departures(tiny_model):
+    """beam=2: rows are grouped by sentence and attend to one copy of its memory; after beams are
+    reordered within sentences and a sentence leaves, decoding continues like the full forward
+    pass of the rows that remain."""
+    src = random_batch([7, 3, 5], 23, seed=1)
+    tgt = random_batch([6] * 6, 23, seed=2)
+    rows = torch.arange(3).repeat_interleave(2)  # hypothesis row -> its sentence
+    full = tiny_model(src[rows], tgt)
+    state = tiny_model.start_decoding(*tiny_model.encode(src), beam=2)
+    assert state.memory_kv[0][0].size(0) == 3  # one memory per sentence, not per beam
+    for t in range(3):
+        torch.testing.assert_close(tiny_model.decode_step(tgt[:, t], state), full[:, t], atol=1e-5, rtol=0)
+    kept = torch.tensor([1, 1, 5, 4])  # sentence 0: its second beam twice; sentence 1 leaves; sentence 2 swapped
+    state.select(kept, sentences=torch.tensor([0, 2]))
+    full = tiny_model(src[rows[kept]], tgt[kept])
+    for t in range(3, 6):
+        torch.testing.assert_close(tiny_model.decode_step(tgt[kept, t], state), full[:, t], atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- §3.4 weight tying and §5 init
 
 

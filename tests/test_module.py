@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from transformer_mt.batching import TokenBucketSampler, collate
 from transformer_mt.module import TranslationModule, label_smoothed_nll, noam_lr
+from transformer_mt.progress import duration
 
 
 def random_logits(shape, seed=0):
@@ -111,3 +112,8 @@ def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation)
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6 * accumulation  # ... of N batches
     expected = [noam_lr(n, 16, 3) for n in range(1, 7)]  # update n uses noam(n)
     assert record.lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_progress_durations_never_go_negative():
+    assert duration(3725.9) == "1:02:05"
+    assert duration(-6.0) == "0:00:00"  # the run went past its time limit: ETA 0, not "-1 day, 23:59:54"

@@ -29,6 +29,50 @@ def sequence_logprob(model: Transformer, src_row: torch.Tensor, tokens: list[int
     return logp.gather(-1, tgt_out[..., None]).sum().item()
 
 
+def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: float, max_len_b: int, n_best: int):
+    """§6.1 beam search for one sentence, written plainly: Python lists and a full forward pass
+    (no cache, no batching) for each live hypothesis at each step. Rules as documented in
+    search.beam_search: each step ranks every (hypothesis, token) continuation; among the best 2K,
+    those ending in EOS within the first K finish (score = log P / GNMT penalty), the best K others
+    live on; EOS is forced at the maximum length; the search stops when the n_best-th finished
+    hypothesis beats the best any live one could reach, log P / penalty(maximum length + 1)."""
+    src = pad_sources([source])
+    limit = len(source) + max_len_b
+    alive, finished = [([], 0.0)], []  # (tokens, log P); (tokens, normalised score)
+    for t in range(limit + 1):
+        candidates = []
+        for tokens, logp in alive:
+            with torch.no_grad():
+                step = torch.log_softmax(model(src, torch.tensor([[BOS_ID, *tokens]]))[0, -1].double(), -1)
+            for token, token_logp in enumerate(step.tolist()):
+                if token != PAD_ID and (t < limit or token == EOS_ID):
+                    candidates.append((tokens + [token], logp + token_logp))
+        top = sorted(candidates, key=lambda c: -c[1])[: 2 * K]
+        for rank, (tokens, logp) in enumerate(top):
+            if tokens[-1] == EOS_ID and rank < K:
+                finished.append((tokens[:-1], logp / length_penalty(len(tokens), alpha).item()))
+        finished = sorted(finished, key=lambda f: -f[1])[:K]
+        alive = [(tokens, logp) for tokens, logp in top if tokens[-1] != EOS_ID][:K]
+        bound = alive[0][1] / length_penalty(limit + 1, alpha).item() if alive else -float("inf")
+        if len(finished) >= n_best and finished[n_best - 1][1] >= bound:
+            break
+    return finished[:n_best]
+
+
+@pytest.mark.parametrize("seed, beam, alpha", [(0, 4, 0.6), (1, 4, 0.0), (2, 2, 0.6), (3, 3, 1.0)])
+def test_batched_cached_beam_search_equals_a_plain_reference(seed, beam, alpha):
+    """Same n-best (tokens and scores) as the plain search, for the 1-best (which may stop sooner)
+    and for the whole beam."""
+    model, src = trained_like_model(seed), pad_sources(SOURCES)
+    for n_best in (1, beam):
+        best, nbest = beam_search(model, src, beam_size=beam, alpha=alpha, max_len_b=8, n_best=n_best)
+        for row, source in enumerate(SOURCES):
+            expected = reference_beam_search(model, source, beam, alpha, 8, n_best)
+            assert [tokens for tokens, _ in nbest[row]] == [tokens for tokens, _ in expected]
+            assert [score for _, score in nbest[row]] == pytest.approx([score for _, score in expected], abs=1e-4)
+            assert best[row] == expected[0][0]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_beam_of_one_equals_greedy(seed):
     model, src = trained_like_model(seed), pad_sources(SOURCES)

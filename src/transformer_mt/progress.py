@@ -53,7 +53,7 @@ def setup_logging() -> None:
 
 
 def duration(seconds: float) -> str:
-    return str(timedelta(seconds=int(seconds)))
+    return str(timedelta(seconds=int(max(seconds, 0))))  # past a time limit, an ETA is 0:00:00, not "-1 day"
 
 
 class ProgressLog(L.Callback):
