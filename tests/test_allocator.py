@@ -14,8 +14,9 @@ FAULTS = """
 import resource, sys, torch
 from transformer_mt.allocator import keep_freed_memory
 print(keep_freed_memory())
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for step in range(30):
+    if step == 20:  # the last 10 rounds: the steady state of a training loop (the heap settles within ~10)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(16 * 2**20)  # 64 MiB, as one step's activations: above glibc's mmap threshold
     del x
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -34,5 +35,5 @@ def test_freed_tensors_are_reused_without_page_faults():
     assert took == "True"
     declined, system = page_faults("system")  # glibc's defaults: each 64 MiB tensor is mapped and faulted in anew
     assert declined == "False"
-    assert system > 20 * 16384 * 0.9  # 16,384 pages of 4 KiB per tensor, every time
-    assert kept < 2 * 16384  # the first tensor's pages, then reuse
+    assert system > 10 * 16384 * 0.9  # 16,384 pages of 4 KiB per tensor, every time
+    assert kept < 1000  # reused: no page is faulted in again
