@@ -18,7 +18,7 @@ import torch
 
 from conftest import run_train, write_corpus
 from transformer_mt.averaging import average_checkpoints, run_checkpoints
-from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
+from transformer_mt.checkpoint import load_for_inference, read_checkpoint, set_threads, write_checkpoint
 from transformer_mt.data import TranslationDataModule
 from transformer_mt.files import InputError
 from transformer_mt.module import TranslationModule
@@ -328,3 +328,17 @@ def test_the_readme_python_example_translates(trained_run):
     model, tokenizer, _ = load_for_inference(ckpt)
     sentences = ast.literal_eval(re.search(r"\[(\"[^]]+)\]", example).group(0))
     assert out.strip() == str(translate_lines(model, tokenizer, sentences, beam_size=4))
+
+
+def test_threads_option_sets_torch_threads_and_refuses_nonsense():
+    before = torch.get_num_threads()
+    try:
+        set_threads(1)
+        assert torch.get_num_threads() == 1
+        set_threads(0)  # 0: torch's default stays as it is
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    for bad in (-1, 1.5, "two"):
+        with pytest.raises(InputError, match="threads="):
+            set_threads(bad)

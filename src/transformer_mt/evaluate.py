@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.allocator import keep_freed_memory
-from transformer_mt.checkpoint import load_for_inference, pick_device
+from transformer_mt.checkpoint import load_for_inference, pick_device, set_threads
 from transformer_mt.config import CONF_DIR
 from transformer_mt.corpus import Corpus, read_lines, read_text_pair
 from transformer_mt.files import InputError, exit_on_user_error, required
@@ -49,6 +49,7 @@ def evaluate(cfg: DictConfig) -> dict:
     keep_freed_memory()
     model, tokenizer, checkpoint = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
+    set_threads(cfg.threads)
     data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
     name, sources, references = test_set(cfg, data_cfg)
     decoding = OmegaConf.to_container(cfg.decoding)

@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.allocator import keep_freed_memory
-from transformer_mt.checkpoint import load_for_inference, pick_device
+from transformer_mt.checkpoint import load_for_inference, pick_device, set_threads
 from transformer_mt.config import CONF_DIR
 from transformer_mt.files import InputError, exit_on_user_error, required
 from transformer_mt.search import nbest_lines, translate_lines
@@ -43,6 +43,7 @@ def translate(cfg: DictConfig) -> None:
     keep_freed_memory()
     model, tokenizer, _ = load_for_inference(required(cfg, "ckpt"))
     model.to(pick_device(cfg.device))
+    set_threads(cfg.threads)
     decoding = OmegaConf.to_container(cfg.decoding)
     # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
     batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
