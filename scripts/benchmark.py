@@ -244,6 +244,8 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
 
     elif system == "transformers generate":
         transformers = optional("transformers")
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
         hf = transformers.MarianMTModel.from_pretrained(exported["hf"]).eval()
         hf_tokenizer = transformers.MarianTokenizer.from_pretrained(exported["hf"])
 
