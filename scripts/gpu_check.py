@@ -26,6 +26,7 @@ import csv
 import os
 import platform
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -43,13 +44,20 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmark import peak_memory_mb
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.config import CONF_DIR
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.module import TranslationModule, label_smoothed_nll
 from transformer_mt.search import pad_sources, translate_ids
 from transformer_mt.tokenizer import BOS_ID, PAD_ID
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated by torch, or on the CPU the process's peak resident memory."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
