@@ -254,7 +254,7 @@ def test_beams_share_their_sentence_memory_through_reorders_and_departures(tiny_
     tgt = random_batch([6] * 6, 23, seed=2)
     rows = torch.arange(3).repeat_interleave(2)  # hypothesis row -> its sentence
     full = tiny_model(src[rows], tgt)
-    state = tiny_model.start_decoding(*tiny_model.encode(src), beam=2)
+    state = tiny_model.start_decoding(*tiny_model.encode(src))
     assert state.memory_kv[0][0].size(0) == 3  # one memory per sentence, not per beam
     for t in range(3):
         torch.testing.assert_close(tiny_model.decode_step(tgt[:, t], state), full[:, t], atol=1e-5, rtol=0)

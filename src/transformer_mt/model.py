@@ -231,13 +231,12 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class DecoderState:
-    """What incremental decoding carries between steps: `beam` hypotheses per sentence, their
-    rows grouped by sentence (sentence i owns rows i * beam ... (i + 1) * beam - 1)."""
+    """What incremental decoding carries between steps. With beam hypotheses per sentence (B * beam
+    rows, B = memory rows), rows are grouped by sentence: sentence i owns rows i * beam ... (i + 1) * beam - 1."""
 
     src_mask: Tensor  # (B, 1, 1, S) bool
     memory_kv: list[tuple[Tensor, Tensor]]  # per decoder layer, each (B, H, S, hd), computed once
     self_kv: list[list[Tensor]]  # per decoder layer, [keys, values] each (B * beam, H, t, hd); grows per step
-    beam: int = 1
     length: int = 0  # target positions decoded so far
 
     def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
@@ -301,14 +300,13 @@ class Transformer(nn.Module):
         """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
         return self.project(self.features(src, tgt_in))
 
-    def start_decoding(self, memory: Tensor, src_pad: Tensor, beam: int = 1) -> DecoderState:
-        """Precompute every layer's encoder-decoder keys/values once for incremental decoding of
-        `beam` hypotheses per sentence."""
+    def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
+        """Precompute every layer's encoder-decoder keys/values once (one copy per sentence, shared
+        by its beam hypotheses) for incremental decoding."""
         return DecoderState(
             src_mask=key_mask(src_pad),
             memory_kv=[layer.cross_attn.project_kv(memory) for layer in self.decoder_layers],
             self_kv=[[] for _ in self.decoder_layers],
-            beam=beam,
         )
 
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:

@@ -72,7 +72,7 @@ def beam_search(
     memory, src_pad = model.encode(src)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
-    state = model.start_decoding(memory, src_pad, beam=K)
+    state = model.start_decoding(memory, src_pad)  # B sentences; the cache grows to B * K rows at step 0
 
     alive_ids = torch.arange(B, device=device)  # original index of each sentence still searching
     alive_scores = torch.full((B, K), -torch.inf, device=device)
