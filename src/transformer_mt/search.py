@@ -62,12 +62,15 @@ def beam_search(
 ) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]]:
     """§6.1 beam search, vectorised over sentences and beams.
 
-    A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its K-th best
-    finished hypothesis beats the best any live one could reach (its log-probability only falls,
-    its penalty is at most that of the maximum length), or at the maximum length, where EOS is
-    forced. Finished sentences leave the batch. Returns the best tokens per sentence and its
-    n-best list of (tokens, score), best first; tokens exclude BOS/EOS.
+    A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
+    best finished hypothesis beats the best any live one could reach (its log-probability only
+    falls, its penalty is at most that of the maximum length), so the n best it returns are those
+    of a search that never stops early; or at the maximum length, where EOS is forced. Finished
+    sentences leave the batch. Returns the best tokens per sentence and its n-best list of
+    (tokens, score), best first; tokens exclude BOS/EOS. n_best <= beam_size.
     """
+    if not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best={n_best}: must be between 1 and the beam size {beam_size}")
     B, K, device = src.size(0), beam_size, src.device
     memory, src_pad = model.encode(src)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
@@ -117,7 +120,7 @@ def beam_search(
         rows = (torch.arange(n, device=device)[:, None] * K + beam.gather(1, pick)).view(-1)
         prev = alive_tokens[:, :, t].reshape(-1)
 
-        # Early stop: no live hypothesis can beat the K-th finished one.
+        # Early stop: no live hypothesis can beat the n_best-th finished one.
         best_possible = alive_scores[:, 0] / length_penalty(limits[alive_ids] + 1, alpha)
         done = best_fin[:, n_best - 1] >= best_possible
         if done.all():
