@@ -46,7 +46,7 @@ from transformer_mt.config import CONF_DIR
 from transformer_mt.corpus import read_text_pair
 from transformer_mt.export import HF_LENGTH_PENALTY, export, marian_model, optional
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.module import label_smoothed_nll
+from transformer_mt.module import label_smoothed_nll, sequence_losses
 from transformer_mt.peers import TorchPeer, ct2_translate, hf_translate
 from transformer_mt.search import pad_sources, translate_lines
 from transformer_mt.tokenizer import BOS_ID, PAD_ID
@@ -115,7 +115,8 @@ def training_batches(pairs, vocab: int, max_tokens: int, count: int, seed: int =
     side, + EOS), from a random sample of the pairs; ids are random."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    pool = sorted(rng.sample(pairs, min(len(pairs), 40 * count * max_tokens // 400)), key=lambda p: p[0])
+    sample = rng.sample(pairs, min(len(pairs), 40 * count * max_tokens // 400))
+    pool = sorted(sample, key=lambda p: (max(p), sum(p)))  # as TokenBucketSampler: longer side, then total
     batches = []
     for _ in range(count):
         start = end = rng.randrange(len(pool))
@@ -152,9 +153,7 @@ def marian_loss(hf, src, tgt_in, tgt_out):
 
 
 def ours_loss(model, src, tgt_in, tgt_out):
-    """As TranslationModule._losses: project only the non-pad positions."""
-    keep = tgt_out.ne(PAD_ID)
-    return label_smoothed_nll(model.project(model.features(src, tgt_in)[keep]), tgt_out[keep], 0.1)
+    return sequence_losses(model, src, tgt_in, tgt_out, 0.1)  # as training does
 
 
 def train_round(model, loss_fn, batches, dtype) -> tuple[float, Usage]:

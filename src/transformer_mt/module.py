@@ -42,6 +42,16 @@ def label_smoothed_nll(
     return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum(), (~pad).sum()
 
 
+def sequence_losses(
+    model: Transformer, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, epsilon: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Teacher-forced label_smoothed_nll of a batch, projecting only the non-pad target positions."""
+    hidden = model.features(src, tgt_in)  # (B, T, d)
+    keep = tgt_out.ne(model.cfg.pad_id)
+    logits = model.project(hidden[keep])  # (N, V): no vocabulary-sized work for padding
+    return label_smoothed_nll(logits, tgt_out[keep], epsilon, model.cfg.pad_id)
+
+
 def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
     """§5.3: lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
     step = max(step, 1)
@@ -80,10 +90,9 @@ class TranslationModule(L.LightningModule):
         return self.model(src, tgt_in)
 
     def _losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        hidden = self.model.features(batch["src"], batch["tgt_in"])  # (B, T, d)
-        keep = batch["tgt_out"].ne(self.model.cfg.pad_id)
-        logits = self.model.project(hidden[keep])  # (N, V): no vocabulary-sized work for padding
-        return label_smoothed_nll(logits, batch["tgt_out"][keep], self.hparams.label_smoothing, self.model.cfg.pad_id)
+        return sequence_losses(
+            self.model, batch["src"], batch["tgt_in"], batch["tgt_out"], self.hparams.label_smoothing
+        )
 
     # -- training
 

@@ -19,7 +19,7 @@ class TorchPeer(torch.nn.Module):
 
     def __init__(self, ours: Transformer):
         super().__init__()
-        cfg = ours.cfg
+        cfg = self.cfg = ours.cfg
         self.embed = ours.embed
         self.stack = torch.nn.Transformer(
             cfg.d_model,
