@@ -75,17 +75,17 @@ LINE   ?= 1
 export:  ## Export a checkpoint for transformers or CTranslate2: make export CKPT=... FORMAT=hf|ct2 OUT=<new folder>
 	$(call need,CKPT,make export CKPT=outputs/<date>/<time>/checkpoints/last.ckpt FORMAT=hf OUT=exported/hf)
 	$(call need,OUT,make export CKPT=... FORMAT=$(FORMAT) OUT=<a folder that does not exist yet>)
-	$(PY) -m transformer_mt.export $(CKPT) --format $(FORMAT) --out $(OUT) $(ARGS)
+	$(PY) -m transformer_mt.tools.export $(CKPT) --format $(FORMAT) --out $(OUT) $(ARGS)
 
 # TEXT and REF reach the script through the environment ("$$TEXT"): quotes and commas inside them are safe.
 attention:  ## Attention pictures of one sentence: make attention CKPT=... TEXT="..." [REF="..."], or SRC=<file> LINE=<n> [REF=<file>]
 	$(call need,CKPT,make attention CKPT=outputs/<date>/<time>/checkpoints/last.ckpt TEXT="A sentence.")
-	$(PY) -m transformer_mt.attention $(CKPT) $(if $(TEXT),--text "$$TEXT") $(if $(SRC),--src $(SRC) --line $(LINE)) \
+	$(PY) -m transformer_mt.tools.attention_maps $(CKPT) $(if $(TEXT),--text "$$TEXT") $(if $(SRC),--src $(SRC) --line $(LINE)) \
 		$(if $(REF),--ref "$$REF") $(if $(OUT),--out $(OUT)) $(ARGS)
 
 plot:  ## Learning curves of a run as a PNG: make plot RUN=outputs/<date>/<time> (writes <run>/curves.png)
 	$(call need,RUN,make plot RUN=outputs/<date>/<time>)
-	$(PY) -m transformer_mt.plot $(RUN) $(if $(OUT),--out $(OUT))
+	$(PY) -m transformer_mt.tools.plot $(RUN) $(if $(OUT),--out $(OUT))
 
 .PHONY: bench
 bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2): make bench [CKPT=... SRC=... REF=...] [ARGS=...]

@@ -40,17 +40,16 @@ import sacrebleu
 import torch
 from omegaconf import OmegaConf
 
-from transformer_mt.allocator import keep_freed_memory
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.config import CONF_DIR
-from transformer_mt.corpus import read_text_pair
-from transformer_mt.export import HF_LENGTH_PENALTY, export, marian_model, optional
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.module import label_smoothed_nll, sequence_losses
+from transformer_mt.objective import label_smoothed_nll, sequence_losses
 from transformer_mt.peers import TorchPeer, ct2_translate, hf_translate
+from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory
 from transformer_mt.search import pad_sources, translate_lines
 from transformer_mt.tokenizer import BOS_ID, PAD_ID
-from transformer_mt.train import cpu_has_native_bf16
+from transformer_mt.tools.export import HF_LENGTH_PENALTY, export, marian_model, optional
 
 OUR_ALPHA = 0.6  # §6.1
 

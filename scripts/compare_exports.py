@@ -19,10 +19,10 @@ import time
 import sacrebleu
 
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.corpus import read_text_pair
-from transformer_mt.export import export, optional
+from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.peers import ct2_translate, hf_translate
 from transformer_mt.search import translate_lines
+from transformer_mt.tools.export import export, optional
 
 
 def ours(model, tokenizer, sources, beam: int, alpha: float) -> list[str]:

@@ -11,10 +11,10 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.batching import padding_efficiency
-from transformer_mt.config import CONF_DIR
-from transformer_mt.corpus import SPLITS
-from transformer_mt.data import TranslationDataModule
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.batching import padding_efficiency
+from transformer_mt.data.corpus import SPLITS
+from transformer_mt.data.datamodule import TranslationDataModule
 
 
 def build(cfg: DictConfig) -> tuple[TranslationDataModule, float]:

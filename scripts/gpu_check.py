@@ -45,11 +45,12 @@ from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.config import CONF_DIR
+from transformer_mt.configs import CONF_DIR
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.module import TranslationModule, label_smoothed_nll
+from transformer_mt.objective import label_smoothed_nll
 from transformer_mt.search import pad_sources, translate_ids
 from transformer_mt.tokenizer import BOS_ID, PAD_ID
+from transformer_mt.training.module import TranslationModule
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_wmt14_layout import write_layout  # noqa: E402 (a sibling script, not part of the package)
-from transformer_mt.corpus import read_text_pair  # noqa: E402
+from transformer_mt.data.corpus import read_text_pair  # noqa: E402
 
 DEFAULT_SOURCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14"
 SCHEMA = pa.schema([("translation", pa.struct([("de", pa.string()), ("en", pa.string())]))])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import datasets
 
-from transformer_mt.corpus import read_text_pair
+from transformer_mt.data.corpus import read_text_pair
 
 
 def write_card(out: Path, config: str = "de-en", splits=("train", "validation", "test")) -> Path:

@@ -22,9 +22,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.config import CONF_DIR
-from transformer_mt.corpus import SPLITS
-from transformer_mt.data import TranslationDataModule
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.corpus import SPLITS
+from transformer_mt.data.datamodule import TranslationDataModule
 
 PASS_ENV = "SCALE_REPORT_PASS"  # set in the child processes: the pass that one measures
 

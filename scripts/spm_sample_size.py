@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale_report import peak_memory_gib, reset_peak_memory, resident_memory_gib  # noqa: E402 (a sibling script)
-from transformer_mt.corpus import read_lines  # noqa: E402
-from transformer_mt.data import TranslationDataModule  # noqa: E402
+from transformer_mt.data.datamodule import TranslationDataModule  # noqa: E402
+from transformer_mt.files import read_lines  # noqa: E402
 
 DEFAULT_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14" / "newstest2014"
 

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from transformer_mt.allocator import libc
+from transformer_mt.runtime import libc
 
 pytestmark = pytest.mark.skipif(libc() is None, reason="glibc only (mallopt)")
 
 FAULTS = """
 import resource, sys, torch
-from transformer_mt.allocator import keep_freed_memory
+from transformer_mt.runtime import keep_freed_memory
 print(keep_freed_memory())
 for step in range(30):
     if step == 20:  # the last 10 rounds: the steady state of a training loop (the heap settles within ~10)

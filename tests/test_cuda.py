@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from conftest import random_batch, tiny_config
+from transformer_mt.data.batching import source_batch
 from transformer_mt.model import Transformer
-from transformer_mt.module import label_smoothed_nll
-from transformer_mt.search import beam_search, greedy, pad_sources
+from transformer_mt.objective import label_smoothed_nll
+from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import EOS_ID
 
 pytestmark = pytest.mark.cuda
@@ -91,7 +92,7 @@ def test_greedy_and_beam_search_give_the_cpus_tokens(seed):
     for model in (cpu, gpu):  # raise EOS, so hypotheses end at varied lengths and beams finish early
         with torch.no_grad():
             model.embed.tokens.weight[EOS_ID] *= 3
-    src = pad_sources(SOURCES)
+    src = source_batch(SOURCES)
     assert greedy(gpu, src.cuda(), max_len_b=12) == greedy(cpu, src, max_len_b=12)
     best_cpu, nbest_cpu = beam_search(cpu, src, beam_size=4, max_len_b=12, n_best=4)
     best_gpu, nbest_gpu = beam_search(gpu, src.cuda(), beam_size=4, max_len_b=12, n_best=4)

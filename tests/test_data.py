@@ -14,10 +14,11 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_corpus, write_pair
-from transformer_mt.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
-from transformer_mt.corpus import Corpus, drop_empty, length_filter, read_lines, read_text_pair
-from transformer_mt.data import TranslationDataModule
-from transformer_mt.files import InputError
+from transformer_mt.data.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
+from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
+from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.errors import InputError
+from transformer_mt.files import read_lines
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}

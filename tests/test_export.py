@@ -12,12 +12,12 @@ import torch
 
 from conftest import run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
-from transformer_mt.export import export, marian_order
-from transformer_mt.files import InputError, UserError
+from transformer_mt.errors import InputError, UserError
 from transformer_mt.model import Transformer, sinusoidal_positions
-from transformer_mt.plot import read_metrics
 from transformer_mt.search import translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+from transformer_mt.tools.export import export, marian_order
+from transformer_mt.tools.plot import read_metrics
 
 SENTENCES = [
     "the cat sees a dog .",
@@ -165,7 +165,7 @@ def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint
 def test_make_attention_writes_pictures_whose_rows_are_distributions(random_checkpoint, tmp_path):
     out = tmp_path / "pictures"
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer_mt.attention", str(random_checkpoint)]
+        [sys.executable, "-m", "transformer_mt.tools.attention_maps", str(random_checkpoint)]
         + ["--text", 'the cat "sees", a dog .', "--out", str(out)],
         capture_output=True,
         text=True,
@@ -190,7 +190,14 @@ def test_make_attention_writes_pictures_whose_rows_are_distributions(random_chec
 def test_make_attention_with_a_file_line_and_reference(random_checkpoint, tmp_path):
     (tmp_path / "src.en").write_text("the dog runs .\nthe cat sees a dog .\n")
     (tmp_path / "ref.de").write_text("der Hund läuft .\ndie Katze sieht einen Hund .\n")
-    cmd = [sys.executable, "-m", "transformer_mt.attention", str(random_checkpoint), "--src", str(tmp_path / "src.en")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformer_mt.tools.attention_maps",
+        str(random_checkpoint),
+        "--src",
+        str(tmp_path / "src.en"),
+    ]
     proc = subprocess.run(
         cmd + ["--line", "2", "--ref", str(tmp_path / "ref.de"), "--out", str(tmp_path / "a")],
         capture_output=True,
@@ -223,11 +230,13 @@ def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
         writer.writerows(rows)
     assert read_metrics(tmp_path / "run")["val/bleu"] == [(101, 100 / 30), (201, 200 / 30)]  # update = step + 1
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer_mt.plot", str(tmp_path / "run")], capture_output=True, text=True
+        [sys.executable, "-m", "transformer_mt.tools.plot", str(tmp_path / "run")], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run" / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    empty = subprocess.run([sys.executable, "-m", "transformer_mt.plot", str(tmp_path)], capture_output=True, text=True)
+    empty = subprocess.run(
+        [sys.executable, "-m", "transformer_mt.tools.plot", str(tmp_path)], capture_output=True, text=True
+    )
     assert empty.returncode == 1 and "no CSV metrics under" in empty.stderr
 
 
@@ -242,7 +251,7 @@ def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
     assert [update for update, _ in series["val/bleu"]] == [4, 8]  # validation every 4 updates (TINY_RUN)
     assert [update for update, _ in series["train/loss"]] == [2, 4, 6, 8] and len(series["lr-Adam"]) == 4
     proc = subprocess.run(
-        [sys.executable, "-m", "transformer_mt.plot", str(tmp_path / "run"), "--out", str(tmp_path / "c.png")],
+        [sys.executable, "-m", "transformer_mt.tools.plot", str(tmp_path / "run"), "--out", str(tmp_path / "c.png")],
         capture_output=True,
         text=True,
     )

@@ -18,12 +18,13 @@ import torch
 
 from conftest import run_train, write_corpus
 from transformer_mt.averaging import average_checkpoints, run_checkpoints
-from transformer_mt.checkpoint import load_for_inference, read_checkpoint, set_threads, write_checkpoint
-from transformer_mt.data import TranslationDataModule
-from transformer_mt.files import InputError
-from transformer_mt.module import TranslationModule
+from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
+from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.errors import InputError
+from transformer_mt.runtime import set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
+from transformer_mt.training.module import TranslationModule
 
 
 @pytest.fixture(scope="module")

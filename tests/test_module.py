@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from transformer_mt.batching import TokenBucketSampler, collate
-from transformer_mt.module import TranslationModule, label_smoothed_nll, noam_lr
-from transformer_mt.progress import duration
+from transformer_mt.data.batching import TokenBucketSampler, collate
+from transformer_mt.objective import label_smoothed_nll, noam_lr
+from transformer_mt.training.callbacks import duration
+from transformer_mt.training.module import TranslationModule
 
 
 def random_logits(shape, seed=0):

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from transformer_mt.data.batching import source_batch
 from transformer_mt.model import Transformer
-from transformer_mt.search import beam_search, greedy, length_penalty, pad_sources, translate_ids
+from transformer_mt.search import beam_search, greedy, length_penalty, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 SOURCES = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
@@ -36,7 +37,7 @@ def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: 
     those ending in EOS within the first K finish (score = log P / GNMT penalty), the best K others
     live on; EOS is forced at the maximum length; the search stops when the n_best-th finished
     hypothesis beats the best any live one could reach, log P / penalty(maximum length + 1)."""
-    src = pad_sources([source])
+    src = source_batch([source])
     limit = len(source) + max_len_b
     alive, finished = [([], 0.0)], []  # (tokens, log P); (tokens, normalised score)
     for t in range(limit + 1):
@@ -63,7 +64,7 @@ def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: 
 def test_batched_cached_beam_search_equals_a_plain_reference(seed, beam, alpha):
     """Same n-best (tokens and scores) as the plain search, for the 1-best (which may stop sooner)
     and for the whole beam."""
-    model, src = trained_like_model(seed), pad_sources(SOURCES)
+    model, src = trained_like_model(seed), source_batch(SOURCES)
     for n_best in (1, beam):
         best, nbest = beam_search(model, src, beam_size=beam, alpha=alpha, max_len_b=8, n_best=n_best)
         for row, source in enumerate(SOURCES):
@@ -75,13 +76,13 @@ def test_batched_cached_beam_search_equals_a_plain_reference(seed, beam, alpha):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_beam_of_one_equals_greedy(seed):
-    model, src = trained_like_model(seed), pad_sources(SOURCES)
+    model, src = trained_like_model(seed), source_batch(SOURCES)
     assert beam_search(model, src, beam_size=1, alpha=0.0, max_len_b=10)[0] == greedy(model, src, max_len_b=10)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_scores_equal_length_penalised_recomputed_logprobs_and_nbest_is_sorted(seed):
-    model, src = trained_like_model(seed), pad_sources(SOURCES)
+    model, src = trained_like_model(seed), source_batch(SOURCES)
     best, nbest = beam_search(model, src, beam_size=4, alpha=0.6, max_len_b=10, n_best=4)
     for row, hyps in enumerate(nbest):
         assert 1 <= len(hyps) <= 4 and best[row] == hyps[0][0]
@@ -99,7 +100,7 @@ def test_length_penalty_is_the_gnmt_formula():
 
 
 def test_beam_is_no_worse_than_greedy_under_its_own_objective():
-    model, src = trained_like_model(1), pad_sources(SOURCES)
+    model, src = trained_like_model(1), source_batch(SOURCES)
     _, nbest = beam_search(model, src, beam_size=4, alpha=0.0, max_len_b=10)
     for row, tokens in enumerate(greedy(model, src, max_len_b=10)):
         assert nbest[row][0][1] >= sequence_logprob(model, src[row], tokens) - 1e-4
@@ -107,16 +108,16 @@ def test_beam_is_no_worse_than_greedy_under_its_own_objective():
 
 def test_a_sentence_alone_equals_it_inside_a_padded_batch():
     model = trained_like_model(2)
-    batch_best, batch_nbest = beam_search(model, pad_sources(SOURCES), beam_size=4, max_len_b=10, n_best=3)
+    batch_best, batch_nbest = beam_search(model, source_batch(SOURCES), beam_size=4, max_len_b=10, n_best=3)
     for row, source in enumerate(SOURCES):
-        best, nbest = beam_search(model, pad_sources([source]), beam_size=4, max_len_b=10, n_best=3)
+        best, nbest = beam_search(model, source_batch([source]), beam_size=4, max_len_b=10, n_best=3)
         assert best[0] == batch_best[row]
         assert [t for t, _ in nbest[0]] == [t for t, _ in batch_nbest[row]]
         assert [s for _, s in nbest[0]] == pytest.approx([s for _, s in batch_nbest[row]], abs=1e-4)
 
 
 def test_cached_and_uncached_decoding_choose_the_same_tokens():
-    model, src = trained_like_model(3), pad_sources(SOURCES)
+    model, src = trained_like_model(3), source_batch(SOURCES)
     cached = greedy(model, src, max_len_b=10)
     for row, tokens in enumerate(cached):  # redo greedy with a full forward pass per step
         prefix = [BOS_ID]
@@ -136,7 +137,7 @@ def test_outputs_respect_the_maximum_length(a, b):
     model = Transformer(tiny_config(vocab_size=30, max_positions=128)).eval()
     with torch.no_grad():
         model.embed.tokens.weight[EOS_ID] = -10 * model.embed.tokens.weight[7]  # EOS never wins on its own
-    src = pad_sources(SOURCES)
+    src = source_batch(SOURCES)
     for hyps in (greedy(model, src, a, b), beam_search(model, src, 3, 0.6, a, b)[0]):
         for source, tokens in zip(SOURCES, hyps):
             assert len(tokens) <= a * len(source) + b

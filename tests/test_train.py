@@ -14,11 +14,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, SHARED_DATA, run_train
-from transformer_mt.data import TranslationDataModule
-from transformer_mt.files import InputError, remove_if_empty
+from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.progress import StartupLog
 from transformer_mt.train import check_config, make_callbacks, trainer_arguments
+from transformer_mt.training.callbacks import StartupLog
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 

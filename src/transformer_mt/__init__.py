@@ -1,0 +1,22 @@
+"""transformer-mt: the original Transformer (Vaswani et al., 2017) for WMT14 English-German.
+
+A map of the package. The core is what every part uses; the front doors are the commands
+(Hydra stops there: below them, plain typed arguments); three wings build on the core.
+
+core
+    model.py        the Transformer of §3 in plain PyTorch, with the incremental-decoding cache
+    objective.py    label-smoothed loss (§5.4), the teacher-forced loss of a batch, Noam rate (§5.3)
+    search.py       greedy and beam search (§6.1), translating ids and lines in length-sorted batches
+    tokenizer.py    the shared SentencePiece vocabulary (§5.1)
+    checkpoint.py   checkpoint files: atomic writes, safe reads, a model for inference
+    scoring.py      sacreBLEU, chrF and the paper's tokenized BLEU
+    errors.py       errors a user can act on, reported in one line
+    files.py        atomic writes, stale temporaries, UTF-8 line reading
+    runtime.py      devices, threads, CPU features, glibc's allocator
+    configs.py      where the Hydra configs live; composing them outside an entry point
+front doors (make train/evaluate/translate/average; transformer-mt-* commands)
+    train.py  evaluate.py  translate.py  averaging.py
+data/               corpus reading and cleaning, token-bucket batching, the LightningDataModule
+training/           the LightningModule, callbacks (progress, run end), logs, exact resume
+tools/              export (transformers, CTranslate2), attention maps, learning curves
+"""

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
-from transformer_mt.files import InputError, MissingInputError, exit_on_user_error
+from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
 
 STEP = re.compile(r"step(\d+)")
 

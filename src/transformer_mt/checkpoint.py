@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from transformer_mt.files import InputError, MissingInputError, UserError, atomic_write
+from transformer_mt.errors import InputError, MissingInputError, UserError, required
+from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.runtime import keep_freed_memory, pick_device, set_threads
 from transformer_mt.tokenizer import Tokenizer
 
 
@@ -75,21 +77,11 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
     return model.eval(), tokenizer, checkpoint
 
 
-def pick_device(name: str) -> torch.device:
-    """`auto` = the first CUDA GPU when there is one, else the CPU; otherwise a torch device name."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device={name}: no CUDA GPU is visible here; use device=cpu (or device=auto)")
-    return torch.device(name)
-
-
-def set_threads(threads: int) -> None:
-    """CPU threads for torch (0: leave torch's default, every core). Fewer threads than cores pay off
-    when other processes keep cores busy: decoding Multi30k on 2 cores beside one busy process,
-    2 threads gave 32 sentences/s and 1 thread 76 (alone: 114 and 75), as threads that wait for
-    a descheduled sibling at every small operation stall the whole step."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise InputError(f"threads={threads!r}: must be a whole number >= 0 (0 = every core)")
-    if threads:
-        torch.set_num_threads(threads)
+def start_inference(cfg) -> tuple[Transformer, Tokenizer, dict]:
+    """What evaluate and translate do first (conf/inference.yaml): the allocator settings, the checkpoint
+    `cfg.ckpt` in eval mode on `cfg.device`, `cfg.threads` CPU threads."""
+    keep_freed_memory()
+    model, tokenizer, checkpoint = load_for_inference(required(cfg, "ckpt"))
+    model.to(pick_device(cfg.device))
+    set_threads(cfg.threads)
+    return model, tokenizer, checkpoint

@@ -11,11 +11,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.allocator import keep_freed_memory
-from transformer_mt.checkpoint import load_for_inference, pick_device, set_threads
-from transformer_mt.config import CONF_DIR
-from transformer_mt.corpus import Corpus, read_lines, read_text_pair
-from transformer_mt.files import InputError, exit_on_user_error, required
+from transformer_mt.checkpoint import start_inference
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.corpus import Corpus, read_text_pair
+from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.files import read_lines
 from transformer_mt.scoring import score
 from transformer_mt.search import nbest_lines, translate_lines
 
@@ -46,15 +46,21 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    keep_freed_memory()
-    model, tokenizer, checkpoint = load_for_inference(required(cfg, "ckpt"))
-    model.to(pick_device(cfg.device))
-    set_threads(cfg.threads)
+    model, tokenizer, checkpoint = start_inference(cfg)
     data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
     name, sources, references = test_set(cfg, data_cfg)
     decoding = OmegaConf.to_container(cfg.decoding)
     start = time.perf_counter()
-    hyps = translate_lines(model, tokenizer, sources, warn=log.warning, progress=True, n_best=cfg.n_best, **decoding)
+    hyps = translate_lines(
+        model,
+        tokenizer,
+        sources,
+        warn=log.warning,
+        progress=True,
+        n_best=cfg.n_best,
+        tokens_per_batch=cfg.tokens_per_batch,
+        **decoding,
+    )
     seconds = time.perf_counter() - start
     nbest, hyps = (hyps, [h[0][0] for h in hyps]) if cfg.n_best else (None, hyps)
     result = {

@@ -1,4 +1,4 @@
-"""Writing files so that a crash never leaves a half-written one, and errors a user can act on."""
+"""Files: atomic writes (a crash never leaves a half-written file), stale temporaries, reading UTF-8 lines."""
 
 from __future__ import annotations
 
@@ -6,73 +6,11 @@ import os
 import secrets
 import shutil
 import socket
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
-class UserError(Exception):
-    """Bad input or configuration. The message names the file, line or key and the fix; entry
-    points print it as one `error: ...` line instead of a traceback."""
-
-
-class InputError(UserError, ValueError):
-    """A file or value that cannot be used as it is."""
-
-
-class MissingInputError(UserError, FileNotFoundError):
-    """A file or directory that is not where the configuration says."""
-
-
-def exit_on_user_error(fn: Callable, *args):
-    """fn(*args) as a Hydra task; a UserError ends the program with one `error: ...` line on stderr
-    and exit status 1 (with HYDRA_FULL_ERROR=1, the full traceback instead), and a run folder that
-    holds nothing but Hydra's own files is removed. In a sweep the error is raised on after its
-    line, so that Hydra records the failed job and the other jobs still run."""
-    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (only entry points use Hydra)
-    from hydra.types import RunMode  # noqa: PLC0415
-
-    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None  # None: a plain argparse tool
-    try:
-        return fn(*args)
-    except UserError as e:
-        if hydra_cfg is not None:
-            remove_if_empty(Path(hydra_cfg.runtime.output_dir))
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
-            raise
-        raise SystemExit(1) from None
-
-
-def required(cfg, key: str):
-    """cfg[key], or a one-line error when it is Hydra's `???` (not given on the command line)."""
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    if OmegaConf.is_missing(cfg, key):
-        raise MissingInputError(f"{key} is required: add {key}=<value> (make ... {key.upper()}=<value>)")
-    return cfg[key]
-
-
-def remove_if_empty(run_dir: Path) -> None:
-    """Remove a run folder that holds only Hydra's files (.hydra/, <job>.log), and the folders above
-    it that it leaves empty, up to the working directory (outputs/<date>/ and outputs/)."""
-    cwd, run_dir = Path.cwd().resolve(), run_dir.resolve()
-    if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
-        return
-    if not run_dir.is_dir() or any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir()):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in run_dir.parents:
-        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
-            break
-        try:
-            parent.rmdir()
-        except OSError:
-            break
-
+from transformer_mt.errors import InputError, MissingInputError
 
 TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
@@ -132,3 +70,31 @@ def process_exists(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def decode_line(line: bytes, number: int, where: str) -> str:
+    """One line of UTF-8 bytes as text, without its "\\n" (and, on line 1, a byte-order mark: not text, it would
+    stay glued to the first sentence, e.g. in BLEU references); invalid UTF-8 names `where` and the line."""
+    try:
+        text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{where}, line {number}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
+            "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    return text.removesuffix("\n")
+
+
+def iter_lines(path: str | Path) -> Iterator[str]:
+    """Lines of a UTF-8 file, one at a time (a file is never held whole), split on "\\n" only:
+    str.splitlines() also splits on U+0085, which occurs inside WMT sentences."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"no such file: {path}")
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            yield decode_line(line, number, str(path))
+
+
+def read_lines(path: str | Path) -> list[str]:
+    return list(iter_lines(path))

@@ -339,3 +339,25 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[MultiHeadAtt
     finally:
         for attn in layers:
             attn.recording, attn.weights = False, None
+
+
+def training_flops(cfg: TransformerConfig, src_lens: Tensor, tgt_lens: Tensor) -> float:
+    """Model FLOPs of one training step (forward + backward) over sentences of these real lengths
+    (source with EOS, target with EOS): useful work only, padding excluded. The one count behind every
+    "model FLOP/s" and MFU figure.
+
+    Forward, per token: 2 FLOPs per weight of each matrix product it passes through; per query-key
+    pair, 2 * 2 * d for QK^T and AV. Backward costs twice the forward: x 3 in all.
+
+      encoder layer:  S * (4 d^2 + 2 d d_ff) + 2 d * S^2
+      decoder layer:  T * (6 d^2 + 2 d d_ff) + S * 2 d^2 (cross-attention keys/values over the source)
+                      + 2 d * (T (T + 1) / 2 + T * S)  (self-attention is causal: T (T + 1) / 2 pairs)
+      output:         T * d * V  (tied to the embedding, §3.4: no parameter of its own, but a product)
+    """
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    S, T = src_lens.double(), tgt_lens.double()
+    n_src, n_tgt = S.sum(), T.sum()
+    encoder = n_src * (4 * d * d + 2 * d * f) + 2 * d * (S**2).sum()
+    decoder = n_tgt * (6 * d * d + 2 * d * f) + n_src * 2 * d * d + 2 * d * (T * (T + 1) / 2 + T * S).sum()
+    multiply_adds = cfg.n_encoder_layers * encoder + cfg.n_decoder_layers * decoder + n_tgt * d * v
+    return float(3 * 2 * multiply_adds)

@@ -8,7 +8,7 @@ import re
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
 
-from transformer_mt.files import InputError
+from transformer_mt.errors import InputError
 
 COMPOUND = re.compile(r"(\S)-(\S)")
 

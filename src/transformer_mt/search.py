@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from transformer_mt.files import InputError
+from transformer_mt.data.batching import source_batch
+from transformer_mt.errors import InputError
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
@@ -16,7 +17,7 @@ from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
     """§6.1: at most a * input length + b output tokens before EOS (paper: a = 1, b = 50).
 
-    src rows are ids + EOS + padding, as collate() builds them; the EOS is not counted.
+    src rows are ids + EOS + padding (data.batching's layout); the EOS is not counted.
     """
     return (a * (src.ne(PAD_ID).sum(1) - 1) + b).long()
 
@@ -142,16 +143,6 @@ def beam_search(
     return [h[0][0] for h in nbest], nbest
 
 
-def pad_sources(sources: list, device: torch.device | str = "cpu") -> Tensor:
-    """Token-id lists -> (B, S) ids + EOS, right-padded: the layout collate() gives training."""
-    width = max(len(s) for s in sources) + 1
-    batch = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
-    for row, ids in enumerate(sources):
-        batch[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        batch[row, len(ids)] = EOS_ID
-    return batch.to(device)
-
-
 def translate_ids(
     model: Transformer,
     sources: list,
@@ -189,7 +180,7 @@ def translate_ids(
         end = start + 1  # grow the batch while (sentences x beam x longest) fits tokens_per_batch
         while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= tokens_per_batch:
             end += 1
-        src = pad_sources([sources[i] for i in order[start:end]], device)
+        src = source_batch([sources[i] for i in order[start:end]], device)
         if n_best:
             hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, n_best=n_best)[1]
         elif beam_size == 1:

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from transformer_mt.allocator import release_freed_memory
-from transformer_mt.files import InputError, MissingInputError, atomic_write
+from transformer_mt.errors import InputError, MissingInputError
+from transformer_mt.files import atomic_write
+from transformer_mt.runtime import release_freed_memory
 
 log = logging.getLogger(__name__)
 

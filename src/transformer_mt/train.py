@@ -16,35 +16,25 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.allocator import keep_freed_memory
-from transformer_mt.checkpoint import write_checkpoint
-from transformer_mt.config import CONF_DIR
-from transformer_mt.data import TranslationDataModule
-from transformer_mt.files import InputError, exit_on_user_error, remove_stale_temporaries
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.files import remove_stale_temporaries
 from transformer_mt.model import DecoderLayer, EncoderLayer, TransformerConfig
-from transformer_mt.module import TranslationModule
-from transformer_mt.progress import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, setup_logging
-from transformer_mt.resume import RandomState, check_resume, resume_checkpoint
+from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory
 from transformer_mt.tokenizer import PAD_ID
+from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
+from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
+from transformer_mt.training.module import TranslationModule
+from transformer_mt.training.resume import AtomicCheckpointIO, RandomState, check_resume, resume_checkpoint
 
 log = logging.getLogger(__name__)
 
 
 def plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without either, bf16 matrix products are emulated (~20x slower than fp32)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True  # not Linux: trust the configuration
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def trainer_arguments(cfg: DictConfig) -> dict:
@@ -63,51 +53,6 @@ def trainer_arguments(cfg: DictConfig) -> dict:
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
     args["strategy"] = make_strategy(args.get("strategy", "auto"))
     return args
-
-
-def wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-
-
-def make_loggers(cfg: DictConfig | None, run_dir: Path) -> list:
-    """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
-    what `make plot` reads; LearningRateMonitor needs a logger too)."""
-    configured = [make_logger(cfg)] if cfg is not None else []
-    if any(isinstance(logger, CSVLogger) for logger in configured):
-        return configured
-    return [*configured, CSVLogger(run_dir, name="csv")]
-
-
-def make_logger(cfg: DictConfig):
-    kwargs = {}
-    if cfg._target_.endswith("WandbLogger"):
-        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
-            os.environ["WANDB_MODE"] = "offline"
-            log.warning(
-                "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir
-            )
-        hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode == RunMode.MULTIRUN:  # one wandb run per job (see finish_wandb), grouped by sweep
-            kwargs["group"] = cfg.group or hydra_cfg.sweep.dir
-            kwargs["name"] = cfg.name or f"{Path(hydra_cfg.sweep.dir).name}-{hydra_cfg.job.num}"
-    return hydra.utils.instantiate(cfg, **kwargs)
-
-
-def finish_wandb(loggers: list) -> None:
-    """End this job's wandb run, so that the next job of a sweep starts its own (wandb.init reuses an open one)."""
-    for logger in loggers:
-        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
-            logger.experiment.finish()
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, made atomic (write_checkpoint: temporary file + rename)."""
-
-    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        write_checkpoint(checkpoint, path)
 
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -> list:

@@ -9,10 +9,10 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.allocator import keep_freed_memory
-from transformer_mt.checkpoint import load_for_inference, pick_device, set_threads
-from transformer_mt.config import CONF_DIR
-from transformer_mt.files import InputError, exit_on_user_error, required
+from transformer_mt.checkpoint import start_inference
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.files import decode_line
 from transformer_mt.search import nbest_lines, translate_lines
 
 
@@ -29,21 +29,14 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
     lines = []
     for number, line in enumerate(raw, first_line):
         try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return lines, (
-                f"standard input, line {number}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
-                "re-encode the input as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-            )
-        lines.append(text.removesuffix("\n").removeprefix("\ufeff" if number == 1 else ""))
+            lines.append(decode_line(line, number, "standard input"))
+        except InputError as e:
+            return lines, str(e)
     return lines, None
 
 
 def translate(cfg: DictConfig) -> None:
-    keep_freed_memory()
-    model, tokenizer, _ = load_for_inference(required(cfg, "ckpt"))
-    model.to(pick_device(cfg.device))
-    set_threads(cfg.threads)
+    model, tokenizer, _ = start_inference(cfg)
     decoding = OmegaConf.to_container(cfg.decoding)
     # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
     batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
@@ -60,6 +53,7 @@ def translate(cfg: DictConfig) -> None:
             first_line=lines_done + 1,
             progress=sys.stderr.isatty() and batch_lines > 1,
             n_best=cfg.n_best,
+            tokens_per_batch=cfg.tokens_per_batch,
             **decoding,
         )
         for number, result in enumerate(results, lines_done):

@@ -1,11 +1,11 @@
-"""What a training run tells a person: one log setup, a progress line, an update bar, a closing summary."""
+"""What a training run tells a person and how it ends: progress lines, the start-up line, the update bar,
+and last.ckpt with a summary of what to do next."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,40 +16,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from transformer_mt.tokenizer import PAD_ID
 
 log = logging.getLogger(__name__)
-
-# Library messages that say nothing about this run (checked on Lightning 2.6; the README lists what remains).
-QUIET_WARNINGS = [
-    r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
-    r".*is smaller than the logging interval",  # tiny runs only
-]
-QUIET_LOG_PREFIXES = ("💡 Tip:",)  # Lightning's advertisements for its cloud products
-
-
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(QUIET_LOG_PREFIXES)
-
-
-def setup_logging() -> None:
-    """Route every line through the root logger that Hydra configured (console + <run>/train.log), once.
-
-    Lightning, `datasets` and `huggingface_hub` attach console handlers of their own when they are
-    imported, so their lines never reached the run's log file, or reached the console twice (e.g.
-    the Hub's retry lines); warnings went to stderr only. Ranks other than 0 log warnings and
-    errors only, so that every line of a multi-GPU run appears once.
-    """
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):
-        logger = logging.getLogger(name)
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-        logger.propagate = True
-    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers
-        handler.addFilter(_DropTips())
-    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> console and file
-    for pattern in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
-    if rank_zero_only.rank != 0:
-        logging.getLogger().setLevel(logging.WARNING)
 
 
 def duration(seconds: float) -> str:

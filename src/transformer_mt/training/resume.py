@@ -1,4 +1,5 @@
-"""Resuming a run exactly: what a checkpoint holds beyond weights and optimizer, and which one to resume from."""
+"""Checkpoints during training and resuming from them exactly: atomic writes, every rank's random state,
+and which checkpoint a run continues from."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from transformer_mt.checkpoint import read_checkpoint
-from transformer_mt.files import InputError, MissingInputError
+from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
+from transformer_mt.errors import InputError, MissingInputError
 
 log = logging.getLogger(__name__)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, made atomic (write_checkpoint: temporary file + rename)."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        write_checkpoint(checkpoint, path)
 
 
 def random_state() -> dict:

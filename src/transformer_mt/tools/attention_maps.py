@@ -22,12 +22,14 @@ import torch
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
 from omegaconf import OmegaConf
 
-from transformer_mt.checkpoint import load_for_inference, pick_device
-from transformer_mt.config import CONF_DIR
-from transformer_mt.corpus import read_lines
-from transformer_mt.files import InputError, exit_on_user_error
+from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.configs import compose
+from transformer_mt.data.batching import source_batch
+from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, record_attention
-from transformer_mt.search import pad_sources, translate_ids
+from transformer_mt.runtime import pick_device
+from transformer_mt.search import translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer
 
 PICTURES = {
@@ -41,7 +43,7 @@ PICTURES = {
 def attention_weights(model: Transformer, src_ids: list[int], tgt_ids: list[int]) -> dict[str, np.ndarray]:
     """Teacher-forced pass over BOS + tgt_ids -> per kind (layers, heads, rows, columns) float32 arrays."""
     device = next(model.parameters()).device
-    src = pad_sources([src_ids], device)
+    src = source_batch([src_ids], device)
     tgt_in = torch.tensor([[BOS_ID, *tgt_ids]], device=device)
     with record_attention(model) as kinds:
         model(src, tgt_in)
@@ -124,7 +126,7 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
         tgt_ids = tokenizer.encode([reference.strip()])[0][: model.cfg.max_positions - 1]
         origin = "the reference"
     else:
-        decoding = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "decoding" / "beam.yaml"))
+        decoding = OmegaConf.to_container(compose("translate", ["ckpt=none"]).decoding)  # conf/decoding/beam.yaml
         tgt_ids = translate_ids(model, [src_ids], **decoding)[0]
         origin = f"its own translation (beam {decoding['beam_size']})"
     weights = attention_weights(model, src_ids, tgt_ids)

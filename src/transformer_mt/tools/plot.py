@@ -14,7 +14,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
-from transformer_mt.files import MissingInputError, exit_on_user_error
+from transformer_mt.errors import MissingInputError, exit_on_user_error
 
 PANELS = [  # (title, [(metric, label)])
     ("loss (label-smoothed cross-entropy)", [("train/loss", "training"), ("val/loss", "validation")]),

@@ -25,9 +25,10 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from transformer_mt.batching import TokenBucketSampler, TokenizedSplit, accumulation_steps, collate
-from transformer_mt.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
-from transformer_mt.files import InputError, atomic_write, remove_stale_temporaries
+from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, accumulation_steps, collate
+from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
+from transformer_mt.errors import InputError
+from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.tokenizer import Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,16 +1,22 @@
-"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side."""
+"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side, in the one layout
+every model input has (collate, source_batch)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
-from transformer_mt.files import InputError
+from transformer_mt.errors import InputError
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+if TYPE_CHECKING:
+    import datasets
 
 
 class TokenizedSplit(Dataset):
@@ -42,24 +48,32 @@ class TokenizedSplit(Dataset):
         return self.dataset[column]
 
 
-def collate(items: list[tuple[np.ndarray, np.ndarray, int]], references: list[str] | None = None) -> dict:
-    """Right-pad (source, target, index) items. src = x + EOS; tgt_in = BOS + y; tgt_out = y + EOS
-    (§3: the decoder input is the output shifted right); index = position in the split.
-    With `references` (the split's raw target text), batches carry theirs for BLEU."""
-    B = len(items)
-    S = max(len(s) for s, _, _ in items) + 1
-    T = max(len(t) for _, t, _ in items) + 1
-    src = np.full((B, S), PAD_ID, dtype=np.int64)
-    tgt_in = np.full((B, T), PAD_ID, dtype=np.int64)
-    tgt_out = np.full((B, T), PAD_ID, dtype=np.int64)
-    for row, (s, t, _) in enumerate(items):
-        src[row, : len(s)], src[row, len(s)] = s, EOS_ID
-        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS_ID, t
-        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS_ID
+def padded(rows: Sequence[Sequence[int]], prefix: Sequence[int] = (), suffix: Sequence[int] = ()) -> Tensor:
+    """(B, longest + extras) int64 ids: each row as prefix + row + suffix, right-padded with PAD_ID."""
+    width = max(map(len, rows)) + len(prefix) + len(suffix)
+    out = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(prefix)] = prefix
+        out[i, len(prefix) : len(prefix) + len(row)] = row
+        out[i, len(prefix) + len(row) : len(prefix) + len(row) + len(suffix)] = suffix
+    return torch.from_numpy(out)
+
+
+def source_batch(sources: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Tensor:
+    """Source ids -> (B, S) ids + EOS, right-padded: the encoder's input in training and decoding alike."""
+    return padded(sources, suffix=[EOS_ID]).to(device)
+
+
+def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: list[str] | None = None) -> dict:
+    """The one layout of a training batch: (source, target, index) items -> src = x + EOS;
+    tgt_in = BOS + y; tgt_out = y + EOS (§3: the decoder input is the output shifted right),
+    right-padded; index = position in the split. With `references` (the split's raw target text),
+    batches carry theirs for BLEU."""
+    targets = [t for _, t, _ in items]
     batch = {
-        "src": torch.from_numpy(src),
-        "tgt_in": torch.from_numpy(tgt_in),
-        "tgt_out": torch.from_numpy(tgt_out),
+        "src": source_batch([s for s, _, _ in items]),
+        "tgt_in": padded(targets, prefix=[BOS_ID]),
+        "tgt_out": padded(targets, suffix=[EOS_ID]),
         "index": torch.tensor([i for _, _, i in items]),
     }
     if references is not None:

@@ -1,61 +1,27 @@
-"""The LightningModule: loss (§5.4), Adam + Noam schedule (§5.3), validation loss, BLEU and chrF."""
+"""The LightningModule: trains with objective.py's loss and Noam schedule (Adam, §5.3); validation loss,
+greedy BLEU and chrF; test-split beam search."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from transformer_mt.files import UserError
+from transformer_mt.errors import UserError
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import PAD_ID, Tokenizer
 
 log = logging.getLogger(__name__)
-BEAM_SEARCH_OPTIONS = set(inspect.signature(beam_search).parameters) - {"model", "src"}
 
 
 class TrainingDiverged(UserError):
     """A non-finite loss or gradient: the run stops with one line instead of training on NaN."""
-
-
-def label_smoothed_nll(
-    logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID
-) -> tuple[Tensor, Tensor, Tensor]:
-    """§5.4 label smoothing. Returns (smoothed loss, NLL, token count), summed over non-pad targets.
-
-    Target distribution q = (1 - eps) * onehot(y) + eps / V, uniform over the whole vocabulary,
-    as in F.cross_entropy(label_smoothing=eps) (fairseq instead gives the true class exactly
-    1 - eps). Loss = -sum_k q_k log p_k = (1 - eps) * NLL + eps * mean_k(-log p_k).
-    """
-    pad = target.eq(pad_id)
-    lprobs = F.log_softmax(logits.float(), dim=-1)  # (..., V)
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (...)
-    smooth = -lprobs.mean(-1)  # (...)
-    loss = (1.0 - epsilon) * nll + epsilon * smooth
-    return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum(), (~pad).sum()
-
-
-def sequence_losses(
-    model: Transformer, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, epsilon: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Teacher-forced label_smoothed_nll of a batch, projecting only the non-pad target positions."""
-    hidden = model.features(src, tgt_in)  # (B, T, d)
-    keep = tgt_out.ne(model.cfg.pad_id)
-    logits = model.project(hidden[keep])  # (N, V): no vocabulary-sized work for padding
-    return label_smoothed_nll(logits, tgt_out[keep], epsilon, model.cfg.pad_id)
-
-
-def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
-    """§5.3: lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
-    step = max(step, 1)
-    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
 class TranslationModule(L.LightningModule):
@@ -178,9 +144,7 @@ class TranslationModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._add_losses(batch)
-        # beam_search's own options (batches are given: no tokens_per_batch), whatever else the config holds
-        options = {k: v for k, v in (self.hparams.decoding or {}).items() if k in BEAM_SEARCH_OPTIONS}
-        hyps, _ = beam_search(self.model, batch["src"], **options)  # beam_search's defaults are §6.1's
+        hyps, _ = beam_search(self.model, batch["src"], **decoding_options(self.hparams.decoding))
         self._keep_hypotheses(batch, torch.ones_like(batch["index"], dtype=torch.bool), hyps)
 
     def on_test_epoch_end(self) -> None:
@@ -224,3 +188,9 @@ class TranslationModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is None and "sentencepiece" in checkpoint:
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
+
+
+def decoding_options(decoding: dict | None) -> dict:
+    """conf/decoding as beam_search's arguments (its defaults are §6.1's). Checkpoints written before
+    tokens_per_batch left conf/decoding carry it in their hyper-parameters: batches are given here."""
+    return {k: v for k, v in (decoding or {}).items() if k != "tokens_per_batch"}

@@ -16,35 +16,13 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from transformer_mt.files import InputError, MissingInputError
+from transformer_mt.errors import InputError, MissingInputError
+from transformer_mt.files import iter_lines
 
 SPLITS = ("train", "validation", "test")
 
 
 # ---------------------------------------------------------------- reading raw text
-
-
-def iter_lines(path: str | Path) -> Iterator[str]:
-    """Lines of a UTF-8 file, one at a time (a file is never held whole), split on '\\n' only
-    (str.splitlines() also splits on U+0085); a leading byte-order mark is not text (it would stay
-    glued to the first sentence, e.g. in BLEU references)."""
-    path = Path(path)
-    if not path.is_file():
-        raise MissingInputError(f"no such file: {path}")
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                text = line.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(
-                    f"{path}, line {number}: invalid UTF-8 ({e.reason} at byte {e.start} of the line); "
-                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-                ) from None
-            yield text.removesuffix("\n")
-
-
-def read_lines(path: str | Path) -> list[str]:
-    return list(iter_lines(path))
 
 
 def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Iterator[tuple[list[str], list[str]]]:

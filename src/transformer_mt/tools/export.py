@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.files import InputError, UserError, atomic_write, exit_on_user_error
+from transformer_mt.errors import InputError, UserError, exit_on_user_error
+from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 

@@ -1,0 +1,28 @@
+"""Where the Hydra configs live (transformer_mt/conf: a link to the checkout's conf/, a copy once
+installed), and composing them outside an entry point (scripts, tests) exactly as Hydra does."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
+    """A primary config (train, evaluate, translate) with command-line style overrides."""
+    from hydra import compose as hydra_compose  # noqa: PLC0415 (Hydra only where configs are composed)
+    from hydra import initialize_config_dir  # noqa: PLC0415
+    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415
+
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is already this one
+        return hydra_compose(config_name, overrides=list(overrides))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides))
+
+
+def model_preset(name: str) -> dict:
+    """conf/model/<name>.yaml (small, base, big) as TransformerConfig's keyword arguments (no vocabulary)."""
+    return OmegaConf.to_container(compose("train", [f"model={name}"]).model, resolve=True)

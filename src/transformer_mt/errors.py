@@ -1,0 +1,71 @@
+"""Errors a user can act on: bad input or configuration, reported by the entry points in one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+class UserError(Exception):
+    """Bad input or configuration. The message names the file, line or key and the fix; entry
+    points print it as one `error: ...` line instead of a traceback."""
+
+
+class InputError(UserError, ValueError):
+    """A file or value that cannot be used as it is."""
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A file or directory that is not where the configuration says."""
+
+
+def exit_on_user_error(fn: Callable, *args):
+    """fn(*args) as a Hydra task; a UserError ends the program with one `error: ...` line on stderr
+    and exit status 1 (with HYDRA_FULL_ERROR=1, the full traceback instead), and a run folder that
+    holds nothing but Hydra's own files is removed. In a sweep the error is raised on after its
+    line, so that Hydra records the failed job and the other jobs still run."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (only entry points use Hydra)
+    from hydra.types import RunMode  # noqa: PLC0415
+
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None  # None: a plain argparse tool
+    try:
+        return fn(*args)
+    except UserError as e:
+        if hydra_cfg is not None:
+            remove_if_empty(Path(hydra_cfg.runtime.output_dir))
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+            raise
+        raise SystemExit(1) from None
+
+
+def required(cfg, key: str):
+    """cfg[key], or a one-line error when it is Hydra's `???` (not given on the command line)."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    if OmegaConf.is_missing(cfg, key):
+        raise MissingInputError(f"{key} is required: add {key}=<value> (make ... {key.upper()}=<value>)")
+    return cfg[key]
+
+
+def remove_if_empty(run_dir: Path) -> None:
+    """Remove a run folder that holds only Hydra's files (.hydra/, <job>.log), and the folders above
+    it that it leaves empty, up to the working directory (outputs/<date>/ and outputs/)."""
+    cwd, run_dir = Path.cwd().resolve(), run_dir.resolve()
+    if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
+        return
+    if not run_dir.is_dir() or any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.parents:
+        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break

@@ -1,0 +1,43 @@
+"""The paper's objective and schedule as pure functions: label smoothing (§5.4), the teacher-forced
+loss of a batch, and the Noam learning rate (§5.3)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from transformer_mt.model import Transformer
+from transformer_mt.tokenizer import PAD_ID
+
+
+def label_smoothed_nll(
+    logits: Tensor, target: Tensor, epsilon: float, pad_id: int = PAD_ID
+) -> tuple[Tensor, Tensor, Tensor]:
+    """§5.4 label smoothing. Returns (smoothed loss, NLL, token count), summed over non-pad targets.
+
+    Target distribution q = (1 - eps) * onehot(y) + eps / V, uniform over the whole vocabulary,
+    as in F.cross_entropy(label_smoothing=eps) (fairseq instead gives the true class exactly
+    1 - eps). Loss = -sum_k q_k log p_k = (1 - eps) * NLL + eps * mean_k(-log p_k).
+    """
+    pad = target.eq(pad_id)
+    lprobs = F.log_softmax(logits.float(), dim=-1)  # (..., V)
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (...)
+    smooth = -lprobs.mean(-1)  # (...)
+    loss = (1.0 - epsilon) * nll + epsilon * smooth
+    return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum(), (~pad).sum()
+
+
+def sequence_losses(
+    model: Transformer, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, epsilon: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Teacher-forced label_smoothed_nll of a batch, projecting only the non-pad target positions."""
+    hidden = model.features(src, tgt_in)  # (B, T, d)
+    keep = tgt_out.ne(model.cfg.pad_id)
+    logits = model.project(hidden[keep])  # (N, V): no vocabulary-sized work for padding
+    return label_smoothed_nll(logits, tgt_out[keep], epsilon, model.cfg.pad_id)
+
+
+def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:
+    """§5.3: lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
+    step = max(step, 1)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)

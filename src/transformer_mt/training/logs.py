@@ -1,0 +1,90 @@
+"""Where a training run's lines and metrics go: one log setup for every library, the configured
+logger (wandb, TensorBoard, CSV) and always the metrics as CSV, one wandb run per sweep job."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+# Library messages that say nothing about this run (checked on Lightning 2.6; the README lists what remains).
+QUIET_WARNINGS = [
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
+    r".*is smaller than the logging interval",  # tiny runs only
+]
+QUIET_LOG_PREFIXES = ("💡 Tip:",)  # Lightning's advertisements for its cloud products
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIET_LOG_PREFIXES)
+
+
+def setup_logging() -> None:
+    """Route every line through the root logger that Hydra configured (console + <run>/train.log), once.
+
+    Lightning, `datasets` and `huggingface_hub` attach console handlers of their own when they are
+    imported, so their lines never reached the run's log file, or reached the console twice (e.g.
+    the Hub's retry lines); warnings went to stderr only. Ranks other than 0 log warnings and
+    errors only, so that every line of a multi-GPU run appears once.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate = True
+    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers
+        handler.addFilter(_DropTips())
+    logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> console and file
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    if rank_zero_only.rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def make_loggers(cfg: DictConfig | None, run_dir: Path) -> list:
+    """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
+    what `make plot` reads; LearningRateMonitor needs a logger too)."""
+    configured = [make_logger(cfg)] if cfg is not None else []
+    if any(isinstance(logger, CSVLogger) for logger in configured):
+        return configured
+    return [*configured, CSVLogger(run_dir, name="csv")]
+
+
+def make_logger(cfg: DictConfig):
+    kwargs = {}
+    if cfg._target_.endswith("WandbLogger"):
+        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
+            os.environ["WANDB_MODE"] = "offline"
+            log.warning(
+                "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir
+            )
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # one wandb run per job (see finish_wandb), grouped by sweep
+            kwargs["group"] = cfg.group or hydra_cfg.sweep.dir
+            kwargs["name"] = cfg.name or f"{Path(hydra_cfg.sweep.dir).name}-{hydra_cfg.job.num}"
+    return hydra.utils.instantiate(cfg, **kwargs)
+
+
+def finish_wandb(loggers: list) -> None:
+    """End this job's wandb run, so that the next job of a sweep starts its own (wandb.init reuses an open one)."""
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+            logger.experiment.finish()
