@@ -14,16 +14,20 @@ help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
-install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export,bench]
+install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[dev,export,bench]"
+	$(PY) -m pip install -e ".[dev,export]"
 
-test:  ## Run the fast test suite (tests not marked slow)
+.PHONY: test-slow
+test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (tests not marked slow)
 	$(PYTEST) -m "not slow"
 
-test-full:  ## Run every test, the slow ones too
+test-slow:  ## Run the slow tier only: tests that launch trainings or processes (DDP, kill/resume, sweeps, CLIs)
+	$(PYTEST) -m slow
+
+test-full:  ## Run every test: the fast tier and the slow tier
 	$(PYTEST)
 
 lint:  ## Check formatting and lint rules with ruff (line length 120, rules in pyproject.toml)

@@ -8,9 +8,10 @@ Training, per model shape (--shapes, presets of conf/model): target tokens/s of 
 torch.nn.Transformer of the same shape, on the same batches: real sentence lengths (SRC/REF
 through the checkpoint's tokenizer, else random lengths), random ids, at most --max-tokens
 padded tokens per side. Precision as `trainer=cpu` picks it: bf16 autocast where the CPU
-computes bf16 natively, else fp32. Also printed: model FLOP/s (6 x parameters-matmuls x real
-tokens, attention included) as a share of the matrix-multiply peak measured in the same run,
-the share of CPU time spent in the kernel (system time), and minor page faults per update.
+computes bf16 natively, else fp32. Also printed: model FLOP/s (transformer_mt.model.training_flops:
+real tokens only, attention included, decoder self-attention causal) as a share of the
+matrix-multiply peak measured in the same run, the share of CPU time spent in the kernel (system
+time), and minor page faults per update.
 
 Decoding (needs CKPT and SRC): ours, transformers' generate and CTranslate2 (float32, int8)
 on the same weights (make export's conversion), beam 4 and greedy, on every sentence of SRC:
@@ -18,51 +19,44 @@ sentences/s, the share of sentences identical to ours, BLEU when REF is given, a
 latency of one sentence at beam 4. Our alpha 0.6 (GNMT penalty) is compared with their 0.45
 (|Y|^alpha), which picks the same translations most often (README, "Shipping a model").
 
-Every figure is the median of --repeats rounds; within a round the systems take turns (for
+Exports (--parts exports, needs CKPT, SRC and REF): how close the exported models translate to
+ours: the share of identical sentences and sacreBLEU of transformers (fp32) and CTranslate2 (fp32,
+int8) at beam 1 and at beam 4 for each of their length penalties in --alphas, each compared with
+ours at the same beam (alpha 0 against our alpha 0, others against our 0.6).
+
+Every speed figure is the median of --repeats rounds; within a round the systems take turns (for
 decoding each in a fresh process: CTranslate2's OpenMP runtime and ours slow each other down).
-Peers need the `bench` extra: pip install -e ".[bench]".
+Peers need the `export` extra: pip install -e ".[export]" (make install does).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import platform
 import random
 import resource
 import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
+import numpy as np
 import sacrebleu
 import torch
-from omegaconf import OmegaConf
 
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.configs import CONF_DIR
+from transformer_mt.configs import model_preset
+from transformer_mt.data.batching import collate
 from transformer_mt.data.corpus import read_text_pair
-from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.files import read_lines
+from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
-from transformer_mt.peers import TorchPeer, ct2_translate, hf_translate
-from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory
-from transformer_mt.search import pad_sources, translate_lines
-from transformer_mt.tokenizer import BOS_ID, PAD_ID
+from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory
+from transformer_mt.search import translate_lines
+from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import HF_LENGTH_PENALTY, export, marian_model, optional
 
 OUR_ALPHA = 0.6  # §6.1
-
-
-def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return (
-        f"{model} ({platform.machine()}, {'/'.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}"
-    )
 
 
 def median_of(values: list[float]) -> float:
@@ -109,11 +103,11 @@ def length_pairs(args, tokenizer) -> list[tuple[int, int]]:
     return [(rng.randint(5, 30), rng.randint(5, 30)) for _ in range(5000)]
 
 
-def training_batches(pairs, vocab: int, max_tokens: int, count: int, seed: int = 0):
+def training_batches(pairs, vocab: int, max_tokens: int, count: int, seed: int = 0) -> list[dict]:
     """`count` batches as the data module builds them (similar lengths, <= max_tokens padded tokens per
-    side, + EOS), from a random sample of the pairs; ids are random."""
+    side, + EOS/BOS, data.batching.collate's layout), from a random sample of the pairs; ids are random."""
     rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
+    ids = np.random.default_rng(seed)
     sample = rng.sample(pairs, min(len(pairs), 40 * count * max_tokens // 400))
     pool = sorted(sample, key=lambda p: (max(p), sum(p)))  # as TokenBucketSampler: longer side, then total
     batches = []
@@ -124,35 +118,56 @@ def training_batches(pairs, vocab: int, max_tokens: int, count: int, seed: int =
             longest = max(longest, *pool[end])
             end += 1
         rows = pool[start : max(end, start + 1)]
-        src = pad_sources([torch.randint(4, vocab, (s,), generator=g).tolist() for s, _ in rows])
-        tgt_out = pad_sources([torch.randint(4, vocab, (t,), generator=g).tolist() for _, t in rows])
-        tgt_in = torch.cat([torch.full_like(tgt_out[:, :1], BOS_ID), tgt_out[:, :-1]], 1)
-        batches.append((src, tgt_in.masked_fill(tgt_out.eq(PAD_ID), PAD_ID), tgt_out))
+        items = [(ids.integers(4, vocab, s), ids.integers(4, vocab, t), i) for i, (s, t) in enumerate(rows)]
+        batches.append(collate(items))
     return batches
 
 
-def model_flops(cfg: TransformerConfig, batch) -> float:
-    """Forward + backward (3 x forward) matrix-multiply FLOPs of one batch, counting real tokens only."""
-    src, _, tgt_out = batch
-    s_len, t_len = src.ne(PAD_ID).sum(1).double(), tgt_out.ne(PAD_ID).sum(1).double()
-    s, t = s_len.sum().item(), t_len.sum().item()
-    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    encoder = cfg.n_encoder_layers * (s * (4 * d * d + 2 * d * f) + 2 * (s_len**2).sum().item() * d)
-    decoder = cfg.n_decoder_layers * (
-        t * (6 * d * d + 2 * d * f) + s * 2 * d * d + 2 * ((t_len**2).sum() + (t_len * s_len).sum()).item() * d
-    )
-    return 3 * 2 * (encoder + decoder + t * d * v)
+def batch_flops(cfg: TransformerConfig, batch: dict) -> float:
+    return training_flops(cfg, batch["src"].ne(PAD_ID).sum(1), batch["tgt_out"].ne(PAD_ID).sum(1))
 
 
-def marian_loss(hf, src, tgt_in, tgt_out):
+def marian_loss(hf, batch: dict):
     """transformers' own forward (full logits, as its users train), our label-smoothed loss on the targets."""
-    logits = hf(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=tgt_in).logits
-    keep = tgt_out.ne(PAD_ID)
-    return label_smoothed_nll(logits[keep], tgt_out[keep], 0.1)
+    src, keep = batch["src"], batch["tgt_out"].ne(PAD_ID)
+    logits = hf(input_ids=src, attention_mask=src.ne(PAD_ID), decoder_input_ids=batch["tgt_in"]).logits
+    return label_smoothed_nll(logits[keep], batch["tgt_out"][keep], 0.1)
 
 
-def ours_loss(model, src, tgt_in, tgt_out):
-    return sequence_losses(model, src, tgt_in, tgt_out, 0.1)  # as training does
+def ours_loss(model, batch: dict):
+    return sequence_losses(model, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1)  # as training does
+
+
+class TorchPeer(torch.nn.Module):
+    """torch.nn.Transformer (post-norm, ReLU) with our embedding, positions and tied output projection,
+    without the final LayerNorm it adds after each stack (not in the paper; tests/test_model.py's
+    reference drops it too): the same work as ours."""
+
+    def __init__(self, ours: Transformer):
+        super().__init__()
+        cfg = self.cfg = ours.cfg
+        self.embed = ours.embed
+        self.stack = torch.nn.Transformer(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_encoder_layers,
+            cfg.n_decoder_layers,
+            cfg.d_ff,
+            cfg.dropout,
+            batch_first=True,
+            norm_first=False,
+        )
+        self.stack.encoder.norm = self.stack.decoder.norm = None
+
+    def features(self, src, tgt_in):
+        causal = torch.ones(tgt_in.size(1), tgt_in.size(1), dtype=torch.bool, device=src.device).triu(1)
+        pad = src.eq(PAD_ID)
+        return self.stack(
+            self.embed(src), self.embed(tgt_in), tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad
+        )
+
+    def project(self, h):
+        return h @ self.embed.tokens.weight.T
 
 
 def train_round(model, loss_fn, batches, dtype) -> tuple[float, Usage]:
@@ -162,7 +177,7 @@ def train_round(model, loss_fn, batches, dtype) -> tuple[float, Usage]:
 
     def update(batch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            loss, _, n = loss_fn(model, *batch)
+            loss, _, n = loss_fn(model, batch)
         (loss / n).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -175,18 +190,17 @@ def train_round(model, loss_fn, batches, dtype) -> tuple[float, Usage]:
 
 
 def bench_training(args, shape: str, pairs, dtype) -> None:
-    preset = OmegaConf.to_container(OmegaConf.load(f"{CONF_DIR}/model/{shape}.yaml"))
     torch.manual_seed(0)
-    ours = Transformer(TransformerConfig(vocab_size=args.vocab, **preset))
+    ours = Transformer(TransformerConfig(vocab_size=args.vocab, **model_preset(shape)))
     systems = {"transformer_mt": (ours, ours_loss)}
     transformers = optional("transformers")
     transformers.logging.set_verbosity_error()
     systems["transformers Marian"] = (marian_model(ours), marian_loss)
     systems["torch.nn.Transformer"] = (TorchPeer(Transformer(ours.cfg)), ours_loss)
     batches = training_batches(pairs, args.vocab, args.max_tokens, args.steps)
-    flops = sum(model_flops(ours.cfg, b) for b in batches)
-    tokens = sum(int(b[2].ne(PAD_ID).sum()) for b in batches)
-    padded = sum(b[2].numel() for b in batches)
+    flops = sum(batch_flops(ours.cfg, b) for b in batches)
+    tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches)
+    padded = sum(b["tgt_out"].numel() for b in batches)
     print(
         f"\ntraining, {shape} shape (d {ours.cfg.d_model}, {ours.cfg.n_encoder_layers}+{ours.cfg.n_decoder_layers} "
         f"layers, vocabulary {args.vocab}, {sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M parameters), "
@@ -222,6 +236,37 @@ def bench_training(args, shape: str, pairs, dtype) -> None:
 
 
 # ---------------------------------------------------------------- decoding
+
+
+def hf_translate(hf, hf_tokenizer, sources: list[str], beam: int, alpha: float, batch: int = 64) -> list[str]:
+    """MarianMTModel.generate in length-sorted batches, at most source + 50 tokens (§6.1); beam > 1 stops
+    only when no live hypothesis can win, as ours."""
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    out = [""] * len(sources)
+    for start in range(0, len(order), batch):
+        rows = order[start : start + batch]
+        inputs = hf_tokenizer([sources[i] for i in rows], return_tensors="pt", padding=True)
+        # (num_beams=1 must be said: the exported generation_config.json defaults to beam 4)
+        search = dict(num_beams=beam, length_penalty=alpha, early_stopping="never") if beam > 1 else {"num_beams": 1}
+        with torch.no_grad():
+            generated = hf.generate(**inputs, **search, do_sample=False, max_length=inputs.input_ids.size(1) + 51)
+        for i, text in zip(rows, hf_tokenizer.batch_decode(generated, skip_special_tokens=True)):
+            out[i] = text
+    return out
+
+
+def ct2_translate(translator, sp, sources: list[str], beam: int, alpha: float, batch: int = 64) -> list[str]:
+    """CTranslate2's translate_batch on SentencePiece pieces (it sorts by length inside), at most source + 50."""
+    pieces = [sp.encode(s.strip(), out_type=str) for s in sources]
+    results = translator.translate_batch(
+        pieces,
+        beam_size=beam,
+        length_penalty=alpha,
+        max_batch_size=batch,
+        batch_type="examples",
+        max_decoding_length=max(map(len, pieces)) + 51,
+    )
+    return [sp.decode_pieces(r.hypotheses[0]) for r in results]
 
 
 SYSTEMS = ["transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"]
@@ -280,7 +325,7 @@ def bench_decoding(args) -> None:
     if args.ref:
         sources, references = read_text_pair(args.src, args.ref)
     else:
-        sources, references = Path(args.src).read_text(encoding="utf-8").splitlines(), None
+        sources, references = read_lines(args.src), None
     sources, references = sources[: args.limit], references and references[: args.limit]
     by_length = sorted(sources, key=len)  # one-sentence latency: sentences of median length, each alone
     singles = by_length[len(by_length) // 2 - args.latency // 2 :][: args.latency]
@@ -315,6 +360,49 @@ def bench_decoding(args) -> None:
             print(f"{name:<22} {beam:>4} {it:>7.1f} {ours / it:>8.2f}x {100 * same:>11.1f}% {bleu} {lat:>9}")
 
 
+# ---------------------------------------------------------------- how close the exports translate to ours
+
+
+def bench_exports(args) -> None:
+    """One table: for each exported system, beam and length penalty, the share of sentences identical to
+    ours and sacreBLEU (GNMT's ((5 + |Y|) / 6)^alpha is ours, |Y|^alpha theirs)."""
+    transformers, ctranslate2 = optional("transformers"), optional("ctranslate2")
+    transformers.logging.set_verbosity_error()
+    sources, references = read_text_pair(args.src, args.ref)
+    sources, references = sources[: args.limit], references[: args.limit]
+    model, tokenizer, _ = load_for_inference(args.ckpt)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir, ct2_dir = export(args.ckpt, "hf", f"{tmp}/hf"), export(args.ckpt, "ct2", f"{tmp}/ct2")
+        hf = transformers.MarianMTModel.from_pretrained(hf_dir).eval()
+        hf_tokenizer = transformers.MarianTokenizer.from_pretrained(hf_dir)
+        ct2 = {
+            kind: ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type=kind) for kind in ("float32", "int8")
+        }
+        systems = {
+            "transformers fp32": lambda beam, alpha: hf_translate(hf, hf_tokenizer, sources, beam, alpha),
+            "CTranslate2 fp32": lambda beam, alpha: ct2_translate(ct2["float32"], tokenizer.sp, sources, beam, alpha),
+            "CTranslate2 int8": lambda beam, alpha: ct2_translate(ct2["int8"], tokenizer.sp, sources, beam, alpha),
+        }
+        print(f"\nexports: {len(sources)} sentences of {args.src}; {args.ckpt}")
+        print(f"{'system':<18} {'beam':>4} {'alpha':>5} {'vs ours':>12} {'identical':>9} {'BLEU':>6}")
+        ours = {}
+        for beam, alpha in [(1, 0.0), (4, OUR_ALPHA), (4, 0.0)]:
+            ours[beam, alpha] = translate_lines(model, tokenizer, sources, beam_size=beam, alpha=alpha)
+            bleu = sacrebleu.corpus_bleu(ours[beam, alpha], [references]).score
+            print(f"{'ours':<18} {beam:>4} {alpha:>5.2f} {'':>12} {'':>9} {bleu:>6.2f}")
+        for system, run in systems.items():
+            for beam, alpha in [(1, 0.0)] + [(4, a) for a in args.alphas]:
+                hyps = run(beam, alpha)
+                key = (1, 0.0) if beam == 1 else (4, 0.0 if alpha == 0 else OUR_ALPHA)
+                same = 100 * sum(h == o for h, o in zip(hyps, ours[key])) / len(hyps)
+                bleu = sacrebleu.corpus_bleu(hyps, [references]).score
+                versus = f"beam {key[0]} a={key[1]}"
+                print(f"{system:<18} {beam:>4} {alpha:>5.2f} {versus:>12} {same:>8.1f}% {bleu:>6.2f}")
+
+
+PARTS = ("training", "decoding", "exports")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", help="a trained checkpoint: decoding peers, and the tokenizer for real lengths")
@@ -327,21 +415,35 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds; every figure is the median")
     parser.add_argument("--limit", type=int, help="decode the first N sentences of --src only")
     parser.add_argument("--latency", type=int, default=10, help="sentences timed one at a time")
-    parser.add_argument("--skip", choices=["training", "decoding"], help="leave one part out")
+    parser.add_argument(
+        "--parts", default="training,decoding", help=f"what to measure, comma-separated, of {', '.join(PARTS)}"
+    )
+    parser.add_argument(
+        "--alphas", default="0,0.6,0.45", help="exports: their length penalties (|Y|^alpha) to try at beam 4"
+    )
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts {args.parts}: choose from {', '.join(PARTS)}")
+    args.alphas = [float(a) for a in args.alphas.split(",")]
     kept = keep_freed_memory()  # as make train does, for every system in this process
-    print(f"{machine()}; glibc malloc: {'no mmap, freed memory kept (allocator.py)' if kept else 'defaults'}")
+    print(f"{describe_machine()}; glibc malloc: {'no mmap, freed memory kept (allocator.py)' if kept else 'defaults'}")
     tokenizer = load_for_inference(args.ckpt)[1] if args.ckpt else None
-    if args.skip != "training":
+    if "training" in parts:
         dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         pairs = length_pairs(args, tokenizer)
         for shape in args.shapes.split(","):
             bench_training(args, shape, pairs, dtype)
-    if args.skip != "decoding":
+    if "decoding" in parts:
         if not (args.ckpt and args.src):
             print("\ndecoding: skipped (give --ckpt and --src: make bench CKPT=... SRC=... [REF=...])")
         else:
             bench_decoding(args)
+    if "exports" in parts:
+        if not (args.ckpt and args.src and args.ref):
+            print("\nexports: skipped (give --ckpt, --src and --ref: make bench CKPT=... SRC=... REF=...)")
+        else:
+            bench_exports(args)
     print(
         f"\npeak resident memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
     )

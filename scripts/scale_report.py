@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
@@ -47,42 +48,28 @@ def resident_memory_gib() -> float:
     return memory_gib("VmRSS")
 
 
-def epoch_of_batches(dm: TranslationDataModule):
-    sampler = dm.sampler("train", shuffle=True)
-    sampler.rank_batches()  # made on first use
-    return sampler
-
-
 def measure_pass(cfg: DictConfig) -> dict:
-    """Every stage of TranslationDataModule.build() and of the first training batch, one at a time."""
+    """Every stage of TranslationDataModule.build() (through its `stage` hook) and of the first training
+    batch, each timed with its own peak memory."""
     stages = []
-
-    def stage(name: str, fn):
-        reset_peak_memory()
-        start = time.perf_counter()
-        result = fn()
-        stages.append({"stage": name, "seconds": time.perf_counter() - start, "peak_gib": peak_memory_gib()})
-        return result
-
     dm = TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
-    dm.raw = stage("hash the raw files, open the splits", lambda: {split: dm.corpus.load(split) for split in SPLITS})
-    tokenizer_cached = dm.tokenizer_directory(dm.raw["train"]).exists()
-    if not tokenizer_cached:
-        stage("datasets: convert the files to Arrow", lambda: [raw.open() for raw in dm.raw.values()])
-    dm.tokenizer = stage(
-        "SentencePiece: load" if tokenizer_cached else "SentencePiece: read, sample, train",
-        lambda: dm.load_or_train_tokenizer(dm.raw["train"]),
-    )
-    for split in SPLITS:
-        before = dict(dm.watch.seconds)
-        dm.splits[split] = stage(f"{split}: tokenize and cache", lambda s=split: dm.load_or_tokenize(dm.raw[s]))
-        how = dm.timings[split][0]
-        stages[-1]["stage"] = f"{split}: {how}"
-        if how == "tokenized":
-            stages[-1]["parts"] = {k: v - before.get(k, 0.0) for k, v in dm.watch.seconds.items()}
-    sampler = stage("one epoch of training batches", lambda: epoch_of_batches(dm))
-    loader = dm._loader("train", sampler)
-    batch = stage("first training batch (loader workers start)", lambda: next(iter(loader)))
+
+    @contextmanager
+    def stage(name: str):
+        reset_peak_memory()
+        before, start = dict(dm.watch.seconds), time.perf_counter()
+        yield
+        row = {"stage": name, "seconds": time.perf_counter() - start, "peak_gib": peak_memory_gib()}
+        if name.endswith(": tokenized"):  # where a cold split's time went: reading, cleaning, tokenizing, writing
+            row["parts"] = {k: v - before.get(k, 0.0) for k, v in dm.watch.seconds.items()}
+        stages.append(row)
+
+    dm.build(stage=stage)
+    with stage("one epoch of training batches"):
+        loader = dm.train_dataloader()
+        n_batches = len(dm.train_sampler)  # the epoch's batches are made on first use
+    with stage("first training batch (loader workers start)"):
+        batch = next(iter(loader))
     train = dm.splits["train"]
     cache_bytes = sum(f.stat().st_size for f in dm.cache_dir.rglob("*") if f.is_file())
     return {
@@ -91,7 +78,7 @@ def measure_pass(cfg: DictConfig) -> dict:
         "pairs": {split: len(dm.splits[split]) for split in SPLITS},
         "tokens": int(train.src_lens.sum() + train.tgt_lens.sum()),
         "vocabulary": len(dm.tokenizer),
-        "batches": len(sampler),
+        "batches": n_batches,
         "batch_shape": list(batch["src"].shape),
         "cache_gib": cache_bytes / 2**30,
         "peak_gib": peak_memory_gib(),

@@ -1,3 +1,4 @@
+import io
 import os
 import random
 import subprocess
@@ -6,29 +7,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 
+from transformer_mt.configs import CONF_DIR
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.train import train
+from transformer_mt.translate import translate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+# The one tiny shape of the tests, in-process models and training runs alike: 2+3 layers (an encoder
+# and a decoder of different depths, so that a loop over the wrong stack shows), d=32, 4 heads.
+TINY_SHAPE = dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=3, max_positions=64)
+
+
 def tiny_config(**overrides) -> TransformerConfig:
-    """2+3 layers, d=16: big enough to exercise every code path, small enough for CPU tests."""
-    values = dict(
-        vocab_size=23,
-        d_model=16,
-        d_ff=32,
-        n_heads=4,
-        n_encoder_layers=2,
-        n_decoder_layers=3,
-        dropout=0.1,
-        max_positions=64,
-        pad_id=0,
-    )
-    values.update(overrides)
-    return TransformerConfig(**values)
+    """TINY_SHAPE with a 23-token vocabulary: every code path of the model, small enough for CPU tests."""
+    return TransformerConfig(**{**TINY_SHAPE, "vocab_size": 23, "dropout": 0.1, "pad_id": 0, **overrides})
 
 
 @pytest.fixture
@@ -44,12 +44,6 @@ def random_batch(lengths: list[int], vocab_size: int, pad_id: int = 0, seed: int
     for row, n in enumerate(lengths):
         batch[row, :n] = torch.randint(pad_id + 1, vocab_size, (n,), generator=g)
     return batch
-
-
-requires_shared_data = pytest.mark.skipif(
-    not SHARED_DATA.is_dir(),
-    reason=f"real EN-DE text not found at {SHARED_DATA} (present on the project's machines, absent in a bare clone)",
-)
 
 
 def write_pair(directory: Path, prefix: str, src: list[str], tgt: list[str]) -> None:
@@ -98,14 +92,7 @@ def corpus(tmp_path) -> Path:
 
 
 # A tiny model on the synthetic corpus: every code path of a real run in a few seconds.
-TINY_MODEL = [
-    "model.d_model=32",
-    "model.d_ff=64",
-    "model.n_heads=4",
-    "model.n_encoder_layers=2",
-    "model.n_decoder_layers=2",
-    "model.max_positions=64",
-]
+TINY_MODEL = [f"model.{key}={value}" for key, value in TINY_SHAPE.items()]
 TINY_RUN = [
     "data=text",
     "trainer=cpu",
@@ -121,6 +108,16 @@ TINY_RUN = [
 ]
 
 
+def train_overrides(args: list[str], tmp_path: Path) -> tuple[list[str], list[str]]:
+    """(Hydra flags, overrides): TINY_RUN, a cache under tmp_path, then `args`; a key given in `args`
+    replaces TINY_RUN's (e.g. data=multi30k instead of data=text)."""
+    flags = [a for a in args if a.startswith("-")]
+    overrides = [a for a in args if not a.startswith("-")]
+    given = {a.split("=")[0] for a in overrides}
+    defaults = [a for a in TINY_RUN if a.split("=")[0] not in given]
+    return flags, [*defaults, f"data.cache_dir={tmp_path / 'cache'}", *overrides]
+
+
 def run_train(
     args: list[str],
     tmp_path: Path,
@@ -129,28 +126,15 @@ def run_train(
     entry: tuple[str, ...] = ("-m", "transformer_mt.train"),
     **popen,
 ) -> subprocess.CompletedProcess:
-    """`python -m transformer_mt.train` with TINY_RUN and `args` (Hydra flags such as -m first), as a user runs it.
-
-    A key given in `args` replaces TINY_RUN's (e.g. data=multi30k instead of data=text). `entry`
-    replaces `-m transformer_mt.train` (e.g. by tests/kill_at.py and its kill point).
-    """
-    flags = [a for a in args if a.startswith("-")]
-    overrides = [a for a in args if not a.startswith("-")]
-    given = {a.split("=")[0] for a in overrides}
-    defaults = [a for a in TINY_RUN if a.split("=")[0] not in given]
-    cmd = [
-        sys.executable,
-        *entry,
-        *flags,
-        *defaults,
-        f"data.cache_dir={tmp_path / 'cache'}",
-        *overrides,
-    ]
+    """`python -m transformer_mt.train` with TINY_RUN and `args` (Hydra flags such as -m first), as a user
+    runs it, in a process of its own (the slow tier). `entry` replaces `-m transformer_mt.train`
+    (e.g. by tests/kill_at.py and its kill point)."""
+    flags, overrides = train_overrides(args, tmp_path)
     proc = subprocess.run(
-        cmd,
+        [sys.executable, *entry, *flags, *overrides],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=280,
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         **popen,
@@ -160,11 +144,69 @@ def run_train(
     return proc
 
 
+def hydra_task(config_name: str, overrides: list[str], run_dir: Path) -> DictConfig:
+    """The config a Hydra entry point receives (conf/<config_name>.yaml + overrides), with HydraConfig set
+    as in a run whose folder is run_dir: entry points' functions (train, evaluate) run in this process."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name, overrides=[*overrides, f"hydra.run.dir={run_dir}"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def train_in_process(args: list[str], tmp_path: Path, run_dir: Path) -> float | None:
+    """transformer_mt.train.train() with TINY_RUN and `args`, in this process (~1 s instead of ~5 s of
+    imports per subprocess); returns what train returns (the last validation BLEU)."""
+    _, overrides = train_overrides(args, tmp_path)
+    return train(hydra_task("train", overrides, run_dir))
+
+
+def run_translate(ckpt: Path, text: bytes | str, *overrides: str, monkeypatch, capsys) -> tuple[str, str]:
+    """transformer_mt.translate's function in this process (pytest fixtures monkeypatch and capsys):
+    `text` on stdin -> (stdout, stderr)."""
+    data = text.encode() if isinstance(text, str) else text
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    capsys.readouterr()
+    translate(hydra_task("translate", [f"ckpt={ckpt}", *overrides], Path.cwd()))
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """One tiny run for every test that needs *a* trained checkpoint: 12 updates on synthetic text,
+    checkpoints every 3. <root>/corpus holds its text, <root>/out the run."""
+    root = tmp_path_factory.mktemp("run")
+    corpus = write_corpus(root / "corpus")
+    args = [f"data.path={corpus}", "data.max_tokens=400", "trainer.max_steps=12", "trainer.val_check_interval=6"]
+    train_in_process([*args, "checkpoint.every_n_train_steps=3"], root, root / "out")
+    return root
+
+
+# Library lines that say nothing about a run; none may reach a user's console (tests assert it).
+NOISE = [
+    "LeafSpec",
+    "weights_only",
+    "Tip:",
+    "exists and is not empty",
+    "Saving the dataset",
+    "not supported by the model summary",
+]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `cuda` are skipped, with the reason, on a machine without a CUDA GPU."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Tests marked `cuda` skip, with the reason, where no CUDA GPU is visible; tests marked `real_data`
+    where ../shared/data is absent (a bare clone)."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_data = pytest.mark.skip(
+        reason=f"real EN-DE text not found at {SHARED_DATA} (present on the project's machines, absent in a bare clone)"
+    )
     for item in items:
-        if item.get_closest_marker("cuda"):
-            item.add_marker(skip)
+        if item.get_closest_marker("cuda") and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if item.get_closest_marker("real_data") and not SHARED_DATA.is_dir():
+            item.add_marker(no_data)

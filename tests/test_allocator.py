@@ -8,7 +8,7 @@ import pytest
 
 from transformer_mt.runtime import libc
 
-pytestmark = pytest.mark.skipif(libc() is None, reason="glibc only (mallopt)")
+pytestmark = [pytest.mark.skipif(libc() is None, reason="glibc only (mallopt)"), pytest.mark.slow]  # fresh processes
 
 FAULTS = """
 import resource, sys, torch

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, SHARED_DATA, requires_shared_data, synthetic_corpus, write_corpus, write_pair
+from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, write_corpus, write_pair
 from transformer_mt.data.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
@@ -406,8 +406,8 @@ def test_hub_path_calls_datasets_load_dataset(monkeypatch):
 # ---------------------------------------------------------------- real data (../shared/data)
 
 
-@requires_shared_data
 @pytest.mark.real_data
+@pytest.mark.slow
 def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     script = ROOT / "scripts" / "make_wmt14_layout.py"
     wmt = SHARED_DATA / "wmt14"
@@ -465,8 +465,8 @@ def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     assert dm.tokenizer.decode(batch["tgt_out"][:1].tolist())[0]  # real German back
 
 
-@requires_shared_data
 @pytest.mark.real_data
+@pytest.mark.slow
 def test_data_stats_on_multi30k_reports_padding_efficiency_above_90_percent(tmp_path):
     out = subprocess.run(
         [
@@ -526,6 +526,7 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch_in_its_own_order(tmp_pa
     assert module.val_batches == [0, 1] + list(range(n_val)) * 3
 
 
+@pytest.mark.slow
 def test_scale_corpus_generator_is_deterministic_and_read_like_wmt14(tmp_path):
     source = tmp_path / "source"
     en, de = synthetic_corpus(300, seed=3)
@@ -552,8 +553,8 @@ def test_scale_corpus_generator_is_deterministic_and_read_like_wmt14(tmp_path):
     assert distinct[1] > distinct[0] > len({w for s in de for w in s.split()})  # new words keep coming
 
 
-@requires_shared_data
 @pytest.mark.real_data
+@pytest.mark.slow
 def test_scale_report_runs_the_wmt14_pipeline_on_20k_generated_pairs_cold_then_cached(tmp_path):
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "make_scale_corpus.py"), "--out", str(tmp_path / "wmt14")]

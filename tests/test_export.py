@@ -162,6 +162,7 @@ def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint
 # ---------------------------------------------------------------- attention pictures
 
 
+@pytest.mark.slow
 def test_make_attention_writes_pictures_whose_rows_are_distributions(random_checkpoint, tmp_path):
     out = tmp_path / "pictures"
     proc = subprocess.run(
@@ -187,6 +188,7 @@ def test_make_attention_writes_pictures_whose_rows_are_distributions(random_chec
     assert "translation:" in proc.stdout
 
 
+@pytest.mark.slow
 def test_make_attention_with_a_file_line_and_reference(random_checkpoint, tmp_path):
     (tmp_path / "src.en").write_text("the dog runs .\nthe cat sees a dog .\n")
     (tmp_path / "ref.de").write_text("der Hund läuft .\ndie Katze sieht einen Hund .\n")
@@ -217,6 +219,7 @@ def test_make_attention_with_a_file_line_and_reference(random_checkpoint, tmp_pa
 # ---------------------------------------------------------------- learning curves
 
 
+@pytest.mark.slow
 def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
     metrics = tmp_path / "run" / "csv" / "version_0" / "metrics.csv"
     metrics.parent.mkdir(parents=True)
@@ -241,6 +244,7 @@ def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("logger", ["~logger", "logger=tensorboard"])
+@pytest.mark.slow
 def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     run_train(
@@ -258,6 +262,7 @@ def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
     assert proc.returncode == 0 and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG", proc.stderr
 
 
+@pytest.mark.slow
 def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path):
     pytest.importorskip("transformers", reason='the bench extra is not installed (pip install -e ".[bench]")')
     pytest.importorskip("ctranslate2", reason='the bench extra is not installed (pip install -e ".[bench]")')

@@ -87,7 +87,7 @@ def test_matches_torch_nn_transformer_with_copied_weights():
         ref_hidden_nopad = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal, memory_key_padding_mask=src_pad)
         ref_logits_nopad = ref_hidden_nopad @ model.embed.tokens.weight.T
 
-    assert memory.shape == (3, 7, 16) and logits.shape == (3, 9, 23)
+    assert memory.shape == (3, 7, model.cfg.d_model) and logits.shape == (3, 9, 23)
     torch.testing.assert_close(memory, ref_memory, atol=1e-5, rtol=0)
     # With a target padding mask the reference differs only at padded target positions,
     # whose outputs are never used; causality already hides padding from real positions.
@@ -122,8 +122,8 @@ def test_positions_shift_is_a_fixed_rotation_and_dot_depends_only_on_offset():
 
 
 def test_embedding_is_scaled_by_sqrt_d_and_adds_positions(tiny_model):
-    ids = random_batch([5, 3], tiny_model.cfg.vocab_size)
-    expected = tiny_model.embed.tokens.weight[ids] * math.sqrt(16) + sinusoidal_positions(64, 16)[:5]
+    ids, d = random_batch([5, 3], tiny_model.cfg.vocab_size), tiny_model.cfg.d_model
+    expected = tiny_model.embed.tokens.weight[ids] * math.sqrt(d) + sinusoidal_positions(64, d)[:5]
     torch.testing.assert_close(tiny_model.embed(ids), expected)
     with pytest.raises(ValueError, match="max_positions=64"):
         tiny_model.embed(torch.ones(1, 65, dtype=torch.long))
@@ -167,7 +167,7 @@ def test_padded_source_positions_do_not_leak(tiny_model):
     torch.testing.assert_close(tiny_model(wider, tgt), logits, atol=1e-6, rtol=0)
     # Changing what stands at padded positions (the pad row's vector) changes no real output.
     with torch.no_grad():
-        tiny_model.embed.tokens.weight[0] = torch.randn(16)
+        tiny_model.embed.tokens.weight[0] = torch.randn(tiny_model.cfg.d_model)
     memory2, _ = tiny_model.encode(src)
     src_real = src.ne(0)
     assert not torch.allclose(memory2[~src_real], memory[~src_real])  # padded rows did change
@@ -230,7 +230,7 @@ def test_cached_decoding_equals_full_forward(tiny_model):
     for t in range(tgt.size(1)):
         step = tiny_model.decode_step(tgt[:, t], state)
         torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
-    assert state.length == 9 and state.self_kv[0][0].shape == (3, 4, 9, 4)
+    assert state.length == 9 and state.self_kv[0][0].shape == (3, 4, 9, tiny_model.cfg.d_model // 4)
 
 
 def test_reordered_cache_continues_like_the_reordered_batch(tiny_model):
@@ -282,7 +282,7 @@ def test_one_embedding_matrix_serves_encoder_decoder_and_output():
     memory, _ = model.encode(src)
     logits_5, logits_no5 = model(torch.tensor([[6]]), tgt_with_5), model(torch.tensor([[6]]), tgt_without_5)
     with torch.no_grad():
-        emb[5] += torch.randn(16)  # not a constant: LayerNorm outputs sum to zero
+        emb[5] += torch.randn(model.cfg.d_model)  # not a constant: LayerNorm outputs sum to zero
     assert not torch.allclose(model.encode(src)[0], memory)  # encoder input
     assert not torch.allclose(model(torch.tensor([[6]]), tgt_with_5), logits_5)  # decoder input (+ output)
     after = model(torch.tensor([[6]]), tgt_without_5)  # token 5 only as an output class

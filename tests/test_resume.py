@@ -67,6 +67,7 @@ def resumed_from(proc) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("kills", KILLS)
+@pytest.mark.slow
 def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(kills, uninterrupted, tmp_path, request):
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
@@ -125,6 +126,7 @@ def one_error_line(proc) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_resume_refuses_what_it_cannot_continue_in_one_line(tmp_path):
     corpus, other = write_corpus(tmp_path / "corpus"), write_corpus(tmp_path / "other")
     for path in other.iterdir():  # other text, the same vocabulary size: another SentencePiece model
@@ -161,6 +163,7 @@ def limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_checkpoint_write_that_fails_ends_in_one_line_and_leaves_no_partial_file(tmp_path):
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
     args = [f"data.path={corpus}", "trainer.max_steps=3", f"hydra.run.dir={run}"]
@@ -172,6 +175,7 @@ def test_a_checkpoint_write_that_fails_ends_in_one_line_and_leaves_no_partial_fi
     assert list((run / "checkpoints").iterdir()) == []  # no truncated file, no temporary file
 
 
+@pytest.mark.slow
 def test_a_finished_run_extended_with_more_updates_continues_its_epoch(uninterrupted, tmp_path):
     # 20 updates end inside the second epoch; continuing to 39 must match the run that went to 39 at once.
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"

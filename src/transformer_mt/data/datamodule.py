@@ -13,7 +13,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, acc
 from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
 from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
-from transformer_mt.tokenizer import Tokenizer, cache_key, train_tokenizer
+from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +105,28 @@ class TranslationDataModule(L.LightningDataModule):
         if not self.splits:
             self.build()
 
-    def build(self) -> None:
-        """Tokenizer and tokenized splits: from the cache when present, else built and cached."""
+    def build(self, stage: Callable[[str], AbstractContextManager] = lambda name: nullcontext()) -> None:
+        """Tokenizer and tokenized splits: from the cache when present, else built and cached.
+
+        Each step runs inside `with stage("<what it does>")`: a hook for measuring them one at a time
+        (scripts/scale_report.py), named by what the step will do (load or build).
+        """
         for folder in ("sentencepiece", "corpus"):  # what a killed build left half-written
             for path in remove_stale_temporaries(self.cache_dir / folder):
                 log.info("removed %s (an unfinished cache write of a killed run)", path)
-        self.raw = {split: self.corpus.load(split) for split in SPLITS}
-        self.tokenizer = self.load_or_train_tokenizer(self.raw["train"])
-        self.splits = {split: self.load_or_tokenize(self.raw[split]) for split in SPLITS}
+        with stage("hash the raw files, open the splits"):
+            self.raw = {split: self.corpus.load(split) for split in SPLITS}
+        tokenizer_cached = (self.tokenizer_directory(self.raw["train"]) / MODEL_FILE).exists()
+        if not tokenizer_cached:
+            with stage("datasets: convert the files to Arrow"):
+                for raw in self.raw.values():
+                    raw.open()
+        with stage("SentencePiece: load" if tokenizer_cached else "SentencePiece: read, sample, train"):
+            self.tokenizer = self.load_or_train_tokenizer(self.raw["train"])
+        for split in SPLITS:
+            how = "loaded from cache" if self.split_directory(self.raw[split]).exists() else "tokenized"
+            with stage(f"{split}: {how}"):
+                self.splits[split] = self.load_or_tokenize(self.raw[split])
 
     def tokenizer_directory(self, train: RawSplit) -> Path:
         key = cache_key(
@@ -127,8 +141,8 @@ class TranslationDataModule(L.LightningDataModule):
 
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
         directory = self.tokenizer_directory(train)
-        if (directory / "sentencepiece.model").exists():
-            return Tokenizer(directory / "sentencepiece.model")
+        if (directory / MODEL_FILE).exists():
+            return Tokenizer(directory / MODEL_FILE)
         sentences = self.sentences(train)
         first = next(sentences, None)
         if first is None:
@@ -149,10 +163,9 @@ class TranslationDataModule(L.LightningDataModule):
                     yield from pair
                 bar.update(len(src))
 
-    def load_or_tokenize(self, raw: RawSplit) -> TokenizedSplit:
-        """One split's token ids from its cache, written first if missing; one log line per split."""
-        split = raw.split
-        filtered = split == "train"  # validation and test sets are kept whole, as published
+    def split_directory(self, raw: RawSplit) -> Path:
+        """Where one split's token ids are cached: keyed by its text, the tokenizer and the cleaning rules."""
+        filtered = raw.split == "train"  # validation and test sets are kept whole, as published
         key = cache_key(
             data=raw.fingerprint,
             tokenizer=hashlib.sha256(self.tokenizer.proto).hexdigest(),
@@ -161,7 +174,12 @@ class TranslationDataModule(L.LightningDataModule):
             ratio=self.max_len_ratio if filtered else None,
             layout=3,  # pairs.arrow with columns src, tgt, row (+ src_text, tgt_text)
         )
-        directory = self.cache_dir / "corpus" / f"{self.corpus.name}-{split}-{key}"
+        return self.cache_dir / "corpus" / f"{self.corpus.name}-{raw.split}-{key}"
+
+    def load_or_tokenize(self, raw: RawSplit) -> TokenizedSplit:
+        """One split's token ids from its cache, written first if missing; one log line per split."""
+        split, filtered = raw.split, raw.split == "train"
+        directory = self.split_directory(raw)
         start, cached = time.perf_counter(), directory.exists()
         dropped = "" if cached else self.write_tokenized(raw, directory, filtered)
         tokenized = TokenizedSplit(datasets.Dataset.from_file(str(directory / CACHE_FILE)))

@@ -190,7 +190,10 @@ class TranslationModule(L.LightningModule):
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
 
 
+BATCHING_KEYS = {"max_tokens", "tokens_per_batch"}  # in conf/decoding of older checkpoints; test batches are given
+
+
 def decoding_options(decoding: dict | None) -> dict:
-    """conf/decoding as beam_search's arguments (its defaults are §6.1's). Checkpoints written before
-    tokens_per_batch left conf/decoding carry it in their hyper-parameters: batches are given here."""
-    return {k: v for k, v in (decoding or {}).items() if k != "tokens_per_batch"}
+    """conf/decoding as beam_search's arguments (its defaults are §6.1's), without the batching keys that
+    checkpoints written before they moved to conf/inference.yaml carry in their hyper-parameters."""
+    return {k: v for k, v in (decoding or {}).items() if k not in BATCHING_KEYS}

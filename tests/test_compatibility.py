@@ -1,0 +1,37 @@
+"""Checkpoints written before the package moved into data/, training/ and tools/ (commit 6f95e58) still
+translate and resume. tests/data/pre-layout-step3.ckpt is update 3 of a tiny run made by that code;
+pre-layout-step6-weights.pt holds the weights the same run reached at update 6."""
+
+from pathlib import Path
+
+import torch
+
+from conftest import run_translate, train_in_process, write_corpus
+from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.search import translate_lines
+
+DATA = Path(__file__).resolve().parent / "data"
+OLD = DATA / "pre-layout-step3.ckpt"
+# The old run's settings besides TINY_RUN's (made with write_corpus(): the same synthetic text)
+OLD_RUN = ["model.n_decoder_layers=2", "model.dropout=0.1", "trainer.precision=32-true", "trainer.max_steps=6"]
+
+
+def test_a_checkpoint_from_before_the_move_translates(monkeypatch, capsys):
+    model, tokenizer, checkpoint = load_for_inference(OLD)
+    assert checkpoint["global_step"] == 3 and model.cfg.n_decoder_layers == 2
+    expected = translate_lines(model, tokenizer, ["the cat sees a dog .", "the big tree ."], beam_size=4)
+    out, _ = run_translate(OLD, "the cat sees a dog .\nthe big tree .\n", monkeypatch=monkeypatch, capsys=capsys)
+    assert out.split("\n") == [*expected, ""]
+
+
+def test_a_checkpoint_from_before_the_move_resumes_to_the_same_weights(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    train_in_process([f"data.path={corpus}", *OLD_RUN, f"ckpt_path={OLD}"], tmp_path, run)
+    resumed = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    reached = torch.load(DATA / "pre-layout-step6-weights.pt", map_location="cpu", weights_only=True)
+    assert resumed["global_step"] == reached["global_step"] == 6
+    assert resumed["state_dict"].keys() == reached["state_dict"].keys()
+    # The old run trained on this machine kind's CPU; another CPU's kernels round fp32 sums differently.
+    for key, value in reached["state_dict"].items():
+        torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=key)
