@@ -96,5 +96,5 @@ bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2)
 	$(PY) scripts/benchmark.py $(if $(CKPT),--ckpt $(CKPT)) $(if $(SRC),--src $(SRC)) $(if $(REF),--ref $(REF)) $(ARGS)
 
 .PHONY: gpu-check
-gpu-check:  ## Check every GPU path once (<= 8 min on one GPU), summary table at the end: make gpu-check [ARGS="--device cpu"]
+gpu-check:  ## Run the tests marked cuda: every GPU path once (<= 10 min on one GPU), summary table at the end: make gpu-check [ARGS="--multi30k DIR"]
 	$(PY) scripts/gpu_check.py $(ARGS)

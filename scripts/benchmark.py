@@ -17,7 +17,7 @@ Decoding (needs CKPT and SRC): ours, transformers' generate and CTranslate2 (flo
 on the same weights (make export's conversion), beam 4 and greedy, on every sentence of SRC:
 sentences/s, the share of sentences identical to ours, BLEU when REF is given, and the
 latency of one sentence at beam 4. Our alpha 0.6 (GNMT penalty) is compared with their 0.45
-(|Y|^alpha), which picks the same translations most often (README, "Shipping a model").
+(|Y|^alpha), which picks the same translations most often (docs/inference.md, the export table).
 
 Exports (--parts exports, needs CKPT, SRC and REF): how close the exported models translate to
 ours: the share of identical sentences and sacreBLEU of transformers (fp32) and CTranslate2 (fp32,
@@ -427,7 +427,7 @@ def main() -> None:
         parser.error(f"--parts {args.parts}: choose from {', '.join(PARTS)}")
     args.alphas = [float(a) for a in args.alphas.split(",")]
     kept = keep_freed_memory()  # as make train does, for every system in this process
-    print(f"{describe_machine()}; glibc malloc: {'no mmap, freed memory kept (allocator.py)' if kept else 'defaults'}")
+    print(f"{describe_machine()}; glibc malloc: {'no mmap, freed memory kept (runtime.py)' if kept else 'defaults'}")
     tokenizer = load_for_inference(args.ckpt)[1] if args.ckpt else None
     if "training" in parts:
         dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32

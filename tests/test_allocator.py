@@ -1,4 +1,4 @@
-"""allocator.py: glibc keeps freed memory for reuse instead of mapping it afresh (page faults)."""
+"""runtime.keep_freed_memory: glibc keeps freed memory for reuse instead of mapping it afresh (page faults)."""
 
 import os
 import subprocess

@@ -66,7 +66,8 @@ def test_bf16_autocast_training_step_is_finite_and_close_to_fp32():
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert sum(g.abs().sum().item() > 0 for g in grads.values()) == len(grads)  # every parameter learns
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9, fused=True).step()  # as module.py
+    # as training/module.py
+    torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9, fused=True).step()
     for name, p in model.named_parameters():
         assert torch.isfinite(p).all() and not torch.equal(p, before[name]), name
 

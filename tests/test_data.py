@@ -1,5 +1,6 @@
 """Reading, cleaning, SentencePiece, caching and token-bucket batching (issue: data)."""
 
+import io
 import os
 import re
 import socket
@@ -10,6 +11,7 @@ import datasets
 import lightning as L
 import numpy as np
 import pytest
+import sentencepiece as spm
 import torch
 from omegaconf import OmegaConf
 
@@ -207,6 +209,18 @@ def test_shared_tokenizer_special_ids_byte_fallback_and_cache(tmp_path):
 def test_tokenizer_rejects_missing_or_foreign_models(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.model"):
         Tokenizer(tmp_path / "missing.model")
+    (tmp_path / "text.model").write_text("not a model\n")
+    with pytest.raises(InputError, match=r"text\.model: not a SentencePiece model"):
+        Tokenizer(tmp_path / "text.model")
+    # A real SentencePiece model with its library's default ids (unk 0, bos 1, eos 2, no pad): not ours.
+    en, de = synthetic_corpus(200)
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(en + de), model_writer=proto, vocab_size=40, minloglevel=2)
+    (tmp_path / "default.model").write_bytes(proto.getvalue())
+    with pytest.raises(
+        InputError, match=r"special ids \(pad, unk, bos, eos\) are \(-1, 0, 1, 2\), expected \(0, 1, 2, 3\)"
+    ):
+        Tokenizer(tmp_path / "default.model")
 
 
 # ---------------------------------------------------------------- tokenized corpus cache

@@ -33,7 +33,7 @@ def write_random_checkpoint(path, tokenizer, sharpen: float = 1.0):
     sharpen > 1 scales attention logits by sharpen^2 and doubles the embeddings, so that greedy
     outputs vary from step to step instead of repeating one token (at the price of float32
     logits further from an exact recomputation)."""
-    cfg = tiny_config(vocab_size=len(tokenizer), d_model=32, d_ff=48, max_positions=96)
+    cfg = tiny_config(vocab_size=len(tokenizer), d_ff=48, max_positions=96)  # sharpen is tuned to d_ff 48
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
@@ -264,14 +264,21 @@ def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path):
-    pytest.importorskip("transformers", reason='the bench extra is not installed (pip install -e ".[bench]")')
-    pytest.importorskip("ctranslate2", reason='the bench extra is not installed (pip install -e ".[bench]")')
-    src = tmp_path / "src.txt"
+    pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
+    pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
     src.write_text("\n".join(SENTENCES[:3]) + "\n", encoding="utf-8")
+    ref.write_text("die Katze .\nder Hund .\nzwei Hunde .\n", encoding="utf-8")
     command = [sys.executable, "scripts/benchmark.py", "--ckpt", str(random_checkpoint), "--src", str(src)]
     options = ["--shapes", "small", "--vocab", "400", "--max-tokens", "128", "--steps", "1", "--repeats", "1"]
-    out = subprocess.run(command + options + ["--latency", "1"], capture_output=True, text=True, check=True).stdout
+    parts = ["--ref", str(ref), "--parts", "training,decoding,exports", "--alphas", "0,0.45", "--latency", "1"]
+    out = subprocess.run(command + options + parts, capture_output=True, text=True, check=True).stdout
     training, decoding = out.split("\ndecoding ")
+    decoding, exports = decoding.split("\nexports: ")
+    for name in ("transformers fp32", "CTranslate2 fp32", "CTranslate2 int8"):
+        rows = [line.split() for line in exports.splitlines() if line.startswith(name)]
+        assert len(rows) == 3 and all(row[-2].endswith("%") for row in rows), exports  # beam 1; beam 4 at 0, 0.45
+    assert sum(line.startswith("ours") for line in exports.splitlines()) == 3
     for name in ("transformer_mt", "transformers Marian", "torch.nn.Transformer"):
         assert sum(line.startswith(name) for line in training.splitlines()) == 1, training
     for name in ("transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):

@@ -1,4 +1,4 @@
-"""The paper's model checked against independent references (README, "The model")."""
+"""The paper's model checked against independent references (docs/model.md)."""
 
 import math
 

@@ -149,7 +149,7 @@ def train(cfg: DictConfig) -> float | None:
     startup = StartupLog(time.monotonic())
     setup_logging()
     check_config(cfg)
-    keep_freed_memory()  # no page faults for each step's activations (allocator.py)
+    keep_freed_memory()  # no page faults for each step's activations (runtime.py)
     trainer_args = trainer_arguments(cfg.trainer)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)

@@ -117,7 +117,7 @@ def marian_config(model: Transformer):
 
 
 # transformers divides by |Y|^alpha, not GNMT's ((5 + |Y|) / 6)^alpha (§6.1). On Multi30k test2016, 0.45 with
-# early_stopping="never" picked our alpha-0.6 translation for 99.2% of the sentences (0.6: 96.7%); see the README.
+# early_stopping="never" picked our alpha-0.6 translation for 99.2% of the sentences (0.6: 96.7%): docs/inference.md.
 HF_LENGTH_PENALTY = 0.45
 
 

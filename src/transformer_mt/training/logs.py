@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
-# Library messages that say nothing about this run (checked on Lightning 2.6; the README lists what remains).
+# Library messages that say nothing about this run (checked on Lightning 2.6).
 QUIET_WARNINGS = [
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
     r".*is smaller than the logging interval",  # tiny runs only

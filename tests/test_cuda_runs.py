@@ -1,0 +1,210 @@
+"""The GPU through the entry points, as a user runs them: Multi30k training (the loss falls, val BLEU), beam search
+on the GPU against the CPU (its checkpoint, and random weights), DDP and FSDP on two GPUs, then translate. Skipped
+without a CUDA GPU; `make gpu-check` runs them. Multi30k's text files: $TRANSFORMER_MT_MULTI30K, else
+../shared/data/multi30k beside the checkout (not the Hub: these machines are offline)."""
+
+import copy
+import csv
+import os
+import statistics
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.configs import model_preset
+from transformer_mt.files import read_lines
+from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.search import translate_ids
+
+pytestmark = pytest.mark.cuda
+
+MULTI30K_ENV = "TRANSFORMER_MT_MULTI30K"  # scripts/gpu_check.py --multi30k DIR sets it
+SHARED_MULTI30K = ROOT.parent / "shared" / "data" / "multi30k"
+UPDATES = 200  # of the Multi30k run
+SENTENCES = [  # the DDP and FSDP checkpoints translate these
+    "A man in a blue shirt is standing on a ladder.",
+    "Two dogs are playing in the snow.",
+    "A group of people are sitting at a table in a restaurant.",
+    "A little girl climbs into a wooden playhouse.",
+    "The woman is riding a bicycle down the street.",
+]
+TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs >= 2 GPUs: on one GPU FSDP silently becomes NO_SHARD"
+)
+
+
+@pytest.fixture(scope="module")
+def multi30k() -> Path:
+    given = os.environ.get(MULTI30K_ENV)
+    path = Path(given) if given else SHARED_MULTI30K
+    if not (path / "train.en").is_file():
+        how = f"${MULTI30K_ENV}" if given else f"set ${MULTI30K_ENV}=DIR or run scripts/gpu_check.py --multi30k DIR"
+        pytest.skip(f"Multi30k text files (train.en, val.en, test_2016_flickr.en, ...) not in {path} ({how})")
+    return path.resolve()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """The SentencePiece model and encoded data, built once for all of this module's runs."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def highest_fp32_matmuls():
+    """fp32 comparisons mean fp32 products: no TF32 (PyTorch's default, set here in case a user changed it)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def run(command: list[str], timeout: float, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """A command as a user runs it; a failure fails the test with its last error line, after its output's tail."""
+    shown = " ".join(["python", *command[1:]])
+    print(f"$ {shown}", flush=True)
+    try:
+        proc = subprocess.run(
+            command,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(command[1:3])} did not finish within {timeout:.0f} s")
+    if proc.returncode != 0:
+        print("\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-30:]))
+        last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "")
+        pytest.fail(f"{' '.join(command[1:3])}: exit status {proc.returncode}: {last.strip()[:160]}")
+    return proc
+
+
+def train(run_dir: Path, multi30k: Path, cache_dir: Path, *overrides: str, timeout: float) -> Path:
+    """The Multi30k recipe through the training entry point (overrides choose the trainer); its checkpoint."""
+    command = [
+        sys.executable,
+        "-m",
+        "transformer_mt.train",
+        "experiment=multi30k",
+        "logger=csv",  # the experiment logs to wandb; metrics.csv is written either way
+        "trainer.enable_progress_bar=false",
+        f"data.path={multi30k}",
+        f"data.cache_dir={cache_dir}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+    run(command, timeout, cwd=run_dir.parent)
+    return run_dir / "checkpoints" / "last.ckpt"
+
+
+def logged(run_dir: Path, metric: str) -> list[float]:
+    """Every logged value of one metric, in order, from the CSV logger's metrics.csv."""
+    with open(run_dir / "csv" / "version_0" / "metrics.csv", newline="") as f:
+        return [float(row[metric]) for row in csv.DictReader(f) if row.get(metric)]
+
+
+@pytest.fixture(scope="module")
+def multi30k_run(multi30k, cache_dir, tmp_path_factory) -> Path:
+    """200 updates of `experiment=multi30k trainer=gpu` (bf16), one validation at the end: the run folder."""
+    run_dir = tmp_path_factory.mktemp("multi30k")
+    train(
+        run_dir,
+        multi30k,
+        cache_dir,
+        "trainer=gpu",
+        f"trainer.max_steps={UPDATES}",
+        f"trainer.log_every_n_steps={UPDATES // 20}",
+        f"trainer.val_check_interval={UPDATES}",  # one validation, at the end
+        f"progress_every_n_updates={UPDATES // 4}",
+        timeout=420,
+    )
+    return run_dir
+
+
+@pytest.mark.timeout(600)
+def test_multi30k_training_on_the_gpu_lowers_the_loss(multi30k_run, record_property):
+    losses = logged(multi30k_run, "train/loss")
+    assert len(losses) >= 4, f"only {len(losses)} training losses in {multi30k_run}/csv/version_0/metrics.csv"
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2  # two logged steps each: batches differ in length
+    bleu = logged(multi30k_run, "val/bleu")
+    speed = logged(multi30k_run, "train/tgt_tok_per_s")
+    figures = (
+        f"loss {first:.2f} -> {last:.2f} in {UPDATES} updates"
+        + (f", val BLEU {bleu[-1]:.1f}" if bleu else ", no val/bleu")
+        + (f", {statistics.median(speed):,.0f} tgt tok/s" if speed else "")
+    )
+    record_property("figures", figures)
+    assert last < 0.85 * first, f"{figures} (expected at least 15% lower)"
+    assert bleu, f"{figures}: the validation at update {UPDATES} logged no val/bleu"
+    assert (multi30k_run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("weights", ["multi30k", "random"])
+def test_beam_search_on_the_gpu_gives_the_cpus_tokens(weights, request, highest_fp32_matmuls, record_property):
+    n = 100
+    if weights == "multi30k":  # the trained run's checkpoint on real sentences
+        model, tokenizer, _ = load_for_inference(request.getfixturevalue("multi30k_run") / "checkpoints" / "last.ckpt")
+        test_file = request.getfixturevalue("multi30k") / "test_2016_flickr.en"
+        sources = tokenizer.encode(read_lines(test_file)[:n])
+    else:  # the small preset's random weights on random ids
+        torch.manual_seed(0)
+        model = Transformer(TransformerConfig(vocab_size=5000, **model_preset("small"))).eval()
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 30, (n,), generator=g).tolist()
+        sources = [torch.randint(4, model.cfg.vocab_size, (k,), generator=g).tolist() for k in lengths]
+    sources = [ids[: model.cfg.max_positions - 1] for ids in sources]
+    decode = partial(translate_ids, sources=sources, beam_size=4, alpha=0.6)
+    on_cpu = decode(model.float().cpu())
+    on_gpu = decode(copy.deepcopy(model).cuda())
+    differ = [i for i, (a, b) in enumerate(zip(on_cpu, on_gpu)) if a != b]
+    for i in differ[:3]:
+        print(f"sentence {i}: cpu {on_cpu[i][:20]} / cuda {on_gpu[i][:20]}")
+    figures = f"{len(sources) - len(differ)}/{len(sources)} identical (beam 4, fp32, {weights} weights)"
+    record_property("figures", figures)
+    # fp32 sums run in another order on the GPU: a near-tie between two hypotheses may rarely flip
+    assert len(differ) <= 0.02 * len(sources), figures
+
+
+@TWO_GPUS
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_gpu_training_then_translate(strategy, multi30k, cache_dir, tmp_path, record_property):
+    updates = 20
+    checkpoint = train(
+        tmp_path / strategy,
+        multi30k,
+        cache_dir,
+        f"trainer={strategy}",
+        "trainer.devices=2",
+        f"trainer.max_steps={updates}",
+        f"trainer.val_check_interval={updates}",  # one validation (greedy decoding under the strategy), at the end
+        "val_bleu_sentences=100",
+        timeout=300,
+    )
+    # Greedy: 20 updates leave a model close to its random start, whose outputs are long strings of pieces; beam
+    # search may rank an immediate EOS first for some inputs (an empty line).
+    translate = [
+        sys.executable,
+        "-m",
+        "transformer_mt.translate",
+        f"ckpt={checkpoint}",
+        "device=cuda",
+        "decoding=greedy",
+    ]
+    proc = run(translate, timeout=180, cwd=tmp_path, stdin="\n".join(SENTENCES) + "\n")
+    lines = proc.stdout.split("\n")[:-1]
+    for source, line in zip(SENTENCES, lines):
+        print(f"{source} -> {line[:100]}")
+    figures = f"{updates} updates on 2 GPUs; {sum(map(bool, lines))}/{len(SENTENCES)} lines non-empty"
+    record_property("figures", figures)
+    # One output line per input line; after 20 updates a model may still answer some with an empty line.
+    assert len(lines) == len(SENTENCES), f"{figures} ({len(lines)} lines)"
