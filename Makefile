@@ -21,13 +21,13 @@ install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this 
 	$(PY) -m pip install -e ".[dev,export]"
 
 .PHONY: test-slow
-test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (tests not marked slow)
-	$(PYTEST) -m "not slow"
+test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (not marked slow or cuda)
+	$(PYTEST) -m "not slow and not cuda"
 
 test-slow:  ## Run the slow tier only: tests that launch trainings or processes (DDP, kill/resume, sweeps, CLIs)
-	$(PYTEST) -m slow
+	$(PYTEST) -m "slow and not cuda"
 
-test-full:  ## Run every test: the fast tier and the slow tier
+test-full:  ## Run every test: the fast and slow tiers, and the cuda tier where a GPU is visible (make gpu-check)
 	$(PYTEST)
 
 lint:  ## Check formatting and lint rules with ruff (line length 120, rules in pyproject.toml)

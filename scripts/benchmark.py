@@ -1,4 +1,4 @@
-"""Training and decoding speed of ours against peers, measured side by side in one run.
+"""Ours against peers, side by side in one run: training and decoding speed, and how close the exports translate.
 
   make bench CKPT=outputs/m30k/checkpoints/average-last5.ckpt \\
       SRC=../shared/data/multi30k/test_2016_flickr.en REF=../shared/data/multi30k/test_2016_flickr.de

@@ -106,6 +106,9 @@ def test_average_of_a_real_run_loads_like_any_checkpoint(trained_run, tmp_path):
     expected = sum(read_checkpoint(p)["state_dict"]["model.embed.tokens.weight"] for p in checkpoints[-3:]) / 3
     torch.testing.assert_close(model.embed.tokens.weight, expected)
     assert len(checkpoint["averaged_from"]) == 3 and len(tokenizer) == 400
+    # Without an output path: beside the checkpoints, as `make average` writes it, and not itself averaged later
+    assert average_run(trained_run / "out", 2) == trained_run / "out" / "checkpoints" / "average-last2.ckpt"
+    assert run_checkpoints(trained_run / "out") == checkpoints
 
 
 # ---------------------------------------------------------------- scoring
@@ -155,6 +158,18 @@ def test_translate_keeps_order_and_empty_lines_and_warns_on_truncation(trained_r
     # The same sentence gives the same translation wherever it stands.
     again, _ = run_translate(ckpt, "the big tree .\n", "decoding.beam_size=2", monkeypatch=monkeypatch, capsys=capsys)
     assert again == lines[2] + "\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, own_key", [("evaluate", "src=FILE ref=FILE"), ("translate", "batch_lines=10000")])
+def test_help_lists_the_shared_inference_keys_and_the_commands_own(command, own_key):
+    proc = subprocess.run(
+        [sys.executable, "-m", f"transformer_mt.{command}", "--help"], capture_output=True, text=True, check=True
+    )
+    keys = proc.stdout.split("Keys:\n", 1)[1]
+    for line in ("  ckpt=PATH ", "  tokens_per_batch=16384 ", "  decoding.beam_size=4 ", f"  {own_key} "):
+        assert line in keys, (line, keys)
+    assert "${" not in proc.stdout  # every interpolation resolved
 
 
 @pytest.mark.slow

@@ -4,17 +4,21 @@ import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import CONF, random_batch, tiny_config
+from conftest import random_batch, tiny_config
+from transformer_mt.configs import model_preset
 from transformer_mt.model import (
     Transformer,
     TransformerConfig,
     explicit_attention,
     record_attention,
     sinusoidal_positions,
+    training_flops,
 )
+from transformer_mt.objective import sequence_losses
 
 # ---------------------------------------------------------------- oracle: torch.nn.Transformer
 
@@ -316,9 +320,30 @@ def test_config_rejects_inconsistent_values():
 
 @pytest.mark.parametrize("name, paper_params", [("base", 65e6), ("big", 213e6)])
 def test_parameter_count_matches_table_3(name, paper_params, capsys):
-    cfg = TransformerConfig(vocab_size=37000, **OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"{name}.yaml")))
+    cfg = TransformerConfig(vocab_size=37000, **model_preset(name))
     with torch.device("meta"):  # count without allocating 213M parameters
         n = sum(p.numel() for p in Transformer(cfg).parameters())
     with capsys.disabled():
         print(f"\n{name}: {n:,} parameters with a 37,000-token shared vocabulary (paper: {paper_params / 1e6:.0f}M)")
     assert abs(n - paper_params) / paper_params < 0.04
+
+
+def test_training_flops_equal_torchs_flop_counter_but_for_the_causal_half():
+    """model.training_flops against torch.utils.flop_counter on a real training step (forward with the
+    loss training uses, backward). The counter sees every matrix product as run: with no padding and the
+    MATH attention backend, the only difference is the masked half of decoder self-attention, which runs
+    but does no useful work (training_flops counts T(T+1)/2 pairs, the counter T^2)."""
+    cfg = tiny_config(vocab_size=50, dropout=0.0)
+    model = Transformer(cfg)
+    B, S, T = 3, 7, 5
+    src, tgt_in, tgt_out = (random_batch([n] * B, 50, seed=i) for i, n in enumerate((S, T, T)))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        loss, _, _ = sequence_losses(model, src, tgt_in, tgt_out, 0.1)
+        loss.backward()
+    ours = training_flops(cfg, torch.full((B,), S), torch.full((B,), T))
+    masked_half = 3 * 2 * 2 * cfg.d_model * cfg.n_decoder_layers * B * (T * T - T * (T + 1) / 2)
+    assert counter.get_total_flops() == ours + masked_half
+    # Padding is not work: a sentence's count does not depend on the batch it is padded in.
+    one = training_flops(cfg, torch.tensor([S]), torch.tensor([T]))
+    assert training_flops(cfg, torch.tensor([S, 2]), torch.tensor([T, 3])) > one
+    assert training_flops(cfg, torch.tensor([S, S]), torch.tensor([T, T])) == 2 * one

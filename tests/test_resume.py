@@ -11,6 +11,8 @@ import torch
 
 from conftest import ROOT, run_train, write_corpus
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # processes killed and resumed, several per test
+
 MAX_STEPS = 39  # 18 updates per epoch on this corpus: the runs span three epochs; a multiple of EVERY
 EVERY = 3  # a periodic checkpoint every 3 updates: a crash costs at most 3 updates
 
@@ -48,15 +50,15 @@ def assert_same_training_state(expected: Path, actual: Path) -> None:
 
 
 KILLS = [
-    pytest.param(["write:last.ckpt:12"], id="during-the-last.ckpt-write"),  # the fast variant, in `make test`
-    pytest.param(["update:10"], id="mid-epoch", marks=pytest.mark.slow),
-    pytest.param(["epoch-end:0"], id="at-the-epoch-boundary", marks=pytest.mark.slow),
-    pytest.param(["validation:20"], id="during-validation", marks=pytest.mark.slow),
-    pytest.param(["write:step0000030.ckpt:30"], id="during-a-periodic-checkpoint-write", marks=pytest.mark.slow),
-    pytest.param(["update:25"], id="inside-the-second-epoch", marks=pytest.mark.slow),
-    pytest.param(["update:7", "update:31"], id="twice-in-one-run", marks=pytest.mark.slow),
+    pytest.param(["write:last.ckpt:12"], id="during-the-last.ckpt-write"),
+    pytest.param(["update:10"], id="mid-epoch"),
+    pytest.param(["epoch-end:0"], id="at-the-epoch-boundary"),
+    pytest.param(["validation:20"], id="during-validation"),
+    pytest.param(["write:step0000030.ckpt:30"], id="during-a-periodic-checkpoint-write"),
+    pytest.param(["update:25"], id="inside-the-second-epoch"),
+    pytest.param(["update:7", "update:31"], id="twice-in-one-run"),
     # data=wmt14 loads with 2 persistent worker processes: the same batches, the same result
-    pytest.param(["epoch-end:0", "update:25"], id="with-2-loader-workers", marks=pytest.mark.slow),
+    pytest.param(["epoch-end:0", "update:25"], id="with-2-loader-workers"),
 ]
 
 
@@ -67,7 +69,6 @@ def resumed_from(proc) -> tuple[str, int]:
 
 
 @pytest.mark.parametrize("kills", KILLS)
-@pytest.mark.slow
 def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(kills, uninterrupted, tmp_path, request):
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
@@ -126,7 +127,6 @@ def one_error_line(proc) -> str:
     return lines[0]
 
 
-@pytest.mark.slow
 def test_resume_refuses_what_it_cannot_continue_in_one_line(tmp_path):
     corpus, other = write_corpus(tmp_path / "corpus"), write_corpus(tmp_path / "other")
     for path in other.iterdir():  # other text, the same vocabulary size: another SentencePiece model
@@ -163,7 +163,6 @@ def limit_file_size(limit: int):
     return apply
 
 
-@pytest.mark.slow
 def test_a_checkpoint_write_that_fails_ends_in_one_line_and_leaves_no_partial_file(tmp_path):
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
     args = [f"data.path={corpus}", "trainer.max_steps=3", f"hydra.run.dir={run}"]
@@ -175,7 +174,6 @@ def test_a_checkpoint_write_that_fails_ends_in_one_line_and_leaves_no_partial_fi
     assert list((run / "checkpoints").iterdir()) == []  # no truncated file, no temporary file
 
 
-@pytest.mark.slow
 def test_a_finished_run_extended_with_more_updates_continues_its_epoch(uninterrupted, tmp_path):
     # 20 updates end inside the second epoch; continuing to 39 must match the run that went to 39 at once.
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"

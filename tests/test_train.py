@@ -349,6 +349,7 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # pip builds the package
 def test_installed_without_editable_mode_the_entry_points_find_their_configs(tmp_path):
     """`pip install .` (not -e) copies conf/ into the package; train, evaluate and translate compose from it,
     run as modules and as the console commands pip installs (the same entry points)."""

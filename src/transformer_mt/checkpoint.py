@@ -1,4 +1,4 @@
-"""Checkpoint files: atomic writes, safe reads, and loading a model for inference."""
+"""Checkpoint files: atomic writes, safe reads, and a model ready for inference (device, threads, allocator)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from transformer_mt.errors import InputError, MissingInputError, UserError, required
+from transformer_mt.errors import InputError, MissingInputError, UserError
 from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.runtime import keep_freed_memory, pick_device, set_threads
@@ -77,11 +77,11 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
     return model.eval(), tokenizer, checkpoint
 
 
-def start_inference(cfg) -> tuple[Transformer, Tokenizer, dict]:
-    """What evaluate and translate do first (conf/inference.yaml): the allocator settings, the checkpoint
-    `cfg.ckpt` in eval mode on `cfg.device`, `cfg.threads` CPU threads."""
+def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) -> tuple[Transformer, Tokenizer, dict]:
+    """What every inference command does first (evaluate, translate, make attention): glibc's allocator
+    settings, the checkpoint in eval mode on `device` (auto: a GPU when there is one), `threads` CPU threads."""
     keep_freed_memory()
-    model, tokenizer, checkpoint = load_for_inference(required(cfg, "ckpt"))
-    model.to(pick_device(cfg.device))
-    set_threads(cfg.threads)
+    model, tokenizer, checkpoint = load_for_inference(ckpt)
+    model.to(pick_device(device))
+    set_threads(threads)
     return model, tokenizer, checkpoint

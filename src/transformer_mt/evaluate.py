@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer_mt.checkpoint import start_inference
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.errors import InputError, exit_on_user_error, required
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import score
 from transformer_mt.search import nbest_lines, translate_lines
@@ -46,7 +46,7 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    model, tokenizer, checkpoint = start_inference(cfg)
+    model, tokenizer, checkpoint = start_inference(required(cfg, "ckpt"), cfg.device, cfg.threads)
     data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
     name, sources, references = test_set(cfg, data_cfg)
     decoding = OmegaConf.to_container(cfg.decoding)

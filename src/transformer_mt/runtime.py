@@ -76,30 +76,28 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def cpu_flags() -> str:
+def cpuinfo() -> str | None:
+    """/proc/cpuinfo, or None where there is none (not Linux)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+        return None
 
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: without either, bf16 matrix products are emulated (~20x slower than fp32)."""
-    flags = cpu_flags()
-    if not flags:
+    text = cpuinfo()
+    if text is None:
         return True  # not Linux: trust the configuration
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return "avx512_bf16" in text or "amx_bf16" in text
 
 
 def describe_machine() -> str:
     """CPU model and vector extensions, torch threads and version: what every speed figure is stated with."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        cpuinfo = []
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in cpu_flags()]
+    lines = (cpuinfo() or "").split("\n")
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
     return (
         f"{model} ({platform.machine()}, {'/'.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}"

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.checkpoint import start_inference
 from transformer_mt.configs import CONF_DIR
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.errors import InputError, exit_on_user_error, required
 from transformer_mt.files import decode_line
 from transformer_mt.search import nbest_lines, translate_lines
 
@@ -36,7 +36,7 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
 
 
 def translate(cfg: DictConfig) -> None:
-    model, tokenizer, _ = start_inference(cfg)
+    model, tokenizer, _ = start_inference(required(cfg, "ckpt"), cfg.device, cfg.threads)
     decoding = OmegaConf.to_container(cfg.decoding)
     # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
     batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines

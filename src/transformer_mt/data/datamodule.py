@@ -109,7 +109,9 @@ class TranslationDataModule(L.LightningDataModule):
         """Tokenizer and tokenized splits: from the cache when present, else built and cached.
 
         Each step runs inside `with stage("<what it does>")`: a hook for measuring them one at a time
-        (scripts/scale_report.py), named by what the step will do (load or build).
+        (scripts/scale_report.py), named by what the step will do (load or build). Before SentencePiece
+        trains, every split's files are opened (Parquet/JSON converted to Arrow), so that a bad
+        validation or test file fails before the long step, not after it.
         """
         for folder in ("sentencepiece", "corpus"):  # what a killed build left half-written
             for path in remove_stale_temporaries(self.cache_dir / folder):

@@ -22,13 +22,12 @@ import torch
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
 from omegaconf import OmegaConf
 
-from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.checkpoint import start_inference
 from transformer_mt.configs import compose
-from transformer_mt.data.batching import source_batch
+from transformer_mt.data.batching import padded, source_batch
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, record_attention
-from transformer_mt.runtime import pick_device
 from transformer_mt.search import translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer
 
@@ -44,7 +43,7 @@ def attention_weights(model: Transformer, src_ids: list[int], tgt_ids: list[int]
     """Teacher-forced pass over BOS + tgt_ids -> per kind (layers, heads, rows, columns) float32 arrays."""
     device = next(model.parameters()).device
     src = source_batch([src_ids], device)
-    tgt_in = torch.tensor([[BOS_ID, *tgt_ids]], device=device)
+    tgt_in = padded([tgt_ids], prefix=[BOS_ID]).to(device)
     with record_attention(model) as kinds:
         model(src, tgt_in)
         return {
@@ -117,8 +116,7 @@ def source_sentence(text: str | None, src: str | None, line: int, ref: str | Non
 
 def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | None, out: str | None, device: str):
     source, reference = source_sentence(text, src, line, ref)
-    model, tokenizer, _ = load_for_inference(ckpt)
-    model.to(pick_device(device))
+    model, tokenizer, _ = start_inference(ckpt, device)
     src_ids = tokenizer.encode([source.strip()])[0][: model.cfg.max_positions - 1]
     if not src_ids:
         raise InputError("the sentence is empty")
