@@ -234,7 +234,7 @@ def test_cached_decoding_equals_full_forward(tiny_model):
     for t in range(tgt.size(1)):
         step = tiny_model.decode_step(tgt[:, t], state)
         torch.testing.assert_close(step, full[:, t], atol=1e-5, rtol=0)
-    assert state.length == 9 and state.self_kv[0][0].shape == (3, 4, 9, tiny_model.cfg.d_model // 4)
+    assert state.length == 9 and state.layers[0].self_kv[0].shape == (3, 4, 9, tiny_model.cfg.d_model // 4)
 
 
 def test_reordered_cache_continues_like_the_reordered_batch(tiny_model):
@@ -259,9 +259,9 @@ def test_beams_share_their_sentence_memory_through_reorders_and_departures(tiny_
     rows = torch.arange(3).repeat_interleave(2)  # hypothesis row -> its sentence
     full = tiny_model(src[rows], tgt)
     state = tiny_model.start_decoding(*tiny_model.encode(src))
-    assert state.memory_kv[0][0].size(0) == 3  # one memory per sentence, not per beam
     for t in range(3):
         torch.testing.assert_close(tiny_model.decode_step(tgt[:, t], state), full[:, t], atol=1e-5, rtol=0)
+    assert state.layers[0].memory_kv[0].size(0) == 3  # one memory per sentence, not per beam
     kept = torch.tensor([1, 1, 5, 4])  # sentence 0: its second beam twice; sentence 1 leaves; sentence 2 swapped
     state.select(kept, sentences=torch.tensor([0, 2]))
     full = tiny_model(src[rows[kept]], tgt[kept])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -205,23 +205,25 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.ffn_res = Residual(cfg)
 
-    def forward(
-        self,
-        x: Tensor,
-        memory_kv: tuple[Tensor, Tensor],
-        src_mask: Tensor,
-        cache: list[Tensor] | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
         # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
-        # Decoding: x is the newest position of every hypothesis (B * beam, 1, d); cache = [keys,
-        # values] of earlier positions, each (B * beam, H, t, hd), extended in place. The newest
-        # query may see every cached key, so no mask is needed.
+        # Decoding: x is the newest position of every hypothesis (B * beam, 1, d); the cache holds the
+        # keys/values of earlier positions, each (B * beam, H, t, hd), extended in place, and the memory's
+        # keys/values from the first step on. The newest query may see every cached key: no mask.
+        # Every projection happens here, inside this layer's forward: FSDP gathers a wrapped layer's
+        # weights around its forward only (outside it they are flat shards).
         k, v = self.self_attn.project_kv(x)
+        if cache is not None and cache.self_kv:
+            k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
         if cache is not None:
-            if cache:
-                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-            cache[:] = [k, v]
+            cache.self_kv = [k, v]
         x = self.self_attn_res(x, self.self_attn(x, (k, v), causal=cache is None))
+        if cache is not None and cache.memory_kv is not None:
+            memory_kv = cache.memory_kv
+        else:
+            memory_kv = self.cross_attn.project_kv(memory)  # (B, H, S, hd) each, once per sentence
+            if cache is not None:
+                cache.memory_kv = memory_kv
         # The hypotheses of one sentence share its memory and attend to it as one block of queries
         # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
         queries = x.view(memory_kv[0].size(0), -1, x.size(-1))
@@ -230,22 +232,34 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass
+class LayerCache:
+    """One decoder layer's incremental-decoding state."""
+
+    self_kv: list[Tensor] = field(default_factory=list)  # [keys, values] each (B * beam, H, t, hd); grows
+    memory_kv: tuple[Tensor, Tensor] | None = None  # the memory's (keys, values), each (B, H, S, hd); step 1 on
+
+
+@dataclass
 class DecoderState:
     """What incremental decoding carries between steps. With beam hypotheses per sentence (B * beam
     rows, B = memory rows), rows are grouped by sentence: sentence i owns rows i * beam ... (i + 1) * beam - 1."""
 
     src_mask: Tensor  # (B, 1, 1, S) bool
-    memory_kv: list[tuple[Tensor, Tensor]]  # per decoder layer, each (B, H, S, hd), computed once
-    self_kv: list[list[Tensor]]  # per decoder layer, [keys, values] each (B * beam, H, t, hd); grows per step
+    memory: Tensor | None  # (B, S, d), the encoder's output: projected by each layer at the first step, then None
+    layers: list[LayerCache]
     length: int = 0  # target positions decoded so far
 
     def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
         """Keep/reorder hypotheses in place (beam search): row i becomes the former row rows[i].
         When sentences leave, `sentences` names those kept, in order (and `rows` only their rows)."""
-        self.self_kv = [[t.index_select(0, rows) for t in kv] for kv in self.self_kv]
+        for layer in self.layers:
+            layer.self_kv = [t.index_select(0, rows) for t in layer.self_kv]
+            if sentences is not None and layer.memory_kv is not None:
+                layer.memory_kv = tuple(t.index_select(0, sentences) for t in layer.memory_kv)
         if sentences is not None:
             self.src_mask = self.src_mask.index_select(0, sentences)
-            self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv]
+            if self.memory is not None:
+                self.memory = self.memory.index_select(0, sentences)
 
 
 class Transformer(nn.Module):
@@ -293,7 +307,7 @@ class Transformer(nn.Module):
         src_mask = key_mask(src_pad)
         x = self.embed(tgt_in)
         for layer in self.decoder_layers:
-            x = layer(x, layer.cross_attn.project_kv(memory), src_mask)
+            x = layer(x, memory, src_mask)
         return x
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
@@ -301,13 +315,9 @@ class Transformer(nn.Module):
         return self.project(self.features(src, tgt_in))
 
     def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
-        """Precompute every layer's encoder-decoder keys/values once (one copy per sentence, shared
-        by its beam hypotheses) for incremental decoding."""
-        return DecoderState(
-            src_mask=key_mask(src_pad),
-            memory_kv=[layer.cross_attn.project_kv(memory) for layer in self.decoder_layers],
-            self_kv=[[] for _ in self.decoder_layers],
-        )
+        """The state of incremental decoding: each layer projects the memory's keys/values at the first
+        step, once per sentence (shared by its beam hypotheses), and keeps them."""
+        return DecoderState(key_mask(src_pad), memory, [LayerCache() for _ in self.decoder_layers])
 
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
         """prev (B * beam,) = the token at position state.length -> logits (B * beam, V) for the next one.
@@ -315,9 +325,9 @@ class Transformer(nn.Module):
         Extends `state` in place; equal to forward()'s logits at that position.
         """
         x = self.embed(prev[:, None], start=state.length)  # (B * beam, 1, d)
-        for layer, memory_kv, cache in zip(self.decoder_layers, state.memory_kv, state.self_kv):
-            x = layer(x, memory_kv, state.src_mask, cache=cache)
-        state.length += 1
+        for layer, cache in zip(self.decoder_layers, state.layers):
+            x = layer(x, state.memory, state.src_mask, cache=cache)
+        state.length, state.memory = state.length + 1, None  # every layer holds its projection now
         return self.project(x[:, 0])
 
 

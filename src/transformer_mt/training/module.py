@@ -80,8 +80,8 @@ class TranslationModule(L.LightningModule):
         self._last_batch_end = now
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        norms = [p.grad.detach().norm() for p in self.parameters() if p.grad is not None]
-        grad_norm = torch.stack(norms).norm()
+        sharded = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # each rank holds a shard of the gradient
+        grad_norm = gradient_norm(self.parameters(), sharded)
         self.log("train/grad_norm", grad_norm)
         # Stop before a non-finite gradient reaches the weights, so no checkpoint ever holds NaN or inf.
         # (fp16's loss scaler skips such steps itself; one check per update, not per micro-batch.)
@@ -197,3 +197,15 @@ def decoding_options(decoding: dict | None) -> dict:
     """conf/decoding as beam_search's arguments (its defaults are §6.1's), without the batching keys that
     checkpoints written before they moved to conf/inference.yaml carry in their hyper-parameters."""
     return {k: v for k, v in (decoding or {}).items() if k not in BATCHING_KEYS}
+
+
+def gradient_norm(parameters, sharded: bool) -> Tensor:
+    """The L2 norm of the whole gradient. Sharded (FSDP), each rank holds a part of it: the squares are
+    summed across ranks, so that every rank logs and decides on the same norm (a NaN in one shard
+    stops every rank alike, instead of one rank while the others wait). DDP's gradients are already
+    the same on every rank."""
+    grads = [p.grad.detach().float() for p in parameters if p.grad is not None and p.grad.numel()]
+    squares = torch.stack([g.square().sum() for g in grads]).sum() if grads else torch.zeros(())
+    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(squares)
+    return squares.sqrt()

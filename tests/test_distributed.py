@@ -1,0 +1,111 @@
+"""The model under raw torch FSDP, 2 processes over gloo on the CPU (Lightning refuses strategy="fsdp"
+on a CPU accelerator; torch's own FullyShardedDataParallel runs there with world size 2, where it
+really shards: with one process it silently becomes NO_SHARD). Each process wraps the model as
+trainer=fsdp does (one FSDP unit per encoder/decoder layer, the rest in the root unit)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from conftest import random_batch, tiny_config
+from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer
+from transformer_mt.objective import sequence_losses
+from transformer_mt.search import greedy
+from transformer_mt.training.module import gradient_norm
+
+pytestmark = pytest.mark.slow  # processes
+
+WORLD = 2
+
+
+class Step(torch.nn.Module):
+    """What Lightning's FSDP wrapper runs inside the root unit's forward: the loss, or greedy decoding."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, src, tgt_in=None, tgt_out=None):
+        if tgt_in is None:
+            return greedy(self.model, src, max_len_b=6)
+        loss_sum, _, n_tokens = sequence_losses(self.model, src, tgt_in, tgt_out, 0.1)
+        return loss_sum / n_tokens
+
+
+def batch():
+    src = random_batch([7, 5, 6, 3], 23, seed=1)
+    tgt = random_batch([5, 6, 2, 4], 23, seed=2)
+    tgt_in = torch.cat([torch.full((4, 1), 2), tgt[:, :-1]], 1).masked_fill(tgt.eq(0), 0)
+    return src, tgt_in, tgt
+
+
+def fresh_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(tiny_config(dropout=0.0))
+
+
+def sharded_step(rank: int, port: int, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        fsdp = FSDP(
+            Step(fresh_model()),
+            auto_wrap_policy=ModuleWrapPolicy({EncoderLayer, DecoderLayer}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        local = sum(p.numel() for p in fsdp.parameters())  # outside forward: this rank's shards only
+        src, tgt_in, tgt_out = batch()
+        rows = slice(2 * rank, 2 * rank + 2)  # each rank its half of the batch
+        loss = fsdp(src[rows], tgt_in[rows], tgt_out[rows])
+        loss.backward()  # FSDP averages the gradients of the ranks
+        with FSDP.summon_full_params(fsdp, with_grads=True):
+            grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in fsdp.named_parameters()}
+        grad_norm = gradient_norm(fsdp.parameters(), sharded=True).item()  # outside summon: this rank's shards
+        decoded = fsdp(src)  # every rank decodes the same sentences: the same number of gathers
+        results[rank] = {
+            "loss": loss.item(),
+            "grads": grads,
+            "decoded": decoded,
+            "grad_norm": grad_norm,
+            "local": local,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_translations():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(sharded_step, args=(free_port(), results), nprocs=WORLD, join=True)
+        results = dict(results)
+    # Really sharded: each rank holds about half of the weights.
+    full = sum(p.numel() for p in fresh_model().parameters())
+    assert all(abs(results[rank]["local"] - full / WORLD) <= WORLD * 16 for rank in range(WORLD)), (
+        [r["local"] for r in results.values()],
+        full,
+    )
+    # The same step without FSDP: the mean of the two halves' per-token losses.
+    step = Step(fresh_model())
+    src, tgt_in, tgt_out = batch()
+    losses = [step(src[r : r + 2], tgt_in[r : r + 2], tgt_out[r : r + 2]) for r in (0, 2)]
+    (sum(losses) / WORLD).backward()
+    for rank in range(WORLD):
+        assert results[rank]["loss"] == pytest.approx(losses[rank].item(), abs=1e-5)
+        for name, param in step.named_parameters():
+            torch.testing.assert_close(results[rank]["grads"][name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
+        assert results[rank]["decoded"] == step.eval()(src)
+        # The gradient norm of the whole model on every rank, not of its shard (train/grad_norm, the NaN stop)
+        assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters(), sharded=False).item())
