@@ -41,6 +41,11 @@ def test_a_checkpoint_from_before_the_move_resumes_to_the_same_weights(tmp_path)
     reached = torch.load(DATA / "pre-layout-step6-weights.pt", map_location="cpu", weights_only=True)
     assert resumed["global_step"] == reached["global_step"] == 6
     assert resumed["state_dict"].keys() == reached["state_dict"].keys()
-    # The old run trained on this machine kind's CPU; another CPU's kernels round fp32 sums differently.
+    # Within float tolerance: another CPU's kernels round fp32 sums differently, and the loss is now
+    # normalised per update (sum / tokens) rather than per micro-batch (mean), the same in exact arithmetic.
+    # Not the key projections' biases: adding one to every key shifts all of a query's scores alike, which
+    # softmax ignores, so their exact gradient is 0 and what they get is rounding noise, which Adam
+    # scales up to steps of the learning rate's size.
     for key, value in reached["state_dict"].items():
-        torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        if not key.endswith("k_proj.bias"):
+            torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=key)

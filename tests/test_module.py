@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from transformer_mt.data.batching import TokenBucketSampler, collate
-from transformer_mt.objective import label_smoothed_nll, noam_lr
+from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.objective import label_smoothed_nll, noam_lr, sequence_losses
 from transformer_mt.training.callbacks import duration
 from transformer_mt.training.module import TranslationModule
 
@@ -118,3 +119,48 @@ def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation)
 def test_progress_durations_never_go_negative():
     assert duration(3725.9) == "1:02:05"
     assert duration(-6.0) == "0:00:00"  # the run went past its time limit: ETA 0, not "-1 day, 23:59:54"
+
+
+class KeepGradients(TranslationModule):
+    def on_before_optimizer_step(self, optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)  # normalises the update's gradient
+        self.kept = {name: p.grad.clone() for name, p in self.named_parameters()}
+
+
+def test_an_accumulated_update_has_the_gradient_of_one_batch_holding_its_sentences():
+    """Every target token of an update weighs the same (fairseq's normalisation): 3 micro-batches of
+    1, 2 and 5 sentences give the gradient of one batch of all 8, not the mean of 3 per-batch means."""
+    model_cfg = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    items = [
+        (torch.randint(4, 20, (n,), generator=g).numpy(), torch.randint(4, 20, (n + 3,), generator=g).numpy(), i)
+        for i, n in enumerate([9, 2, 3, 4, 2, 5, 1, 6])
+    ]
+    micro_batches = [collate(items[:1]), collate(items[1:3]), collate(items[3:])]
+    torch.manual_seed(0)
+    module = KeepGradients(model_cfg, val_bleu_sentences=0)
+    torch.manual_seed(0)
+    reference = Transformer(TransformerConfig(**model_cfg))
+    trainer = L.Trainer(
+        max_steps=1,
+        accumulate_grad_batches=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(module, DataLoader(micro_batches, batch_size=None))
+    whole = collate(items)
+    loss_sum, _, n_tokens = sequence_losses(reference, whole["src"], whole["tgt_in"], whole["tgt_out"], 0.1)
+    (loss_sum / n_tokens).backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(module.kept[f"model.{name}"], param.grad, atol=1e-6, rtol=1e-5, msg=name)
+    # ... and not what per-micro-batch means averaged by Lightning would give (the defect this replaces)
+    means = []
+    for batch in micro_batches:
+        reference.zero_grad()
+        loss_sum, _, n_tokens = sequence_losses(reference, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1)
+        (loss_sum / n_tokens / 3).backward()
+        means.append(reference.embed.tokens.weight.grad.clone())
+    assert not torch.allclose(sum(means), module.kept["model.embed.tokens.weight"], atol=1e-4)

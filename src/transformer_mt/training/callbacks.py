@@ -32,13 +32,13 @@ class ProgressLog(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start = self.since = time.monotonic()
         self.first_step = self.since_step = trainer.global_step
-        self.loss_sum, self.batches, self.tokens, self.paused = 0.0, 0, 0, 0.0
+        self.loss_sum, self.loss_tokens, self.tokens, self.paused = 0.0, 0, 0, 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        # Sums stay on the device until a line is written (no synchronisation per batch). outputs["loss"]
-        # is divided by the accumulation factor; tokens are counted without padding.
-        self.loss_sum += outputs["loss"].detach() * trainer.accumulate_grad_batches
-        self.batches += 1
+        # Sums stay on the device until a line is written (no synchronisation per batch); the loss is
+        # per target token since the last line, tokens counted without padding.
+        self.loss_sum += outputs["loss_sum"]
+        self.loss_tokens += outputs["tokens"]
         self.tokens += batch["tgt_out"].ne(PAD_ID).sum()
         step = trainer.global_step
         if self.every and step != self.since_step and step % self.every == 0:
@@ -62,8 +62,8 @@ class ProgressLog(L.Callback):
             f"update {step:,}"
             + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")
         ]
-        if self.batches:
-            parts.append(f"loss {float(self.loss_sum) / self.batches:.3f}")
+        if self.loss_tokens:
+            parts.append(f"loss {float(self.loss_sum) / float(self.loss_tokens):.3f}")
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
         # rank 0's tokens x ranks: every rank's batches hold about as many tokens (token buckets)
         seconds = max(now - self.since - self.paused, 1e-9)
@@ -73,7 +73,8 @@ class ProgressLog(L.Callback):
         if eta is not None:
             parts.append(f"ETA {duration(eta)}")
         log.info(" | ".join(parts))
-        self.since, self.since_step, self.loss_sum, self.batches, self.tokens, self.paused = now, step, 0.0, 0, 0, 0.0
+        self.since, self.since_step = now, step
+        self.loss_sum, self.loss_tokens, self.tokens, self.paused = 0.0, 0, 0, 0.0
 
 
 class StartupLog(L.Callback):

@@ -51,6 +51,7 @@ class TranslationModule(L.LightningModule):
         self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
         self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
         self._last_batch_end: float | None = None
+        self._update_tokens: Tensor | None = None  # target tokens of the update being accumulated, this rank
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
@@ -62,14 +63,15 @@ class TranslationModule(L.LightningModule):
 
     # -- training
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss_sum, nll_sum, n_tokens = self._losses(batch)
-        loss = loss_sum / n_tokens  # per target token; Lightning averages over accumulated batches
-        nll = nll_sum / n_tokens
-        self.log("train/loss", loss, prog_bar=True)
-        self.log("train/nll", nll)
-        self.log("train/ppl", torch.exp(nll))
-        return loss
+        self.log("train/loss", loss_sum / n_tokens, prog_bar=True)  # per target token of this micro-batch
+        self.log("train/nll", nll_sum / n_tokens)
+        self.log("train/ppl", torch.exp(nll_sum / n_tokens))
+        self._update_tokens = n_tokens if self._update_tokens is None else self._update_tokens + n_tokens
+        # The sum, not the mean: every target token of an update weighs the same, whichever micro-batch
+        # or rank it is in (as fairseq). on_before_optimizer_step divides by the update's tokens.
+        return {"loss": loss_sum, "loss_sum": loss_sum.detach(), "tokens": n_tokens}
 
     def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
         now = time.perf_counter()
@@ -80,6 +82,7 @@ class TranslationModule(L.LightningModule):
         self._last_batch_end = now
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        self._normalise_gradients()
         sharded = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # each rank holds a shard of the gradient
         grad_norm = gradient_norm(self.parameters(), sharded)
         self.log("train/grad_norm", grad_norm)
@@ -92,6 +95,19 @@ class TranslationModule(L.LightningModule):
                 "(use trainer.precision=bf16-mixed or 32-true), or corrupt data. The weights were not updated; "
                 "the checkpoints written so far are finite"
             )
+
+    def _normalise_gradients(self) -> None:
+        """Gradient of the update's summed loss / its target tokens over every micro-batch and rank.
+        Lightning divided each micro-batch's loss by the accumulation factor and DDP/FSDP average the
+        ranks' gradients: undo both, then divide by the tokens (one all-reduce per update)."""
+        tokens = self._update_tokens.detach().clone().float()
+        self._update_tokens = None
+        if self.trainer.world_size > 1:
+            torch.distributed.all_reduce(tokens)
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.device))
 
     def configure_optimizers(self):
         h = self.hparams
