@@ -40,12 +40,12 @@ def main(cfg: DictConfig) -> None:
         print(f"tokenization: cold {first_s:.2f} s (SentencePiece + ids, cache written), cached {cached_s:.2f} s")
     sampler = first.sampler("train", shuffle=True)
     world = int(cfg.get("world_size", 1))
-    accumulation = first.accumulation(world)
-    print(f"max_tokens: {first.max_tokens} per side; train batches per epoch: {len(sampler):,}")
+    batch_tokens, accumulation = first.update_shape(world)
+    print(f"tokens per batch: {batch_tokens} per side; train batches per epoch: {len(sampler):,}")
     print(f"padding efficiency: {padding_efficiency(sampler):.3f}")
     print(
-        f"accumulation: {accumulation} batches x {first.max_tokens} tokens x {world} device(s) "
-        f"= {accumulation * first.max_tokens * world:,} padded tokens per side per update "
+        f"accumulation: {accumulation} batches x {batch_tokens} tokens x {world} device(s) "
+        f"= {accumulation * batch_tokens * world:,} padded tokens per side per update "
         f"(target {cfg.data.tokens_per_update})"
     )
 

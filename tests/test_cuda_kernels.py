@@ -65,7 +65,7 @@ def sentence_pairs(sentences: int, length: int, vocab: int, seed: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_bf16_training_update_of_the_base_model(record_property):
-    # The base recipe on one GPU: accumulation 7 x max_tokens 4096 (docs/training.md), ~27k target tokens per update.
+    # The base recipe on one GPU: 7 micro-batches of 3,572 tokens (docs/training.md), ~25k target tokens per update.
     vocab, micro_batches, sentences, length, warmup, timed = 37000, 7, 128, 32, 3, 10
     torch.manual_seed(0)
     module = TranslationModule(model={**model_preset("base"), "vocab_size": vocab, "pad_id": PAD_ID}).cuda()

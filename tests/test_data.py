@@ -1,6 +1,7 @@
 """Reading, cleaning, SentencePiece, caching and token-bucket batching (issue: data)."""
 
 import io
+import math
 import os
 import re
 import socket
@@ -16,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, write_corpus, write_pair
-from transformer_mt.data.batching import TokenBucketSampler, accumulation_steps, collate, padding_efficiency
+from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError
@@ -135,7 +136,7 @@ def test_training_pairs_longer_than_max_tokens_are_left_out_and_counted(tmp_path
     with caplog.at_level("INFO"):
         sampler = dm.sampler("train", shuffle=True)
     assert (
-        f"train: {too_long.sum()} pairs are longer than data.max_tokens=12 tokens: left out of training" in caplog.text
+        f"train: {too_long.sum()} pairs are longer than a batch's 12 tokens: left out of training" in caplog.text
     )
     batched = np.concatenate(sampler.all_batches(0))
     assert sorted(batched.tolist()) == np.flatnonzero(~too_long).tolist()  # each short pair once, no long one
@@ -143,7 +144,7 @@ def test_training_pairs_longer_than_max_tokens_are_left_out_and_counted(tmp_path
         assert len(batch) * max(sampler.src_lens[batch].max(), sampler.tgt_lens[batch].max()) <= 12
     tiny = text_datamodule(tmp_path, max_tokens=2)
     tiny.build()
-    with pytest.raises(InputError, match="no training pair fits data.max_tokens=2"):
+    with pytest.raises(InputError, match="no training pair fits 2 tokens per batch"):
         tiny.sampler("train", shuffle=True)
 
 
@@ -343,11 +344,20 @@ def test_sampler_restored_mid_epoch_yields_exactly_the_remaining_batches():
     assert len(list(restored)) == len(sampler)  # the next pass is whole again
 
 
-def test_accumulation_is_derived_from_tokens_per_update():
-    assert accumulation_steps(25_000, 4096, 1) == 7  # 7 x 4096 = 28,672 >= 25,000
-    assert accumulation_steps(25_000, 3125, 8) == 1  # the paper: 8 GPUs
-    assert accumulation_steps(25_000, 4096, 2) == 4
-    assert accumulation_steps(None, 4096, 1) == 1
+@pytest.mark.parametrize("devices", [1, 2, 7, 8, 32, 64])
+def test_the_update_size_is_the_same_on_any_number_of_devices(devices):
+    batch_tokens, accumulation = update_shape(25_000, 4096, devices)
+    micro_batch = batch_tokens * devices  # one micro-batch on every device
+    assert batch_tokens <= 4096 and 25_000 <= accumulation * micro_batch < 25_000 + micro_batch
+    assert accumulation == math.ceil(25_000 / (4096 * devices))  # no more micro-batches than max_tokens needs
+    # Before, accumulation floored at 1 with 4096 tokens per device: 8 GPUs made 32,768 tokens, 64 made 262,144.
+
+
+def test_update_shape_by_hand():
+    assert update_shape(25_000, 4096, 1) == (3572, 7)  # 7 x 3,572 = 25,004 (was 7 x 4,096 = 28,672)
+    assert update_shape(25_000, 3125, 8) == (3125, 1)  # the paper: 8 GPUs
+    assert update_shape(25_000, 4096, 64) == (391, 1)  # 64 x 391 = 25,024
+    assert update_shape(None, 4096, 8) == (4096, 1)  # no target: max_tokens per device, no accumulation
 
 
 def test_datamodule_shards_train_batches_by_trainer_rank(tmp_path):
@@ -361,7 +371,7 @@ def test_datamodule_shards_train_batches_by_trainer_rank(tmp_path):
     assert loader.batch_sampler.rank == 1 and loader.batch_sampler.world_size == 2
     batch = next(iter(loader))
     assert batch["src"].dtype == torch.long and batch["tgt_in"][:, 0].eq(BOS_ID).all()
-    assert dm.accumulation(2) == 1
+    assert dm.update_shape(2) == (dm.max_tokens, 1)
 
 
 # ---------------------------------------------------------------- local copies of Hub layouts

@@ -166,6 +166,19 @@ def test_early_stopping_on_the_best_checkpoints_metric(corpus, tmp_path):
     assert load(ckpts / "best.ckpt")["global_step"] == 4
 
 
+def test_accumulated_runs_validate_and_checkpoint_every_n_updates(corpus, tmp_path):
+    # tokens_per_update 600 with max_tokens 300: 2 micro-batches per update. Validation every 4 updates
+    # (not every 4 micro-batches) and checkpoints every 3 updates.
+    args = [f"data.path={corpus}", "data.tokens_per_update=600", "trainer.max_steps=8"]
+    train_in_process([*args, "checkpoint.every_n_train_steps=3"], tmp_path, tmp_path / "run")
+    assert [update for update, _ in read_metrics(tmp_path / "run")["val/loss"]] == [4, 8]
+    last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 8
+    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == 16  # micro-batches
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    assert saved == ["step0000003.ckpt", "step0000006.ckpt"]
+
+
 def test_settings_that_would_fail_late_are_refused_first(tmp_path):
     cfg = compose_train(["val_bleu_sentences=0"], tmp_path)
     with pytest.raises(InputError, match=r"best_monitor=val/bleu needs val_bleu_sentences > 0; or set checkpoint"):

@@ -187,8 +187,11 @@ def train(cfg: DictConfig) -> float | None:
         default_root_dir=run_dir,
         enable_model_summary=False,
     )
-    trainer.accumulate_grad_batches = datamodule.accumulation(trainer.world_size)
-    tokens = trainer.accumulate_grad_batches * datamodule.max_tokens * trainer.world_size
+    # The update's shape needs the number of devices, known once the Trainer exists; validation counts updates.
+    batch_tokens, trainer.accumulate_grad_batches = datamodule.update_shape(trainer.world_size)
+    if isinstance(trainer.val_check_interval, int):
+        trainer.val_check_interval *= trainer.accumulate_grad_batches  # Lightning counts micro-batches
+    tokens = trainer.accumulate_grad_batches * batch_tokens * trainer.world_size
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
         log.info(
@@ -198,10 +201,10 @@ def train(cfg: DictConfig) -> float | None:
             trainer.precision,
         )
         log.info(
-            "tokens per update: accumulation %d x max_tokens %d x %d device(s) = %s padded tokens per "
-            "side (target: %s)",
+            "tokens per update: accumulation %d x %d tokens x %d device(s) = %s padded tokens per "
+            "side (data.tokens_per_update: %s)",
             trainer.accumulate_grad_batches,
-            datamodule.max_tokens,
+            batch_tokens,
             trainer.world_size,
             f"{tokens:,}",
             datamodule.tokens_per_update,

@@ -174,11 +174,16 @@ class TokenBucketSampler(Sampler[list[int]]):
         self.epoch, self._resume_at = state["epoch"], state["position"]
 
 
-def accumulation_steps(tokens_per_update: int | None, max_tokens: int, world_size: int) -> int:
-    """Micro-batches per optimizer update so that max_tokens x world x steps >= tokens_per_update."""
+def update_shape(tokens_per_update: int | None, max_tokens: int, world_size: int) -> tuple[int, int]:
+    """(tokens per micro-batch and device, micro-batches per update) for an update of ~tokens_per_update
+    padded tokens per side on `world_size` devices: as few micro-batches as max_tokens allows, each
+    as large as the update needs. The update then holds tokens_per_update plus less than one token per
+    micro-batch and device, on 1 device as on 64 (past tokens_per_update / max_tokens devices the
+    per-device batch shrinks; the update does not grow). Without tokens_per_update: (max_tokens, 1)."""
     if not tokens_per_update:
-        return 1
-    return max(1, math.ceil(tokens_per_update / (max_tokens * world_size)))
+        return max_tokens, 1
+    accumulation = math.ceil(tokens_per_update / (max_tokens * world_size))
+    return math.ceil(tokens_per_update / (accumulation * world_size)), accumulation
 
 
 def padding_efficiency(sampler: TokenBucketSampler) -> float:

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, accumulation_steps, collate
+from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, collate, update_shape
 from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
 from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
@@ -280,31 +280,35 @@ class TranslationDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
-    def accumulation(self, world_size: int) -> int:
-        return accumulation_steps(self.tokens_per_update, self.max_tokens, world_size)
+    def update_shape(self, world_size: int) -> tuple[int, int]:
+        """(training tokens per micro-batch and device, micro-batches per update): batching.update_shape."""
+        return update_shape(self.tokens_per_update, self.max_tokens, world_size)
 
     def sampler(self, split: str, shuffle: bool) -> TokenBucketSampler:
         """Token buckets of a split. A training pair longer than max_tokens (with EOS/BOS) is left out, and
         counted in the log; a validation or test sentence that long is kept, in a batch of its own."""
         rank, world = self._rank_world()
         data = self.splits[split]
-        fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= self.max_tokens
+        # training: the per-device share of the update; validation and test: max_tokens
+        max_tokens = self.update_shape(world)[0] if split == "train" else self.max_tokens
+        fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= max_tokens
         indices = np.flatnonzero(fits) if split == "train" else None
         if not fits.all():
             if split == "train" and not fits.any():
                 raise InputError(
-                    f"no training pair fits data.max_tokens={self.max_tokens} (the shortest needs "
+                    f"no training pair fits {max_tokens} tokens per batch (from data.max_tokens, "
+                    f"data.tokens_per_update and {world} device(s); the shortest needs "
                     f"{int(np.maximum(data.src_lens, data.tgt_lens).min()) + 1}); raise data.max_tokens"
                 )
             (log.info if split == "train" else log.warning)(
-                "%s: %s pairs are longer than data.max_tokens=%d tokens: %s",
+                "%s: %s pairs are longer than a batch's %d tokens: %s",
                 split,
                 f"{int((~fits).sum()):,}",
-                self.max_tokens,
+                max_tokens,
                 "left out of training" if split == "train" else "each is batched alone, over the limit",
             )
         return TokenBucketSampler(
-            data.src_lens, data.tgt_lens, self.max_tokens, shuffle, self.seed, rank, world, indices=indices
+            data.src_lens, data.tgt_lens, max_tokens, shuffle, self.seed, rank, world, indices=indices
         )
 
     def _loader(self, split: str, sampler: TokenBucketSampler) -> DataLoader:
