@@ -135,9 +135,7 @@ def test_training_pairs_longer_than_max_tokens_are_left_out_and_counted(tmp_path
     assert 0 < too_long.sum() < len(too_long)
     with caplog.at_level("INFO"):
         sampler = dm.sampler("train", shuffle=True)
-    assert (
-        f"train: {too_long.sum()} pairs are longer than a batch's 12 tokens: left out of training" in caplog.text
-    )
+    assert f"train: {too_long.sum()} pairs are longer than a batch's 12 tokens: left out of training" in caplog.text
     batched = np.concatenate(sampler.all_batches(0))
     assert sorted(batched.tolist()) == np.flatnonzero(~too_long).tolist()  # each short pair once, no long one
     for batch in sampler.all_batches(0):

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import transformer_mt.train
 from conftest import CONF, NOISE, ROOT, SHARED_DATA, run_train, train_in_process
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
@@ -177,6 +179,31 @@ def test_accumulated_runs_validate_and_checkpoint_every_n_updates(corpus, tmp_pa
     assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == 16  # micro-batches
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
     assert saved == ["step0000003.ckpt", "step0000006.ckpt"]
+
+
+class PauseAt(L.Callback):
+    """Sleeps before micro-batch `batch` (a slow batch), so that a time-based save comes due inside it."""
+
+    def __init__(self, batch: int, seconds: float):
+        self.batch, self.seconds = batch, seconds
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == self.batch:
+            time.sleep(self.seconds)
+
+
+def test_a_time_based_checkpoint_that_comes_due_inside_an_update_waits_for_its_end(corpus, tmp_path, monkeypatch):
+    # 2 micro-batches per update, a save every 2 s of training; micro-batch 2 (the first of update 2)
+    # takes 2.5 s: the save comes due there, in the middle of update 2, whose accumulated gradient a
+    # checkpoint would not hold. It must wait for update 2's end (micro-batch 3).
+    make_callbacks = transformer_mt.train.make_callbacks
+    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [PauseAt(2, 2.5), *make_callbacks(*args)])
+    args = [f"data.path={corpus}", "data.tokens_per_update=600", "trainer.max_steps=3"]
+    train_in_process([*args, f"checkpoint.train_time_interval_minutes={2 / 60}"], tmp_path, tmp_path / "run")
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("time-step*.ckpt")
+    checkpoint = load(saved)
+    micro_batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+    assert (checkpoint["global_step"], micro_batches) == (2, 4), saved.name  # whole updates only
 
 
 def test_settings_that_would_fail_late_are_refused_first(tmp_path):

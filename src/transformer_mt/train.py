@@ -28,7 +28,13 @@ from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.resume import AtomicCheckpointIO, RandomState, check_resume, resume_checkpoint
+from transformer_mt.training.resume import (
+    AtomicCheckpointIO,
+    RandomState,
+    UpdateCheckpoint,
+    check_resume,
+    resume_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +80,9 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
     # (which Lightning does at an epoch's last batch for checkpoints with a monitor such as "step").
     on_time = dict(save_last=True, save_on_train_epoch_end=True, **common)
     callbacks = [
-        ModelCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", **on_time, **kw)
+        UpdateCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", **on_time, **kw)
         for kw in periodic
-    ] or [ModelCheckpoint(save_top_k=0, **on_time)]
+    ] or [UpdateCheckpoint(save_top_k=0, **on_time)]
     best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
     if best["monitor"]:
         callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, **best, **common))

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -24,6 +25,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         write_checkpoint(checkpoint, path)
+
+
+class UpdateCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, saving only right after an optimizer update. A time-based save
+    (train_time_interval) could otherwise fall inside an accumulation window, whose partial gradients a
+    checkpoint does not hold: the resumed update would use fewer micro-batches than the uninterrupted one.
+    A save that comes due mid-window waits for the window's end."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_train_start(trainer, module)
+        self._updates_seen = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        updated, self._updates_seen = trainer.global_step != self._updates_seen, trainer.global_step
+        if updated:
+            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
 
 
 def random_state() -> dict:
