@@ -7,6 +7,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import datasets
 import lightning as L
@@ -16,12 +18,15 @@ import sentencepiece as spm
 import torch
 from omegaconf import OmegaConf
 
+import transformer_mt.data.datamodule as datamodule_module
 from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, write_corpus, write_pair
+from transformer_mt.configs import run_folder
 from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError
 from transformer_mt.files import read_lines
+from transformer_mt.runtime import launch_id, launched_rank
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}
@@ -607,3 +612,49 @@ def test_scale_report_runs_the_wmt14_pipeline_on_20k_generated_pairs_cold_then_c
         rows = re.findall(r"^  (\S.*?)\s+([\d.]+)\s+([\d.]+)$", text, flags=re.M)
         assert len(rows) >= 7 and all(0 < float(peak) < 4 for _, _, peak in rows), rows
         assert re.search(r"launch to first training batch: [\d.]+ s", text)
+
+
+# ---------------------------------------------------------------- launched jobs: one data build
+
+
+def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypatch):
+    builder, waiter = text_datamodule(tmp_path), text_datamodule(tmp_path)
+    started = threading.Event()
+
+    def build_later():  # rank 0, slower to arrive than the waiting rank
+        started.wait(10)
+        time.sleep(0.3)
+        builder.build()
+
+    rank_0 = threading.Thread(target=build_later)
+    rank_0.start()
+    trained = []
+    real_train = datamodule_module.train_tokenizer
+
+    def record(*args, **kwargs):
+        trained.append(threading.current_thread() is rank_0)
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(datamodule_module, "train_tokenizer", record)
+    started.set()
+    waiter.build_when_cached(poll_seconds=0.05, timeout_seconds=60)
+    rank_0.join()
+    assert trained == [True]  # SentencePiece trained once, by rank 0
+    assert {how for how, _ in waiter.timings.values()} == {"loaded from cache"}
+    assert waiter.tokenizer.proto == builder.tokenizer.proto and len(waiter.splits["train"]) == 400
+    with pytest.raises(InputError, match="waited .* for rank 0 to write the data caches"):
+        text_datamodule(tmp_path / "elsewhere").build_when_cached(poll_seconds=0.01, timeout_seconds=0.03)
+
+
+def test_a_launched_job_has_one_run_folder_name(monkeypatch):
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", run_folder())  # a plain run: <date>/<time>
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # an salloc shell, not srun: still a plain run
+    assert launch_id() is None
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert run_folder() == "slurm-77-0" and launched_rank() == 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("RANK", "0")
+    assert run_folder() == "torchrun-job42" and launched_rank() == 0

@@ -1,10 +1,14 @@
-"""The model under raw torch FSDP, 2 processes over gloo on the CPU (Lightning refuses strategy="fsdp"
+"""Several processes on the CPU: the model under raw torch FSDP over gloo, and a torchrun-launched job.
+
+The model under raw torch FSDP, 2 processes over gloo on the CPU (Lightning refuses strategy="fsdp"
 on a CPU accelerator; torch's own FullyShardedDataParallel runs there with world size 2, where it
 really shards: with one process it silently becomes NO_SHARD). Each process wraps the model as
 trainer=fsdp does (one FSDP unit per encoder/decoder layer, the rest in the root unit)."""
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from conftest import random_batch, tiny_config
+from conftest import random_batch, tiny_config, train_overrides
 from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer
 from transformer_mt.objective import sequence_losses
 from transformer_mt.search import greedy
@@ -109,3 +113,39 @@ def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_transla
         assert results[rank]["decoded"] == step.eval()(src)
         # The gradient norm of the whole model on every rank, not of its shard (train/grad_norm, the NaN stop)
         assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters(), sharded=False).item())
+
+
+# ---------------------------------------------------------------- launchers: torchrun on 2 CPU processes
+
+
+def test_torchrun_job_has_one_run_folder_one_data_build_and_continues_when_restarted(corpus, tmp_path):
+    """torchrun starts every rank before the Trainer exists: rank 0 builds the data while rank 1 waits for
+    its caches; both ranks resolve one run folder (the job's rendezvous id), and the same job started
+    again continues from its newest checkpoint without ckpt_path."""
+    flags, overrides = train_overrides(
+        [f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", "checkpoint.every_n_train_steps=3"],
+        tmp_path,
+    )
+    rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=job42"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node=2"]
+    outputs = []
+    for steps in (6, 8):
+        proc = subprocess.run(
+            [*torchrun, "-m", "transformer_mt.train", *overrides, f"trainer.max_steps={steps}"],
+            capture_output=True,
+            text=True,
+            timeout=280,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outputs.append(proc.stdout + proc.stderr)
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-job42"]  # one folder for both ranks
+    run = tmp_path / "outputs" / "torchrun-job42"
+    log = (run / "train.log").read_text()
+    assert log.count("text train: 400 pairs tokenized") == 1  # rank 0 built the data, once
+    assert outputs[0].count("rank 1: reading the data caches that rank 0 builds") == 1  # ... rank 1 did not
+    assert "torchrun-job42 restarted: continuing from the newest checkpoint" in outputs[1]
+    assert "resuming from" in outputs[1] and "(update 6)" in outputs[1]
+    last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert last["global_step"] == 8

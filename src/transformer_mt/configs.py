@@ -4,11 +4,23 @@ installed), and composing them outside an entry point (scripts, tests) exactly a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.runtime import launch_id
+
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+def run_folder() -> str:
+    """${run_folder:} in conf/train.yaml's hydra.run.dir: <date>/<time>, or under torchrun/srun the job's
+    name (launch_id), the same for every rank and for the job requeued or restarted: one run folder."""
+    return launch_id() or datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+
+
+OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
 
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:

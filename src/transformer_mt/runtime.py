@@ -102,3 +102,28 @@ def describe_machine() -> str:
         f"{model} ({platform.machine()}, {'/'.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}"
     )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (SLURM's cpus_per_task, taskset, cgroups), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def launched_rank() -> int:
+    """This process's global rank when an outside launcher started every rank (torchrun: RANK; srun:
+    SLURM_PROCID), else 0. Lightning's own ddp starts the other ranks later, from inside fit()."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def launch_id() -> str | None:
+    """A name shared by every rank of one launched job, and by the same job restarted or requeued:
+    torchrun's run id, or SLURM's job and step; None outside a launcher."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"torchrun-{run_id}"
+    if "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ and "SLURM_JOB_ID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}-{os.environ['SLURM_STEP_ID']}"
+    return None

@@ -6,7 +6,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import sentencepiece as spm
 
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import atomic_write
-from transformer_mt.runtime import release_freed_memory
+from transformer_mt.runtime import release_freed_memory, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ class Tokenizer:
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Ids of many texts as one flat int32 array, and each text's length (int32): for caching a
         corpus. SentencePiece encodes the batch on every core, in threads of its own."""
-        arrays = self.sp.encode(texts, return_type="numpy", num_threads=os.cpu_count() or 1)
+        arrays = self.sp.encode(texts, return_type="numpy", num_threads=usable_cores())
         lengths = np.fromiter(map(len, arrays), dtype=np.int32, count=len(arrays))
         return (np.concatenate(arrays) if arrays else np.zeros(0, np.int32)), lengths
 
@@ -102,7 +101,7 @@ def train_tokenizer(
         eos_id=EOS_ID,
         input_sentence_size=max_sentences,
         shuffle_input_sentence=True,
-        num_threads=os.cpu_count() or 1,
+        num_threads=usable_cores(),
         minloglevel=2,
     )
     try:

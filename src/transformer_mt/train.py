@@ -23,7 +23,7 @@ from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import remove_stale_temporaries
 from transformer_mt.model import DecoderLayer, EncoderLayer, TransformerConfig
-from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory
+from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, launch_id, launched_rank
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
@@ -162,10 +162,18 @@ def train(cfg: DictConfig) -> float | None:
     checkpoint_dir = run_dir / "checkpoints"
     for path in remove_stale_temporaries(checkpoint_dir):
         log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
+    ckpt_path = cfg.ckpt_path
+    if ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
+        # a launched job restarted (torchrun --max-restarts) or requeued (SLURM): its own folder, continued
+        log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
+        ckpt_path = "last"
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
-    resume_path, resumed = resume_checkpoint(cfg.ckpt_path, checkpoint_dir) or (None, None)
+    resume_path, resumed = resume_checkpoint(ckpt_path, checkpoint_dir) or (None, None)
     datamodule = TranslationDataModule(**plain(cfg.data))
-    datamodule.build()  # the vocabulary size is known only after SentencePiece
+    if launched_rank() == 0:
+        datamodule.build()  # the vocabulary size is known only after SentencePiece
+    else:  # torchrun/srun started every rank at once: rank 0 builds, the others read its caches
+        datamodule.build_when_cached()
     datamodule.check_lengths(cfg.model.max_positions)
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}

@@ -29,6 +29,7 @@ from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, col
 from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
 from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
+from transformer_mt.runtime import launched_rank
 from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,28 @@ class TranslationDataModule(L.LightningDataModule):
             how = "loaded from cache" if self.split_directory(self.raw[split]).exists() else "tokenized"
             with stage(f"{split}: {how}"):
                 self.splits[split] = self.load_or_tokenize(self.raw[split])
+
+    def build_when_cached(self, poll_seconds: float = 5.0, timeout_seconds: float = 6 * 3600) -> None:
+        """build() once another process (rank 0 of a launched job) has written every cache: the other
+        ranks wait instead of each training SentencePiece and tokenizing the corpus themselves."""
+        # A warning: ranks other than 0 log nothing below (training.logs), and this is where a rank's start goes.
+        log.warning("rank %d: reading the data caches that rank 0 builds under %s", launched_rank(), self.cache_dir)
+        raw = {split: self.corpus.load(split) for split in SPLITS}
+        waited = 0.0
+        while True:
+            model = self.tokenizer_directory(raw["train"]) / MODEL_FILE
+            if model.exists():
+                self.tokenizer = Tokenizer(model)
+                if all(self.split_directory(split).exists() for split in raw.values()):
+                    break
+            if waited >= timeout_seconds:
+                raise InputError(
+                    f"waited {waited / 3600:.1f} h for rank 0 to write the data caches under {self.cache_dir}; "
+                    "did it fail? (several nodes need data.cache_dir on a shared file system)"
+                )
+            time.sleep(poll_seconds)
+            waited += poll_seconds
+        self.build()
 
     def tokenizer_directory(self, train: RawSplit) -> Path:
         key = cache_key(
