@@ -22,7 +22,7 @@ from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tools.plot import read_metrics
-from transformer_mt.train import check_config, make_callbacks, trainer_arguments
+from transformer_mt.train import check_config, make_callbacks, make_strategy, trainer_arguments
 from transformer_mt.training.callbacks import StartupLog
 from transformer_mt.training.module import TrainingDiverged
 
@@ -227,6 +227,13 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* add trainer=cpu"):
             trainer_arguments(compose_train(["trainer=gpu"], tmp_path).trainer)
+
+
+def test_fsdp_in_bf16_reduces_gradients_and_keeps_buffers_in_fp32():
+    strategy = make_strategy("fsdp", "bf16-mixed")
+    mixed = strategy.mixed_precision_config
+    assert (mixed.param_dtype, mixed.reduce_dtype, mixed.buffer_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert make_strategy("fsdp", "32-true").mixed_precision is None  # fp32: no mixed precision at all
 
 
 def test_cpu_precision_auto_is_bf16_only_where_the_cpu_computes_it(tmp_path, monkeypatch):

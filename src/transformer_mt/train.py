@@ -57,7 +57,7 @@ def trainer_arguments(cfg: DictConfig) -> dict:
         args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
         if args["precision"] == "32-true":
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
-    args["strategy"] = make_strategy(args.get("strategy", "auto"))
+    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"))
     return args
 
 
@@ -135,12 +135,18 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
 
 
-def make_strategy(name):
+def make_strategy(name, precision: str | None = None):
     """String strategies from trainer configs; FSDP is wrapped per encoder/decoder layer."""
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy  # noqa: PLC0415 (imports torch.distributed.fsdp)
+        from torch.distributed.fsdp import MixedPrecision  # noqa: PLC0415
 
-        return FSDPStrategy(auto_wrap_policy={EncoderLayer, DecoderLayer})
+        # bf16 products, but gradients reduced in fp32 and buffers (the sinusoid table) kept fp32: Lightning's
+        # default for bf16-mixed reduces and casts buffers in bf16 too.
+        mixed = MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+        return FSDPStrategy(
+            auto_wrap_policy={EncoderLayer, DecoderLayer}, mixed_precision=mixed if precision == "bf16-mixed" else None
+        )
     launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
     if name == "ddp" and HydraConfig.get().mode == RunMode.MULTIRUN and not launched_outside:
         # Lightning's `ddp` re-runs sys.argv for the other ranks, which under `-m` would re-run the
