@@ -10,18 +10,21 @@ import socket
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from torch.utils.data import DataLoader
 
 from conftest import random_batch, tiny_config, train_overrides
-from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer
+from transformer_mt.data.batching import collate
+from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.search import greedy
-from transformer_mt.training.module import gradient_norm
+from transformer_mt.training.module import TranslationModule, gradient_norm
 
 pytestmark = pytest.mark.slow  # processes
 
@@ -149,3 +152,50 @@ def test_torchrun_job_has_one_run_folder_one_data_build_and_continues_when_resta
     assert "resuming from" in outputs[1] and "(update 6)" in outputs[1]
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8
+
+
+# ---------------------------------------------------------------- DDP: the update's gradient over ranks
+
+
+class SaveGradients(TranslationModule):
+    def on_before_optimizer_step(self, optimizer) -> None:
+        super().on_before_optimizer_step(optimizer)  # normalises the update's gradient over micro-batches and ranks
+        grads = {name: p.grad.clone() for name, p in self.named_parameters()}
+        torch.save(grads, f"{self.trainer.default_root_dir}/grads-{self.global_rank}.pt")
+
+
+def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_of_its_sentences(tmp_path):
+    """2 ranks x 2 micro-batches of different sizes: every target token weighs the same, as in one batch."""
+    model_cfg = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 2, 3, 4, 2, 5, 1, 6, 7, 3]
+    items = [
+        (torch.randint(4, 20, (n,), generator=g).numpy(), torch.randint(4, 20, (n + 2,), generator=g).numpy(), i)
+        for i, n in enumerate(lengths)
+    ]
+    # DistributedSampler deals micro-batches round-robin: rank 0 gets 0 and 2, rank 1 gets 1 and 3
+    micro_batches = [collate(items[:1]), collate(items[1:3]), collate(items[3:8]), collate(items[8:])]
+    torch.manual_seed(0)
+    module = SaveGradients(model_cfg, val_bleu_sentences=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy="ddp_spawn",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, DataLoader(micro_batches, batch_size=None))
+    torch.manual_seed(0)
+    reference = Transformer(TransformerConfig(**model_cfg))
+    whole = collate(items)
+    loss_sum, _, n_tokens = sequence_losses(reference, whole["src"], whole["tgt_in"], whole["tgt_out"], 0.1)
+    (loss_sum / n_tokens).backward()
+    for rank in range(WORLD):
+        grads = torch.load(tmp_path / f"grads-{rank}.pt", weights_only=True)
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(grads[f"model.{name}"], param.grad, atol=1e-6, rtol=1e-5, msg=name)

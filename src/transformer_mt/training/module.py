@@ -104,10 +104,10 @@ class TranslationModule(L.LightningModule):
         self._update_tokens = None
         if self.trainer.world_size > 1:
             torch.distributed.all_reduce(tokens)
-        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens  # on the gradients' device
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.device))
+                p.grad.mul_(scale)
 
     def configure_optimizers(self):
         h = self.hparams
