@@ -1,6 +1,7 @@
 import io
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -130,18 +131,33 @@ def run_train(
     runs it, in a process of its own (the slow tier). `entry` replaces `-m transformer_mt.train`
     (e.g. by tests/kill_at.py and its kill point)."""
     flags, overrides = train_overrides(args, tmp_path)
-    proc = subprocess.run(
-        [sys.executable, *entry, *flags, *overrides],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        **popen,
-    )
+    proc = run_process([sys.executable, *entry, *flags, *overrides], tmp_path, env, **popen)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def run_process(command: list[str], cwd: Path, env: dict | None = None, timeout: float = 280, **popen):
+    """`command` in a session of its own, output captured. At the timeout the whole process group is
+    killed (a hung rank of a several-process run included) and the test fails with the output so far."""
+    with subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+        **popen,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            output = stdout[-3000:] + stderr[-3000:]
+            pytest.fail(f"{' '.join(command[:4])} ... did not end within {timeout} s (a hang?):\n{output}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def hydra_task(config_name: str, overrides: list[str], run_dir: Path) -> DictConfig:

@@ -1,10 +1,14 @@
-"""Several processes on the CPU: the model under raw torch FSDP over gloo, and a torchrun-launched job.
+"""Several processes on the CPU over gloo: FSDP (raw torch, and trainer=fsdp through Lightning), DDP,
+and jobs launched by torchrun and by a SLURM-like environment.
 
-The model under raw torch FSDP, 2 processes over gloo on the CPU (Lightning refuses strategy="fsdp"
-on a CPU accelerator; torch's own FullyShardedDataParallel runs there with world size 2, where it
-really shards: with one process it silently becomes NO_SHARD). Each process wraps the model as
-trainer=fsdp does (one FSDP unit per encoder/decoder layer, the rest in the root unit)."""
+FSDP really shards only with 2 or more processes (with one it silently becomes NO_SHARD). Lightning
+refuses the strategy name "fsdp" on a CPU accelerator; trainer=fsdp's own strategy class
+(training/sharding.py) runs there, so the tests below train with exactly what a GPU run uses, NCCL
+and CUDA aside. Each process wraps the model as trainer=fsdp does (one FSDP unit per
+encoder/decoder layer, the rest in the root unit)."""
 
+import csv
+import json
 import os
 import socket
 import subprocess
@@ -19,11 +23,15 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.data import DataLoader
 
-from conftest import random_batch, tiny_config, train_overrides
+from conftest import ROOT, hydra_task, random_batch, run_process, run_train, tiny_config, train_overrides
+from transformer_mt.averaging import average_run
+from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.data.batching import collate
+from transformer_mt.evaluate import evaluate
 from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
-from transformer_mt.search import greedy
+from transformer_mt.search import greedy, translate_lines
+from transformer_mt.tools.export import export
 from transformer_mt.training.module import TranslationModule, gradient_norm
 
 pytestmark = pytest.mark.slow  # processes
@@ -199,3 +207,82 @@ def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_o
         grads = torch.load(tmp_path / f"grads-{rank}.pt", weights_only=True)
         for name, param in reference.named_parameters():
             torch.testing.assert_close(grads[f"model.{name}"], param.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# ---------------------------------------------------------------- trainer=fsdp through Lightning, 2 processes
+
+
+def csv_rows(run) -> list[dict]:
+    """The CSV logger's rows of a run, every attempt's (a resumed run writes a version of its own)."""
+    rows = []
+    for path in sorted(run.glob("csv/**/metrics.csv")):
+        with path.open() as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def weights(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def test_trainer_fsdp_on_two_processes_trains_validates_resumes_tests_and_its_checkpoints_serve_every_tool(
+    corpus, tmp_path
+):
+    """trainer=fsdp's strategy (Lightning's FSDP, one unit per layer) on 2 CPU processes: training with two
+    validations that decode greedily on each rank (through the sharded layers this hung: ranks decode
+    different numbers of steps, each a collective), a resume, the same losses and weights as DDP, and
+    checkpoints that average, evaluate, translate and export like any other; then trainer.test's beam
+    search under FSDP gives the BLEU of one process."""
+    common = [
+        f"data.path={corpus}",
+        "trainer.devices=2",
+        "trainer.precision=32-true",
+        "trainer.val_check_interval=3",
+        "checkpoint.every_n_train_steps=3",
+        "optim.lr_factor=0.05",  # a gentle rate: Adam turns float noise in near-zero gradients into full steps
+        "val_bleu_sentences=30",  # every validation sentence: ranks decode different numbers of sentences
+    ]
+    fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
+    first = run_train([*common, "trainer.strategy=fsdp", "trainer.max_steps=3", f"hydra.run.dir={fsdp}"], tmp_path)
+    resumed = run_train(
+        [*common, "trainer.strategy=fsdp", "trainer.max_steps=6", "ckpt_path=last", f"hydra.run.dir={fsdp}"], tmp_path
+    )
+    run_train([*common, "trainer.strategy=ddp", "trainer.max_steps=6", f"hydra.run.dir={ddp}"], tmp_path)
+    assert "accumulation 1 x 300 tokens x 2 device(s)" in first.stdout + first.stderr
+    assert "resuming from" in resumed.stdout and "(update 3)" in resumed.stdout
+    # The validations (loss and greedy BLEU) of FSDP, before and after the resume, are DDP's.
+    rows = {(run, int(r["step"])): r for run in (fsdp, ddp) for r in csv_rows(run) if r.get("val/loss")}
+    assert sorted(rows) == [(ddp, 2), (ddp, 5), (fsdp, 2), (fsdp, 5)]
+    for step in (2, 5):
+        a, b = rows[fsdp, step], rows[ddp, step]
+        assert float(a["val/loss"]) == pytest.approx(float(b["val/loss"]), abs=1e-5), step
+        assert float(a["val/bleu"]) == pytest.approx(float(b["val/bleu"]), abs=0.01), step
+    # The checkpoints: full (unsharded) weights under the same names as DDP's, and the same values.
+    for name in ("step0000003.ckpt", "step0000006.ckpt", "last.ckpt"):
+        a, b = weights(fsdp / "checkpoints" / name), weights(ddp / "checkpoints" / name)
+        assert a.keys() == b.keys(), name
+        for key in a:
+            # The keys' bias has a true gradient of 0 (it adds one constant to all of a query's scores, which
+            # the softmax cancels): Adam turns each run's rounding noise there into steps of the full rate.
+            if not key.endswith("k_proj.bias"):
+                torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
+    # Every tool takes them: averaging, evaluate, translate (search.translate_lines), export.
+    average = average_run(fsdp, 2)
+    scores = evaluate(hydra_task("evaluate", [f"ckpt={average}", "decoding=greedy"], tmp_path / "evaluate"))
+    assert scores["bleu"] >= 0 and (tmp_path / "evaluate" / "hypotheses.txt").read_text().count("\n") == 30
+    model, tokenizer, _ = load_for_inference(fsdp / "checkpoints" / "last.ckpt")
+    assert len(translate_lines(model, tokenizer, ["ein test .", "zwei"], beam_size=4)) == 2
+    export(str(fsdp / "checkpoints" / "last.ckpt"), "hf", str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "config.json").is_file()
+    # trainer.test (beam search on the test split) under FSDP on 2 processes = one process.
+    results = {}
+    for strategy, world in (("fsdp", 2), ("none", 1)):
+        out = tmp_path / f"test-{strategy}.json"
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        script = [str(ROOT / "tests" / "lightning_test_split.py"), str(fsdp / "checkpoints" / "last.ckpt")]
+        proc = run_process([*torchrun, *script, strategy, str(out)], tmp_path, timeout=200)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results[strategy] = json.loads(out.read_text())
+    assert (results["fsdp"]["world_size"], results["fsdp"]["strategy"]) == (2, "LayerFSDP")
+    assert results["fsdp"]["test/bleu"] == pytest.approx(results["none"]["test/bleu"], abs=1e-6)
+    assert results["fsdp"]["test/loss"] == pytest.approx(results["none"]["test/loss"], abs=1e-5)

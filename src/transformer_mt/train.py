@@ -22,7 +22,7 @@ from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import remove_stale_temporaries
-from transformer_mt.model import DecoderLayer, EncoderLayer, TransformerConfig
+from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, launch_id, launched_rank
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
@@ -35,6 +35,7 @@ from transformer_mt.training.resume import (
     check_resume,
     resume_checkpoint,
 )
+from transformer_mt.training.sharding import LayerFSDP
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +137,9 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def make_strategy(name, precision: str | None = None):
-    """String strategies from trainer configs; FSDP is wrapped per encoder/decoder layer."""
+    """String strategies from trainer configs; FSDP is wrapped per encoder/decoder layer (sharding.py)."""
     if name == "fsdp":
-        from lightning.pytorch.strategies import FSDPStrategy  # noqa: PLC0415 (imports torch.distributed.fsdp)
-        from torch.distributed.fsdp import MixedPrecision  # noqa: PLC0415
-
-        # bf16 products, but gradients reduced in fp32 and buffers (the sinusoid table) kept fp32: Lightning's
-        # default for bf16-mixed reduces and casts buffers in bf16 too.
-        mixed = MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
-        return FSDPStrategy(
-            auto_wrap_policy={EncoderLayer, DecoderLayer}, mixed_precision=mixed if precision == "bf16-mixed" else None
-        )
+        return LayerFSDP(precision)
     launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
     if name == "ddp" and HydraConfig.get().mode == RunMode.MULTIRUN and not launched_outside:
         # Lightning's `ddp` re-runs sys.argv for the other ranks, which under `-m` would re-run the

@@ -16,6 +16,7 @@ from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import PAD_ID, Tokenizer
+from transformer_mt.training.sharding import full_copy, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class TranslationModule(L.LightningModule):
         self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
         self._last_batch_end: float | None = None
         self._update_tokens: Tensor | None = None  # target tokens of the update being accumulated, this rank
+        self._decoder: Transformer | None = None  # what validation and test decode with (sharding.py)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
@@ -83,8 +85,7 @@ class TranslationModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self._normalise_gradients()
-        sharded = type(self.trainer.strategy).__name__ == "FSDPStrategy"  # each rank holds a shard of the gradient
-        grad_norm = gradient_norm(self.parameters(), sharded)
+        grad_norm = gradient_norm(self.parameters(), is_sharded(self.trainer.strategy))
         self.log("train/grad_norm", grad_norm)
         # Stop before a non-finite gradient reaches the weights, so no checkpoint ever holds NaN or inf.
         # (fp16's loss scaler skips such steps itself; one check per update, not per micro-batch.)
@@ -125,15 +126,20 @@ class TranslationModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._sums = torch.zeros(3, device=self.device)
         self._hyps = {}
+        # Under FSDP a plain copy of the whole model, gathered here on every rank alike: decoding through
+        # the sharded layers would issue a rank-dependent number of collectives and hang.
+        sharded = is_sharded(self.trainer.strategy) and self.trainer.world_size > 1
+        self._decoder = full_copy(self.trainer.model, self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._add_losses(batch)
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             rows = batch["index"] < self.hparams.val_bleu_sentences
             if rows.any():
-                self._keep_hypotheses(batch, rows, greedy(self.model, batch["src"][rows]))
+                self._keep_hypotheses(batch, rows, greedy(self._decoder, batch["src"][rows]))
 
     def on_validation_epoch_end(self) -> None:
+        self._decoder = None
         loss, nll = self._mean_losses()
         if loss is None:
             raise RuntimeError("validation saw no target tokens: the validation loader yielded no batch")
@@ -160,10 +166,11 @@ class TranslationModule(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._add_losses(batch)
-        hyps, _ = beam_search(self.model, batch["src"], **decoding_options(self.hparams.decoding))
+        hyps, _ = beam_search(self._decoder, batch["src"], **decoding_options(self.hparams.decoding))
         self._keep_hypotheses(batch, torch.ones_like(batch["index"], dtype=torch.bool), hyps)
 
     def on_test_epoch_end(self) -> None:
+        self._decoder = None
         loss, nll = self._mean_losses()
         metrics = {"test/loss": loss, "test/ppl": torch.exp(nll)}
         metrics.update({f"test/{name}": value for name, value in self._score_hypotheses().items()})
