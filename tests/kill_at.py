@@ -64,7 +64,9 @@ def kill_while_writing(name: str, step: int) -> None:
 
 
 def main() -> None:
-    point, sys.argv[1:] = sys.argv[1], sys.argv[2:]
+    # Lightning's ddp starts the other ranks with this script's sys.argv (without the point): they find it here.
+    point = os.environ.get("KILL_AT") or sys.argv.pop(1)
+    os.environ["KILL_AT"] = point
     kind, *where = point.split(":")
     if kind == "write":
         kill_while_writing(where[0], int(where[1]))

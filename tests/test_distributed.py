@@ -126,37 +126,78 @@ def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_transla
         assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters(), sharded=False).item())
 
 
-# ---------------------------------------------------------------- launchers: torchrun on 2 CPU processes
+# ---------------------------------------------------------------- launchers: torchrun and srun, 2 CPU processes
 
 
-def test_torchrun_job_has_one_run_folder_one_data_build_and_continues_when_restarted(corpus, tmp_path):
-    """torchrun starts every rank before the Trainer exists: rank 0 builds the data while rank 1 waits for
-    its caches; both ranks resolve one run folder (the job's rendezvous id), and the same job started
-    again continues from its newest checkpoint without ckpt_path."""
+def srun_like(command: list[str], cwd, port: int) -> str:
+    """What srun does for `srun --ntasks=2 --ntasks-per-node=2 <command>` in job 4242 on one node: both
+    tasks started at once, SLURM's variables set per task. Lightning's SLURMEnvironment reads them."""
+    common = dict(
+        SLURM_JOB_ID="4242",
+        SLURM_STEP_ID="0",
+        SLURM_JOB_NAME="train",  # not bash/interactive, which Lightning would take for an salloc shell
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_NODELIST="127.0.0.1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
+    tasks = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=cwd,
+            env={**os.environ, **common, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+            start_new_session=True,
+        )
+        for rank in range(WORLD)
+    ]
+    outputs = []
+    try:
+        for task in tasks:
+            outputs.append(task.communicate(timeout=280)[0])
+    finally:
+        for task in tasks:
+            if task.poll() is None:
+                os.killpg(task.pid, 9)
+    assert [t.returncode for t in tasks] == [0] * WORLD, "\n".join(o[-3000:] for o in outputs)
+    return "".join(outputs)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_restarted(launcher, corpus, tmp_path):
+    """torchrun and srun start every rank before the Trainer exists: rank 0 builds the data while rank 1
+    waits for its caches; both ranks resolve one run folder (the job's rendezvous id, or SLURM's job and
+    step), and the same job started again (torchrun --max-restarts, a SLURM requeue) continues from its
+    newest checkpoint without ckpt_path."""
     flags, overrides = train_overrides(
         [f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", "checkpoint.every_n_train_steps=3"],
         tmp_path,
     )
+    train = [sys.executable, "-m", "transformer_mt.train", *overrides]
     rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=job42"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node=2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node=2", *train[1:]]
     outputs = []
     for steps in (6, 8):
-        proc = subprocess.run(
-            [*torchrun, "-m", "transformer_mt.train", *overrides, f"trainer.max_steps={steps}"],
-            capture_output=True,
-            text=True,
-            timeout=280,
-            cwd=tmp_path,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        outputs.append(proc.stdout + proc.stderr)
-    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["torchrun-job42"]  # one folder for both ranks
-    run = tmp_path / "outputs" / "torchrun-job42"
+        if launcher == "torchrun":
+            proc = run_process([*torchrun, f"trainer.max_steps={steps}"], tmp_path)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            outputs.append(proc.stdout + proc.stderr)
+        else:
+            outputs.append(srun_like([*train, f"trainer.max_steps={steps}"], tmp_path, free_port()))
+    folder = {"torchrun": "torchrun-job42", "srun": "slurm-4242-0"}[launcher]
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == [folder]  # one folder for both ranks
+    run = tmp_path / "outputs" / folder
     log = (run / "train.log").read_text()
     assert log.count("text train: 400 pairs tokenized") == 1  # rank 0 built the data, once
     assert outputs[0].count("rank 1: reading the data caches that rank 0 builds") == 1  # ... rank 1 did not
-    assert "torchrun-job42 restarted: continuing from the newest checkpoint" in outputs[1]
+    assert log.count("validation at update 4:") == 1  # one train.log, written by rank 0 alone
+    assert f"{folder} restarted: continuing from the newest checkpoint" in outputs[1]
     assert "resuming from" in outputs[1] and "(update 6)" in outputs[1]
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8
@@ -169,6 +210,7 @@ class SaveGradients(TranslationModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         super().on_before_optimizer_step(optimizer)  # normalises the update's gradient over micro-batches and ranks
         grads = {name: p.grad.clone() for name, p in self.named_parameters()}
+        grads["norm"] = self.trainer.callback_metrics["train/grad_norm"].clone()  # what this rank logged
         torch.save(grads, f"{self.trainer.default_root_dir}/grads-{self.global_rank}.pt")
 
 
@@ -207,6 +249,8 @@ def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_o
         grads = torch.load(tmp_path / f"grads-{rank}.pt", weights_only=True)
         for name, param in reference.named_parameters():
             torch.testing.assert_close(grads[f"model.{name}"], param.grad, atol=1e-6, rtol=1e-5, msg=name)
+        norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in reference.parameters()]))
+        assert grads["norm"].item() == pytest.approx(norm.item(), rel=1e-5)  # the whole norm, on each rank
 
 
 # ---------------------------------------------------------------- trainer=fsdp through Lightning, 2 processes

@@ -118,6 +118,40 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         assert load(checkpoints / "best.ckpt")["global_step"] == load(uninterrupted / "best.ckpt")["global_step"]
 
 
+def test_ddp_with_accumulation_and_time_based_checkpoints_killed_and_resumed_is_bit_identical(tmp_path):
+    """The paper's recipe on several devices: 2 DDP ranks, 2 micro-batches per update, checkpoints by time
+    (the base/big configs' train_time_interval_minutes) that come due inside accumulation windows and are
+    written at the update's end. SIGKILLed after update 7 and resumed: the uninterrupted run's state."""
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [
+        f"data.path={corpus}",
+        "model.dropout=0.1",
+        "trainer.strategy=ddp",
+        "trainer.devices=2",
+        "data.tokens_per_update=1200",  # max_tokens 300 x 2 devices x 2 micro-batches
+        "checkpoint.train_time_interval_minutes=0.002",  # every 0.12 s: due mid-update most of the time
+        "trainer.max_steps=12",
+    ]
+    uninterrupted, run = tmp_path / "uninterrupted", tmp_path / "run"
+    first = run_train([*args, f"hydra.run.dir={uninterrupted}"], tmp_path)
+    assert "accumulation 2 x 300 tokens x 2 device(s)" in first.stdout
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    killed = run_train([*args, f"hydra.run.dir={run}"], tmp_path, check=False, entry=(kill_at, "update:7"))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    timed = sorted(p.name for p in (run / "checkpoints").glob("time-step*.ckpt"))
+    assert timed, "no time-based checkpoint was written before the kill"
+    resumed = run_train([*args, "ckpt_path=last", f"hydra.run.dir={run}"], tmp_path)
+    _, step = resumed_from(resumed)
+    assert 1 <= step <= 7
+    a, b = load(uninterrupted / "checkpoints" / "last.ckpt"), load(run / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 12
+    for key, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][key], value), key
+    for param, state in a["optimizer_states"][0]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
+
+
 # ---------------------------------------------------------------- what resuming refuses, and a full disk
 
 
