@@ -17,7 +17,7 @@ help:  ## List the targets
 install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install "$(TORCH)"
+	$(PY) -m pip install $(TORCH)
 	$(PY) -m pip install -e ".[dev,export]"
 
 .PHONY: test-slow

@@ -2,6 +2,8 @@
 names every module and folder that exists (nothing needs an import map to be found)."""
 
 import ast
+import shlex
+import subprocess
 
 from conftest import ROOT
 
@@ -32,3 +34,12 @@ def test_where_things_are_lists_every_folder_module_and_script():
     for path in PACKAGE.rglob("*.py"):
         if path.name != "__init__.py":
             assert path.name in package_map or f"{path.parent.name}/" in package_map, path.name
+
+
+def test_make_install_passes_a_torch_with_pip_options_as_separate_arguments():
+    # The README's GPU install line: a quoted "$(TORCH)" made pip read one requirement "torch==... --index-url ..."
+    torch_arg = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+    dry = subprocess.run(["make", "-n", "install", f"TORCH={torch_arg}"], capture_output=True, text=True, cwd=ROOT)
+    assert dry.returncode == 0, dry.stderr
+    (line,) = [line for line in dry.stdout.splitlines() if "pip install torch" in line]
+    assert shlex.split(line)[-3:] == ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cu128"]

@@ -13,18 +13,23 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.types import RunMode
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 import transformer_mt.train
-from conftest import CONF, NOISE, ROOT, SHARED_DATA, run_train, train_in_process
+from conftest import CONF, NOISE, ROOT, SHARED_DATA, hydra_task, run_train, train_in_process
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.runtime import use_tf32
 from transformer_mt.tools.plot import read_metrics
 from transformer_mt.train import check_config, make_callbacks, make_strategy, trainer_arguments
 from transformer_mt.training.callbacks import StartupLog
+from transformer_mt.training.logs import make_logger
 from transformer_mt.training.module import TrainingDiverged
+from transformer_mt.training.sharding import LayerFSDP
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -234,6 +239,62 @@ def test_fsdp_in_bf16_reduces_gradients_and_keeps_buffers_in_fp32():
     mixed = strategy.mixed_precision_config
     assert (mixed.param_dtype, mixed.reduce_dtype, mixed.buffer_dtype) == (torch.bfloat16, torch.float32, torch.float32)
     assert make_strategy("fsdp", "32-true").mixed_precision is None  # fp32: no mixed precision at all
+
+
+def test_ddp_broadcasts_no_buffers_and_sweeps_refuse_fsdp_that_would_relaunch_them(monkeypatch):
+    for name, start in (("ddp", "popen"), ("ddp_spawn", "spawn")):
+        strategy = make_strategy(name)
+        assert isinstance(strategy, DDPStrategy) and strategy._start_method == start, name
+        assert strategy._ddp_kwargs == {"broadcast_buffers": False}  # no broadcast of the sinusoids per forward
+
+    class Sweep:  # HydraConfig of a `-m` run started from a shell
+        @staticmethod
+        def initialized():
+            return True
+
+        @staticmethod
+        def get():
+            return OmegaConf.create({"mode": RunMode.MULTIRUN})
+
+    monkeypatch.setattr(transformer_mt.train, "HydraConfig", Sweep)
+    for key in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert make_strategy("ddp")._start_method == "spawn"
+    with pytest.raises(InputError, match=r"trainer=fsdp in a Hydra multirun .* hydra/launcher=slurm"):
+        make_strategy("fsdp", devices=-1)
+    assert isinstance(make_strategy("fsdp", devices=1), LayerFSDP)  # one device: no other rank to start
+    monkeypatch.setenv("SLURM_NTASKS", "8")  # each rank started by srun (hydra/launcher=slurm): nothing re-runs
+    assert isinstance(make_strategy("fsdp", devices=-1), LayerFSDP)
+    assert make_strategy("ddp")._start_method == "popen"
+
+
+def test_use_tf32_turns_on_tf32_for_fp32_products():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        use_tf32()
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_wandb_without_a_key_warns_once_per_run_not_once_per_rank(tmp_path, monkeypatch, caplog):
+    from lightning.pytorch.utilities import rank_zero_only  # noqa: PLC0415
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    cfg = compose_train(["logger=wandb"], tmp_path).logger
+    hydra_task("train", [], tmp_path / "run")  # make_logger reads the run's HydraConfig
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            make_logger(OmegaConf.merge(cfg, {"save_dir": str(tmp_path / f"w{rank}")}))
+        seen.append("no API key found" in caplog.text)
+    assert seen == [True, False]
 
 
 def test_cpu_precision_auto_is_bf16_only_where_the_cpu_computes_it(tmp_path, monkeypatch):

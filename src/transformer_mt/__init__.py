@@ -17,6 +17,6 @@ core
 front doors (make train/evaluate/translate/average; transformer-mt-* commands)
     train.py  evaluate.py  translate.py  averaging.py
 data/               corpus reading and cleaning, token-bucket batching, the LightningDataModule
-training/           the LightningModule, callbacks (progress, run end), logs, exact resume
+training/           the LightningModule, callbacks (progress, run end), logs, exact resume, FSDP
 tools/              export (transformers, CTranslate2), attention maps, learning curves
 """

@@ -16,6 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.configs import CONF_DIR
@@ -23,7 +24,7 @@ from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import remove_stale_temporaries
 from transformer_mt.model import TransformerConfig
-from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, launch_id, launched_rank
+from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, launch_id, launched_rank, use_tf32
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
@@ -58,7 +59,10 @@ def trainer_arguments(cfg: DictConfig) -> dict:
         args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
         if args["precision"] == "32-true":
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
-    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"))
+    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1))
+    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() and "32" in str(args["precision"]):
+        use_tf32()
+        log.info("precision %s on CUDA: fp32 matrix products in TF32 (runtime.use_tf32)", args["precision"])
     return args
 
 
@@ -136,16 +140,26 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
 
 
-def make_strategy(name, precision: str | None = None):
-    """String strategies from trainer configs; FSDP is wrapped per encoder/decoder layer (sharding.py)."""
-    if name == "fsdp":
-        return LayerFSDP(precision)
+def make_strategy(name, precision: str | None = None, devices=1):
+    """String strategies from trainer configs: FSDP wrapped per encoder/decoder layer (sharding.py); DDP
+    without the per-forward broadcast of buffers (the sinusoid table is the same on every rank)."""
     launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
-    if name == "ddp" and HydraConfig.get().mode == RunMode.MULTIRUN and not launched_outside:
-        # Lightning's `ddp` re-runs sys.argv for the other ranks, which under `-m` would re-run the
-        # whole sweep in every child; spawning keeps each job's ranks inside that job.
+    # Lightning's ddp and fsdp start the other ranks by re-running sys.argv, which under `-m` from a
+    # shell would re-run the whole sweep in every child.
+    shell_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN and not launched_outside
+    if name == "fsdp":
+        if shell_sweep and devices != 1:
+            raise InputError(
+                "trainer=fsdp in a Hydra multirun (-m) started from a shell: Lightning's FSDP starts its other "
+                "ranks by re-running the command, which would re-run the whole sweep in each of them. Run the "
+                "jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
+            )
+        return LayerFSDP(precision)
+    if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job
         log.warning("Hydra multirun: using strategy=ddp_spawn instead of ddp (ddp would re-launch the sweep)")
-        return "ddp_spawn"
+        name = "ddp_spawn"
+    if name in ("ddp", "ddp_spawn"):
+        return DDPStrategy(start_method="spawn" if name == "ddp_spawn" else "popen", broadcast_buffers=False)
     return name
 
 

@@ -73,7 +73,7 @@ def make_logger(cfg: DictConfig):
     if cfg._target_.endswith("WandbLogger"):
         if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
-            log.warning(
+            (log.warning if rank_zero_only.rank == 0 else log.debug)(  # one line per run, not per rank
                 "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir
             )
         hydra_cfg = HydraConfig.get()
