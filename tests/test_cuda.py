@@ -1,11 +1,13 @@
 """The GPU paths against the CPU: same weights, same answers. Skipped without a CUDA GPU; `make gpu-check` runs them."""
 
 import copy
+import os
 
 import pytest
 import torch
 
 from conftest import random_batch, tiny_config
+from transformer_mt.configs import compose
 from transformer_mt.data.batching import source_batch
 from transformer_mt.model import Transformer
 from transformer_mt.objective import label_smoothed_nll
@@ -13,6 +15,9 @@ from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import EOS_ID
 
 pytestmark = pytest.mark.cuda
+# cuBLAS is deterministic only with a fixed workspace, set before its first use in this process (as
+# Lightning's trainer.deterministic=true does); it changes nothing else here.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 SOURCES = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22], [23], [24, 25, 26, 27]]
 
@@ -101,3 +106,57 @@ def test_greedy_and_beam_search_give_the_cpus_tokens(seed):
     for hyps_gpu, hyps_cpu in zip(nbest_gpu, nbest_cpu):
         assert [tokens for tokens, _ in hyps_gpu] == [tokens for tokens, _ in hyps_cpu]
         assert [score for _, score in hyps_gpu] == pytest.approx([score for _, score in hyps_cpu], abs=1e-4)
+
+
+def test_fp32_training_on_cuda_uses_tf32(record_property):
+    from transformer_mt.train import trainer_arguments  # noqa: PLC0415
+
+    a, b = torch.randn(2048, 2048, device="cuda"), torch.randn(2048, 2048, device="cuda")
+    exact = (a.double() @ b.double()).float()
+
+    def error() -> float:
+        return ((a @ b - exact).abs().max() / exact.abs().max()).item()
+
+    full = error()  # "highest": the autouse fixture
+    trainer_arguments(compose("train", ["trainer=gpu", "trainer.precision=32-true"]).trainer)
+    assert torch.get_float32_matmul_precision() == "high"
+    tf32 = error()
+    record_property(
+        "figures", f"relative error of an fp32 product: {full:.1e} full fp32, {tf32:.1e} after train's setup"
+    )
+    assert tf32 > 10 * full  # TF32 rounds the inputs to 10 mantissa bits: the products really ran in TF32
+
+
+def training_run(deterministic: bool) -> dict[str, torch.Tensor]:
+    """3 bf16 updates of a small model with dropout 0.1 from seed 0, as train.py runs them."""
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        torch.manual_seed(0)
+        values = dict(vocab_size=1000, d_model=256, d_ff=1024, n_heads=4, max_positions=128, dropout=0.1)
+        model = Transformer(tiny_config(**values)).cuda().train()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+        for step in range(3):
+            src = random_batch([30, 25, 12, 28] * 8, 1000, seed=step).cuda()
+            tgt = random_batch([27, 30, 15, 22] * 8, 1000, seed=step + 10).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss_sum, _, n = label_smoothed_nll(model(src, tgt), tgt, 0.1)
+            (loss_sum / n).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_switch_repeats_training_bit_for_bit(record_property):
+    """trainer.deterministic=true (torch.use_deterministic_algorithms): the same updates twice give the same
+    bits; without it, CUDA's atomic adds (the embedding's backward, some attention backward kernels) may not."""
+    runs = [training_run(deterministic=True) for _ in range(2)]
+    differ = [k for k in runs[0] if not torch.equal(runs[0][k], runs[1][k])]
+    free = [training_run(deterministic=False) for _ in range(2)]
+    differ_free = [k for k in free[0] if not torch.equal(free[0][k], free[1][k])]
+    record_property(
+        "figures",
+        f"deterministic: {len(differ)} of {len(runs[0])} tensors differ; default kernels: {len(differ_free)} differ",
+    )
+    assert not differ, differ[:5]
