@@ -7,6 +7,8 @@ Points:
   epoch-end:E       at the end of epoch E, after the checkpoints of its last update
   validation:N      inside the first validation batch after update N
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
+  signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
+                    starts, inside the next update's accumulation window (rank 0 only): the run stops by itself
 
 The process really dies by SIGKILL (exit status -9 for the caller): nothing runs after it, no
 `finally`, no atexit handler, exactly as when a node dies or the OOM killer strikes.
@@ -38,6 +40,12 @@ class Killer(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.kind == "update" and trainer.global_step == self.at:
             die()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        first = not getattr(self, "sent", False)
+        if first and self.kind.startswith("SIG") and trainer.global_step == self.at and trainer.global_rank == 0:
+            self.sent = True
+            os.kill(os.getpid(), getattr(signal, self.kind))
 
     def on_train_epoch_end(self, trainer, module) -> None:
         if self.kind == "epoch-end" and trainer.current_epoch == self.at:
@@ -71,6 +79,8 @@ def main() -> None:
     if kind == "write":
         kill_while_writing(where[0], int(where[1]))
     else:
+        if kind == "signal":
+            kind, where = where[0], where[1:]
         make_callbacks = transformer_mt.train.make_callbacks
 
         def with_killer(cfg, checkpoint_dir, startup):

@@ -1,6 +1,7 @@
 """Fault injection: training SIGKILLed at many points, resumed with the documented command
 (`ckpt_path=last hydra.run.dir=<run>`), must end bit-identical to the run that was never killed."""
 
+import os
 import re
 import resource
 import signal
@@ -150,6 +151,84 @@ def test_ddp_with_accumulation_and_time_based_checkpoints_killed_and_resumed_is_
     for param, state in a["optimizer_states"][0]["state"].items():
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
+
+
+# ---------------------------------------------------------------- stopped by a signal
+
+
+SIGNAL_RUN = ["model.dropout=0.1", "checkpoint.every_n_train_steps=3", "trainer.max_steps=12"]
+ACCUMULATE_2 = ["data.tokens_per_update=600"]  # max_tokens 300: 2 micro-batches per update on one device
+DDP_ACCUMULATE_2 = ["trainer.strategy=ddp", "trainer.devices=2", "data.tokens_per_update=1200"]  # per rank
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory) -> Path:
+    """The uninterrupted run of the signal tests: 2 micro-batches per update, 12 updates."""
+    root = tmp_path_factory.mktemp("accumulated")
+    corpus = write_corpus(root / "corpus")
+    run_train([f"data.path={corpus}", *SIGNAL_RUN, *ACCUMULATE_2, f"hydra.run.dir={root / 'run'}"], root)
+    return root / "run" / "checkpoints"
+
+
+def fake_slurm(tmp_path: Path) -> dict:
+    """One SLURM task's variables, and an `scontrol` on PATH that records how it was called."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.calls"}\n')
+    scontrol.chmod(0o755)
+    names = ["NTASKS", "NTASKS_PER_NODE", "NNODES", "PROCID", "LOCALID", "NODEID", "JOB_ID", "STEP_ID"]
+    values = dict(zip(names, ["1", "1", "1", "0", "0", "0", "777", "0"]))
+    return {
+        **{f"SLURM_{k}": v for k, v in values.items()},
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NODELIST": "127.0.0.1",
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    }
+
+
+@pytest.mark.parametrize(
+    "name, ranks",
+    [("SIGTERM", 1), ("SIGINT", 1), ("SIGTERM", 2), ("SIGUSR1", 1)],
+    ids=["sigterm", "sigint-ctrl-c", "sigterm-to-rank-0-of-2-ddp", "slurm-requeue-sigusr1"],
+)
+def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_run_continues_exactly(
+    name, ranks, accumulated, tmp_path
+):
+    """The signal comes inside update 8's accumulation window (after its first micro-batch started): the run
+    finishes update 8, writes last.ckpt there, says how to continue and exits 128 + the signal's number.
+    Continued, it ends bit-identical to the uninterrupted run. Under DDP only rank 0 receives it; under
+    SLURM the requeue signal also runs `scontrol requeue <job>`, and the requeued job continues by itself."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    slurm = name == "SIGUSR1"
+    env = fake_slurm(tmp_path) if slurm else {}
+    shape = DDP_ACCUMULATE_2 if ranks == 2 else ACCUMULATE_2
+    args = [f"data.path={corpus}", *SIGNAL_RUN, *shape] + ([] if slurm else [f"hydra.run.dir={run}"])
+    if ranks == 2:  # its own uninterrupted run
+        run_train([f"data.path={corpus}", *SIGNAL_RUN, *shape, f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path)
+        accumulated = tmp_path / "whole" / "checkpoints"
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    stopped = run_train(args, tmp_path, env=env, check=False, entry=(kill_at, f"signal:{name}:7"))
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 128 + getattr(signal, name), output[-3000:]
+    if slurm:
+        run = tmp_path / "outputs" / "slurm-777-0"
+        assert (tmp_path / "scontrol.calls").read_text() == "requeue 777\n"
+    checkpoint = load(run / "checkpoints" / "last.ckpt")
+    assert checkpoint["global_step"] == 8  # update 8 finished, not cut short, and nothing after it
+    micro_batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+    assert micro_batches == 16 or ranks == 2  # (2 ranks: the first epoch ends on an update of 1 micro-batch)
+    assert f"received {name}: stopping at the end of the update in progress" in output
+    assert f"stopped by {name} after update 8; last.ckpt holds it" in output
+    assert "ckpt_path=last hydra.run.dir=" in output and "finished after" not in output
+    # Continued: the documented command, or (SLURM) the same command again, as a requeued job runs it.
+    proc = run_train([*args, *([] if slurm else ["ckpt_path=last"])], tmp_path, env=env)
+    assert resumed_from(proc) == ("last.ckpt", 8)
+    for name in ("last.ckpt", "step0000012.ckpt"):
+        a, b = load(accumulated / name), load(run / "checkpoints" / name)
+        for key, value in a["state_dict"].items():
+            assert torch.equal(b["state_dict"][key], value), (name, key)
 
 
 # ---------------------------------------------------------------- what resuming refuses, and a full disk

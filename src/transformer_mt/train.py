@@ -206,10 +206,11 @@ def train(cfg: DictConfig) -> float | None:
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), run_dir)
+    callbacks = make_callbacks(cfg, checkpoint_dir, startup)
     trainer = L.Trainer(
         **trainer_args,
         logger=loggers,
-        callbacks=make_callbacks(cfg, checkpoint_dir, startup),
+        callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
         default_root_dir=run_dir,
         enable_model_summary=False,
@@ -242,6 +243,9 @@ def train(cfg: DictConfig) -> float | None:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
     finally:
         finish_wandb(loggers)
+    stopped_by = next(c for c in callbacks if isinstance(c, RunEnd)).stopped_by
+    if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
+        raise SystemExit(128 + stopped_by)
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 

@@ -1,15 +1,19 @@
 """What a training run tells a person and how it ends: progress lines, the start-up line, the update bar,
-and last.ckpt with a summary of what to do next."""
+and last.ckpt with a summary of what to do next, or, stopped by a signal, with how to continue."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -157,26 +161,82 @@ def shown(path: Path) -> str:
 class RunEnd(L.Callback):
     """At the end of training, in every process that trained (also ddp_spawn's workers): the final
     state as last.ckpt, whatever the schedule (optimizer and loops too, for resuming), and on rank 0
-    a summary of the checkpoints with the commands that use them."""
+    a summary of the checkpoints with the commands that use them.
+
+    A stop signal (SIGTERM from a scheduler, `timeout` or `kill`; SIGINT from Ctrl+C; under SLURM the
+    requeue signal, SIGUSR1) ends the run at the end of the update in progress: last.ckpt is written at
+    that update boundary, the log says how to continue, and `stopped_by` holds the signal, so that
+    train() exits with 128 + its number (143, 130), never 0. All ranks stop at the same update (one
+    all-reduce per update with several processes). A second Ctrl+C stops at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self, checkpoint_dir: Path, keep_last: int):
         self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
         self.saved_step: int | None = None
+        self.received: int = 0  # the stop signal's number, on this rank
+        self.stopped_by: signal.Signals | None = None  # the signal every rank stopped for
+        self._handlers: dict = {}
 
     def save_last(self, trainer: L.Trainer) -> None:
         trainer.save_checkpoint(self.checkpoint_dir / "last.ckpt", weights_only=False)
         self.saved_step = trainer.global_step
 
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # Replaces Lightning's own SIGTERM/SIGUSR1 handlers (registered when fit starts), which stop inside
+        # an accumulation window and exit 0, or save mid-update: one handler that only takes note.
+        self.updates_seen = trainer.global_step
+        self._handlers = {signum: signal.signal(signum, self._note) for signum in self.SIGNALS}
+
+    def _note(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl+C: now
+        if not self.received:
+            log.warning(
+                "received %s: stopping at the end of the update in progress (last.ckpt is written there)%s",
+                signal.Signals(signum).name,
+                "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else "",
+            )
+        self.received = signum
+
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        updated, self.updates_seen = trainer.global_step != self.updates_seen, trainer.global_step
         # Right after the final update, like a periodic checkpoint: resumed with a larger max_steps, it
         # continues the epoch. Saved at on_train_end, the loops would already count the epoch as done.
         if 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step:
             self.save_last(trainer)
+        if updated and self._stop_signal(trainer, module):
+            if self.saved_step != trainer.global_step:
+                self.save_last(trainer)
+            trainer.should_stop = True
+
+    def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule) -> bool:
+        """Whether any rank received a stop signal; every rank gets the same answer."""
+        received = self.received
+        if trainer.world_size > 1:
+            flag = torch.tensor([received], device=module.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            received = int(flag.item())
+        if received:
+            self.stopped_by = signal.Signals(received)
+        return bool(received)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.teardown(trainer, module, "fit")  # the handlers from before the run
         if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
             self.save_last(trainer)
+        if self.stopped_by == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue_slurm_job()
         if not trainer.is_global_zero:
+            return
+        if self.stopped_by is not None:
+            log.warning(
+                "stopped by %s after update %s; last.ckpt holds it. Continue with the same CONFIG and ARGS plus: "
+                "ckpt_path=last hydra.run.dir=%s",
+                self.stopped_by.name,
+                f"{trainer.global_step:,}",
+                self.checkpoint_dir.parent,
+            )
             return
         # best.ckpt of this run only: a resumed run restores the best path of the run it came from
         best = next((c for c in trainer.checkpoint_callbacks if c.filename == "best"), None)
@@ -189,6 +249,33 @@ class RunEnd(L.Callback):
             (best.monitor, float(best.best_model_score)) if best else None,
         )
         log.info("finished after %s updates; next:\n%s", f"{trainer.global_step:,}", summary)
+
+    def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        for signum, handler in self._handlers.items():
+            signal.signal(signum, handler)
+        self._handlers = {}
+
+
+def requeue_slurm_job() -> None:
+    """`scontrol requeue <job>`: SLURM starts the job again later, with the same job id, hence the same
+    run folder (outputs/slurm-<job>-<step>), and train.py continues it from last.ckpt by itself."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        log.warning("SIGUSR1 outside a SLURM job: stopped, nothing requeued")
+        return
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("could not requeue SLURM job %s (%s): continue it by hand with ckpt_path=last", job, e)
+        return
+    if done.returncode == 0:
+        log.info("requeued SLURM job %s: it continues from last.ckpt when it starts again", job)
+    else:
+        log.warning(
+            "scontrol requeue %s failed (%s): continue it by hand with ckpt_path=last", job, done.stderr.strip()
+        )
 
 
 def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[str, float] | None) -> str:
