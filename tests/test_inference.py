@@ -307,3 +307,31 @@ def test_threads_option_sets_torch_threads_and_refuses_nonsense():
     for bad in (-1, 1.5, "two"):
         with pytest.raises(InputError, match="threads="):
             set_threads(bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_by_every_command_in_one_line_naming_file_and_tensor(
+    bad, trained_run, tmp_path, monkeypatch, capsys
+):
+    checkpoint = read_checkpoint(trained_run / "out" / "checkpoints" / "last.ckpt")
+    key = "model.decoder_layers.1.ffn.w1.weight"
+    checkpoint["state_dict"][key][3, 5] = bad
+    broken = write_checkpoint(checkpoint, tmp_path / "broken.ckpt")
+    message = rf"broken.ckpt: the weights are not finite: {re.escape(key)} holds {int(bad != bad)} NaN and "
+    from transformer_mt.tools.attention_maps import draw  # noqa: PLC0415
+    from transformer_mt.tools.export import export  # noqa: PLC0415
+
+    commands = {
+        "translate": lambda: run_translate(broken, "ein test\n", monkeypatch=monkeypatch, capsys=capsys),
+        "translate greedy": lambda: run_translate(
+            broken, "ein test\n", "decoding=greedy", monkeypatch=monkeypatch, capsys=capsys
+        ),
+        "evaluate": lambda: evaluate(hydra_task("evaluate", [f"ckpt={broken}"], tmp_path / "evaluate")),
+        "average": lambda: average_checkpoints([trained_run / "out" / "checkpoints" / "step0000012.ckpt", broken]),
+        "export": lambda: export(str(broken), "hf", str(tmp_path / "hf")),
+        "attention": lambda: draw(str(broken), "ein test", None, 1, None, str(tmp_path / "att"), "cpu"),
+    }
+    for name, command in commands.items():
+        with pytest.raises(InputError, match=message):
+            command()
+        assert not (tmp_path / "hf").exists() and not (tmp_path / "att").exists(), name

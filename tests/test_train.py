@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 import transformer_mt.train
 from conftest import CONF, NOISE, ROOT, SHARED_DATA, hydra_task, run_train, train_in_process
+from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
@@ -520,3 +521,21 @@ def test_a_failed_run_removes_only_its_own_hydra_only_folder(tmp_path, monkeypat
     (done / "checkpoints").mkdir(parents=True)
     remove_if_empty(done)
     assert done.exists()
+
+
+def test_resume_refuses_non_finite_weights_and_last_falls_back_to_the_newest_finite_checkpoint(
+    trained_run, tmp_path, caplog
+):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run / "out", run)
+    last = read_checkpoint(run / "checkpoints" / "last.ckpt")
+    last["state_dict"]["model.embed.tokens.weight"][7, 0] = float("nan")
+    write_checkpoint(last, run / "checkpoints" / "last.ckpt")
+    args = [f"data.path={trained_run / 'corpus'}", "data.max_tokens=400", "trainer.val_check_interval=6"]
+    args += ["checkpoint.every_n_train_steps=3", "trainer.max_steps=13"]
+    with pytest.raises(InputError, match=r"last.ckpt: the weights are not finite: model.embed.tokens.weight holds 1"):
+        train_in_process([*args, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"], trained_run, tmp_path / "other")
+    with caplog.at_level("INFO"):
+        train_in_process([*args, "ckpt_path=last"], trained_run, run)
+    assert re.search(r"not resuming from \S+last.ckpt: \S+ the weights are not finite", caplog.text)
+    assert re.search(r"resuming from \S+step0000012.ckpt \(update 12\)", caplog.text)

@@ -32,9 +32,10 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
     return path
 
 
-def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
+def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -> dict:
     """torch.load with weights_only=True, and a clear error for files that are not ours.
-    mmap: tensors are read from the file when used (cheap to look inside a large checkpoint)."""
+    mmap: tensors are read from the file when used (cheap to look inside a large checkpoint).
+    finite: refuse weights that hold NaN or inf (check_finite)."""
     if not str(path).strip():
         raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
     path = Path(path)
@@ -58,7 +59,21 @@ def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
     hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "model" not in hparams:
         raise InputError(f"{path}: not a transformer_mt checkpoint (no state_dict / hyper_parameters.model)")
+    if finite:
+        check_finite(path, checkpoint)
     return checkpoint
+
+
+def check_finite(path: str | Path, checkpoint: dict) -> None:
+    """One line naming the file and its first weight tensor that holds NaN or inf. Training never writes
+    such weights (it stops before a non-finite update), so the file was damaged or written elsewhere."""
+    for key, value in checkpoint["state_dict"].items():
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            nan, inf = int(value.isnan().sum()), int(value.isinf().sum())
+            raise InputError(
+                f"{path}: the weights are not finite: {key} holds {nan:,} NaN and {inf:,} inf of "
+                f"{value.numel():,} values; use another checkpoint (an earlier one of the run, or its average)"
+            )
 
 
 def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:

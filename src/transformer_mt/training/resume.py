@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
+from transformer_mt.checkpoint import check_finite, read_checkpoint, write_checkpoint
 from transformer_mt.errors import InputError, MissingInputError
 
 log = logging.getLogger(__name__)
@@ -112,19 +112,22 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
         if path.name == "best.ckpt" or path.name.startswith("average-"):  # written at validation / no optimizer
             continue
         try:
-            checkpoint = read_checkpoint(path, mmap=True)  # tensors stay on disk until used
+            checkpoint = read_checkpoint(path, mmap=True, finite=False)  # tensors stay on disk until used
         except InputError as e:
             log.warning("not resuming from %s: %s", path, e)
             continue
         if "optimizer_states" in checkpoint and "loops" in checkpoint:
             found.append((checkpoint["global_step"], path.name == "last.ckpt", path.stat().st_mtime, path, checkpoint))
-    if not found:
-        raise MissingInputError(
-            f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}; continue a run with "
-            "ckpt_path=last hydra.run.dir=<the run's folder>, or give ckpt_path=<a .ckpt file>"
-        )
-    *_, path, checkpoint = max(found, key=lambda item: item[:3])
-    return path, checkpoint
+    for *_, path, checkpoint in sorted(found, key=lambda item: item[:3], reverse=True):
+        try:  # only the newest is read whole
+            check_finite(path, checkpoint)
+            return path, checkpoint
+        except InputError as e:
+            log.warning("not resuming from %s: %s", path, e)
+    raise MissingInputError(
+        f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}; continue a run with "
+        "ckpt_path=last hydra.run.dir=<the run's folder>, or give ckpt_path=<a .ckpt file>"
+    )
 
 
 def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path, dict] | None:
