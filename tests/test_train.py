@@ -539,3 +539,16 @@ def test_resume_refuses_non_finite_weights_and_last_falls_back_to_the_newest_fin
         train_in_process([*args, "ckpt_path=last"], trained_run, run)
     assert re.search(r"not resuming from \S+last.ckpt: \S+ the weights are not finite", caplog.text)
     assert re.search(r"resuming from \S+step0000012.ckpt \(update 12\)", caplog.text)
+
+
+def test_a_finite_divergence_is_warned_about_once_and_training_goes_on(corpus, tmp_path, caplog):
+    args = [f"data.path={corpus}", "optim.lr_factor=1e4", "progress_every_n_updates=2", "trainer.max_steps=20"]
+    with caplog.at_level("INFO"):
+        train_in_process(args, tmp_path, tmp_path / "run")
+    warnings = re.findall(r"the training loss \(([\d.]+) at update (\d+)\) is ([\d.]+)x its best", caplog.text)
+    assert len(warnings) == 1, caplog.text[-3000:]
+    assert float(warnings[0][2]) > 3 and "finished after 20 updates" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):  # the shipped rate: no warning
+        train_in_process([*args[:1], *args[2:]], tmp_path, tmp_path / "calm")
+    assert "finished after 20 updates" in caplog.text and "may be diverging" not in caplog.text

@@ -28,10 +28,16 @@ def duration(seconds: float) -> str:
 
 class ProgressLog(L.Callback):
     """A line every `every` updates and after each validation, readable in a file or a cluster log:
-    update/max, mean loss since the last line, learning rate, target tokens/s, elapsed and ETA."""
+    update/max, mean loss since the last line, learning rate, target tokens/s, elapsed and ETA.
+
+    A finite divergence (the loss of a line RISE times its best so far) is warned about once, with the
+    update and the likely causes; training goes on (a non-finite gradient stops it, module.py)."""
+
+    RISE = 3.0
 
     def __init__(self, every: int):
         self.every = every
+        self.best_loss, self.warned = float("inf"), False
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.start = self.since = time.monotonic()
@@ -67,7 +73,9 @@ class ProgressLog(L.Callback):
             + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")
         ]
         if self.loss_tokens:
-            parts.append(f"loss {float(self.loss_sum) / float(self.loss_tokens):.3f}")
+            loss = float(self.loss_sum) / float(self.loss_tokens)
+            parts.append(f"loss {loss:.3f}")
+            self.check_divergence(loss, step)
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
         # rank 0's tokens x ranks: every rank's batches hold about as many tokens (token buckets)
         seconds = max(now - self.since - self.paused, 1e-9)
@@ -79,6 +87,20 @@ class ProgressLog(L.Callback):
         log.info(" | ".join(parts))
         self.since, self.since_step = now, step
         self.loss_sum, self.loss_tokens, self.tokens, self.paused = 0.0, 0, 0, 0.0
+
+    def check_divergence(self, loss: float, step: int) -> None:
+        self.best_loss = min(self.best_loss, loss)
+        if loss > self.RISE * self.best_loss and not self.warned:
+            self.warned = True
+            log.warning(
+                "the training loss (%.3f at update %s) is %.1fx its best so far (%.3f): the run may be diverging. "
+                "Likely causes: a learning rate too high (optim.lr_factor, optim.warmup_steps), fp16 overflow "
+                "(trainer.precision=bf16-mixed), or corrupt data. Training goes on; this warning comes once",
+                loss,
+                f"{step:,}",
+                loss / self.best_loss,
+                self.best_loss,
+            )
 
 
 class StartupLog(L.Callback):
