@@ -23,6 +23,7 @@ from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
+from transformer_mt.files import RunFolderLock
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.runtime import use_tf32
 from transformer_mt.tools.plot import read_metrics
@@ -552,3 +553,29 @@ def test_a_finite_divergence_is_warned_about_once_and_training_goes_on(corpus, t
     with caplog.at_level("INFO"):  # the shipped rate: no warning
         train_in_process([*args[:1], *args[2:]], tmp_path, tmp_path / "calm")
     assert "finished after 20 updates" in caplog.text and "may be diverging" not in caplog.text
+
+
+def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lock_is_taken_over(corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [f"data.path={corpus}", "trainer.max_steps=2"]
+    hold = f"from transformer_mt.files import RunFolderLock; RunFolderLock(Path({str(run)!r})).__enter__()"
+    script = f"from pathlib import Path; {hold}; print('held', flush=True); __import__('time').sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)  # another training
+    try:
+        assert holder.stdout.readline() == "held\n"
+        refused = rf"{re.escape(str(run))} is in use by another training \(pid {holder.pid} on "
+        with pytest.raises(InputError, match=refused):
+            train_in_process(args, tmp_path, run)
+        assert not (run / "checkpoints").exists()  # nothing of the refused start
+    finally:
+        holder.kill()
+        holder.wait()
+    train_in_process(args, tmp_path, run)  # the holder died by SIGKILL: its lock went with it
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    # The holder's .hydra files: a refused start's Hydra rewrites them before it is refused; the holder
+    # writes its own back when it ends.
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    with RunFolderLock(run):
+        (run / ".hydra" / "config.yaml").write_text("seed: 1\n")  # as Hydra of the refused start does
+    assert (run / ".hydra" / "config.yaml").read_text() == "seed: 0\n"

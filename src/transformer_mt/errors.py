@@ -54,12 +54,13 @@ def required(cfg, key: str):
 
 
 def remove_if_empty(run_dir: Path) -> None:
-    """Remove a run folder that holds only Hydra's files (.hydra/, <job>.log), and the folders above
+    """Remove a run folder that holds only Hydra's files (.hydra/, <job>.log) and a free .lock, and the folders above
     it that it leaves empty, up to the working directory (outputs/<date>/ and outputs/)."""
     cwd, run_dir = Path.cwd().resolve(), run_dir.resolve()
     if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
         return
-    if not run_dir.is_dir() or any(p.name != ".hydra" and p.suffix != ".log" for p in run_dir.iterdir()):
+    hydra_only = (".hydra", ".lock")  # and the logs; .lock: files.RunFolderLock
+    if not run_dir.is_dir() or any(p.name not in hydra_only and p.suffix != ".log" for p in run_dir.iterdir()):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     for parent in run_dir.parents:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,3 +100,43 @@ def iter_lines(path: str | Path) -> Iterator[str]:
 
 def read_lines(path: str | Path) -> list[str]:
     return list(iter_lines(path))
+
+
+class RunFolderLock:
+    """Holds <run>/.lock (an flock) for a training's lifetime: a second training started into the same
+    folder is refused in one line naming the holder, instead of both writing the same checkpoints and
+    log. The lock goes with its process, however it ends (even SIGKILL): a stale .lock file is taken
+    over. Hydra writes the refused start's own .hydra/ files before it runs; the holder writes its
+    own back when it ends."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.path = run_dir / ".lock"
+        self.fd: int | None = None
+        self.hydra: dict[Path, bytes] = {}
+
+    def __enter__(self) -> RunFolderLock:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "a process"
+            os.close(fd)
+            raise InputError(
+                f"{self.run_dir} is in use by another training ({holder}); two trainings in one folder "
+                "overwrite each other's checkpoints and log. Wait for it to end, or start this one in another "
+                "folder (hydra.run.dir=...)"
+            ) from None
+        os.ftruncate(fd, 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
+        self.fd = fd
+        self.hydra = {p: p.read_bytes() for p in (self.run_dir / ".hydra").glob("*.yaml")}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for path, content in self.hydra.items():  # a refused start may have rewritten them
+            if not path.is_file() or path.read_bytes() != content:
+                path.write_bytes(content)
+        os.close(self.fd)  # releases the lock; the file stays, free for the next start

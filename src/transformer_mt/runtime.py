@@ -118,6 +118,12 @@ def launched_rank() -> int:
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
+def first_process() -> bool:
+    """The job's first process: global rank 0, and not one of the ranks Lightning's ddp starts itself
+    (those re-run the command with LOCAL_RANK set)."""
+    return launched_rank() == 0 and int(os.environ.get("LOCAL_RANK") or 0) == 0
+
+
 def launch_id() -> str | None:
     """A name shared by every rank of one launched job, and by the same job restarted or requeued:
     torchrun's run id, or SLURM's job and step; None outside a launcher."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,9 +23,16 @@ from omegaconf import DictConfig, OmegaConf
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, exit_on_user_error
-from transformer_mt.files import remove_stale_temporaries
+from transformer_mt.files import RunFolderLock, remove_stale_temporaries
 from transformer_mt.model import TransformerConfig
-from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, launch_id, launched_rank, use_tf32
+from transformer_mt.runtime import (
+    cpu_has_native_bf16,
+    first_process,
+    keep_freed_memory,
+    launch_id,
+    launched_rank,
+    use_tf32,
+)
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
@@ -172,6 +180,12 @@ def train(cfg: DictConfig) -> float | None:
     trainer_args = trainer_arguments(cfg.trainer)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # One training per run folder: a second start into it is refused (the job's first process holds it).
+    with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
+        return fit(cfg, run_dir, trainer_args, startup)
+
+
+def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog) -> float | None:
     checkpoint_dir = run_dir / "checkpoints"
     for path in remove_stale_temporaries(checkpoint_dir):
         log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
