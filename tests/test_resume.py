@@ -1,6 +1,7 @@
 """Fault injection: training SIGKILLed at many points, resumed with the documented command
 (`ckpt_path=last hydra.run.dir=<run>`), must end bit-identical to the run that was never killed."""
 
+import csv
 import os
 import re
 import resource
@@ -55,12 +56,34 @@ KILLS = [
     pytest.param(["update:10"], id="mid-epoch"),
     pytest.param(["epoch-end:0"], id="at-the-epoch-boundary"),
     pytest.param(["validation:20"], id="during-validation"),
+    # update 12 has a periodic checkpoint and a validation: the checkpoint waits for the validation
+    pytest.param(["validation:12"], id="during-the-validation-of-a-checkpointed-update"),
     pytest.param(["write:step0000030.ckpt:30"], id="during-a-periodic-checkpoint-write"),
     pytest.param(["update:25"], id="inside-the-second-epoch"),
     pytest.param(["update:7", "update:31"], id="twice-in-one-run"),
     # data=wmt14 loads with 2 persistent worker processes: the same batches, the same result
     pytest.param(["epoch-end:0", "update:25"], id="with-2-loader-workers"),
 ]
+
+
+def validation_rows(run: Path) -> dict[int, dict]:
+    """The validation metrics of every CSV version of a run (a resumed run writes its own), by update."""
+    rows = {}
+    for path in sorted(run.glob("csv/**/metrics.csv")):
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                if row.get("val/loss"):
+                    rows[int(row["step"])] = {k: v for k, v in row.items() if k.startswith("val/")}
+    return rows
+
+
+def validation_lines(run: Path) -> dict[int, str]:
+    """train.log's validation lines by update (a validation redone after a kill says the same)."""
+    found = re.findall(r"validation at update (\d+): (.*)", (run / "train.log").read_text())
+    lines = {}
+    for update, text in found:
+        assert lines.setdefault(int(update), text) == text, (update, text)
+    return lines
 
 
 def resumed_from(proc) -> tuple[str, int]:
@@ -116,7 +139,12 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         # the file a run resumed from, which Lightning never deletes (here when last.ckpt was cut short).
         expected = {p.name for p in uninterrupted.iterdir()} | {resumed_from(proc)[0]}
         assert sorted(p.name for p in checkpoints.iterdir()) == sorted(expected)
-        assert load(checkpoints / "best.ckpt")["global_step"] == load(uninterrupted / "best.ckpt")["global_step"]
+        best, expected_best = load(checkpoints / "best.ckpt"), load(uninterrupted / "best.ckpt")
+        assert best["global_step"] == expected_best["global_step"]
+        assert all(torch.equal(best["state_dict"][k], v) for k, v in expected_best["state_dict"].items())
+        # Every validation, once, with the uninterrupted run's values: in the CSV and in the log.
+        assert validation_rows(run) == validation_rows(uninterrupted.parent)
+        assert validation_lines(run) == validation_lines(uninterrupted.parent)
 
 
 def test_ddp_with_accumulation_and_time_based_checkpoints_killed_and_resumed_is_bit_identical(tmp_path):

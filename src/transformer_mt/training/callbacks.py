@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.tokenizer import PAD_ID
+from transformer_mt.training.resume import validation_follows
 
 log = logging.getLogger(__name__)
 
@@ -223,14 +224,24 @@ class RunEnd(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         updated, self.updates_seen = trainer.global_step != self.updates_seen, trainer.global_step
+        validated = validation_follows(trainer)  # then last.ckpt waits for the validation's end (UpdateCheckpoint)
         # Right after the final update, like a periodic checkpoint: resumed with a larger max_steps, it
         # continues the epoch. Saved at on_train_end, the loops would already count the epoch as done.
-        if 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step:
-            self.save_last(trainer)
+        final = 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step
         if updated and self._stop_signal(trainer, module):
-            if self.saved_step != trainer.global_step:
-                self.save_last(trainer)
+            final = self.saved_step != trainer.global_step
             trainer.should_stop = True
+            if not validated:  # Lightning would validate when told to stop: not an update that is due one
+                trainer.fit_loop.epoch_loop._skip_next_val = True
+        if final and validated:
+            self.save_after_validation = True
+        elif final:
+            self.save_last(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if getattr(self, "save_after_validation", False) and not trainer.sanity_checking:
+            self.save_after_validation = False
+            self.save_last(trainer)
 
     def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule) -> bool:
         """Whether any rank received a stop signal; every rank gets the same answer."""

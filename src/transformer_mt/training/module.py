@@ -205,6 +205,10 @@ class TranslationModule(L.LightningModule):
     # -- checkpoints: the SentencePiece model travels inside every one, so the file alone can translate
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # The metrics logged so far reach the disk with every checkpoint: a killed run loses no CSV row
+        # before its newest checkpoint, and the run resumed from it writes the rows after it.
+        for logger in self.trainer.loggers:
+            logger.save()
         if self.tokenizer is not None:
             checkpoint["sentencepiece"] = self.tokenizer.proto
 

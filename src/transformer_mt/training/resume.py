@@ -27,20 +27,39 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_checkpoint(checkpoint, path)
 
 
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after the current training batch: its own decision (a private
+    method of its loop, tested through the kill tests of tests/test_resume.py)."""
+    return not trainer.should_stop and trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
 class UpdateCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint, saving only right after an optimizer update. A time-based save
     (train_time_interval) could otherwise fall inside an accumulation window, whose partial gradients a
     checkpoint does not hold: the resumed update would use fewer micro-batches than the uninterrupted one.
-    A save that comes due mid-window waits for the window's end."""
+    A save that comes due mid-window waits for the window's end.
+
+    At an update that is also validated, the save waits for the validation's end: Lightning resumes a
+    checkpoint of that update as validated, so one written before the validation (then killed in it)
+    would lose that validation for good, from the CSV, the log and the choice of best.ckpt."""
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_train_start(trainer, module)
         self._updates_seen = trainer.global_step
+        self._after_validation: tuple | None = None
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         updated, self._updates_seen = trainer.global_step != self._updates_seen, trainer.global_step
-        if updated:
+        if updated and validation_follows(trainer):
+            self._after_validation = (outputs, batch, batch_idx)
+        elif updated:
             super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, module)
+        if self._after_validation is not None and not trainer.sanity_checking:
+            args, self._after_validation = self._after_validation, None
+            super().on_train_batch_end(trainer, module, *args)
 
 
 def random_state() -> dict:
