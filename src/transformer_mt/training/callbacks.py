@@ -199,6 +199,7 @@ class RunEnd(L.Callback):
         self.saved_step: int | None = None
         self.received: int = 0  # the stop signal's number, on this rank
         self.stopped_by: signal.Signals | None = None  # the signal every rank stopped for
+        self.save_after_validation = False  # last.ckpt of an update that is validated: after the validation
         self._handlers: dict = {}
 
     def save_last(self, trainer: L.Trainer) -> None:
@@ -239,7 +240,7 @@ class RunEnd(L.Callback):
             self.save_last(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if getattr(self, "save_after_validation", False) and not trainer.sanity_checking:
+        if self.save_after_validation and not trainer.sanity_checking:
             self.save_after_validation = False
             self.save_last(trainer)
 

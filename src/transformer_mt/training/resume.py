@@ -43,10 +43,12 @@ class UpdateCheckpoint(ModelCheckpoint):
     checkpoint of that update as validated, so one written before the validation (then killed in it)
     would lose that validation for good, from the CSV, the log and the choice of best.ckpt."""
 
+    _after_validation: tuple | None = None  # the arguments of a save waiting for the validation's end
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_train_start(trainer, module)
         self._updates_seen = trainer.global_step
-        self._after_validation: tuple | None = None
+        self._after_validation = None
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         updated, self._updates_seen = trainer.global_step != self._updates_seen, trainer.global_step
