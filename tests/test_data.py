@@ -658,3 +658,49 @@ def test_a_launched_job_has_one_run_folder_name(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("RANK", "0")
     assert run_folder() == "torchrun-job42" and launched_rank() == 0
+
+
+WORKER_SCRIPT = """
+import os, time, torch
+from torch.utils.data import DataLoader
+from transformer_mt.runtime import die_with_parent
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return os.getpid()
+
+loader = DataLoader(Slow(), num_workers=2, worker_init_fn=die_with_parent)  # as the datamodule's loaders
+for i, pid in enumerate(loader):
+    print(int(pid), flush=True)
+    if i == 10:  # the workers fill their prefetch queue, then wait idle, as during a long validation
+        print("idle", flush=True)
+        time.sleep(60)
+"""
+
+
+@pytest.mark.slow
+def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_path):
+    main = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT], stdout=subprocess.PIPE, text=True)
+    workers = set()
+    while (line := main.stdout.readline().strip()) != "idle":
+        workers.add(int(line))
+    time.sleep(0.3)
+    main.kill()  # SIGKILL: no finally, no atexit, as the OOM killer or a lost node
+    main.wait()
+
+    def running(pid: int) -> bool:  # a zombie (Z) has ended, waiting only for init to reap it
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 1.0  # torch's own workers notice a dead parent only after ~5 s
+    while time.monotonic() < deadline and any(map(running, workers)):
+        time.sleep(0.05)
+    alive = [pid for pid in workers if running(pid)]
+    for pid in alive:
+        os.kill(pid, 9)
+    assert not alive, f"workers {alive} still alive 1 s after the training process died"

@@ -7,6 +7,7 @@ import pty
 import random
 import re
 import select
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -335,3 +336,20 @@ def test_non_finite_weights_are_refused_by_every_command_in_one_line_naming_file
         with pytest.raises(InputError, match=message):
             command()
         assert not (tmp_path / "hf").exists() and not (tmp_path / "att").exists(), name
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_the_same_file(trained_run, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid no process has now: the writer that was killed
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("step0000009.ckpt", "step0000012.ckpt"):
+        os.link(trained_run / "out" / "checkpoints" / name, checkpoints / name)
+    host = socket.gethostname()
+    stale = checkpoints / f".average-last2.ckpt.tmp-{host}-{dead.pid}-0123abcd"  # a killed make average
+    stale.write_bytes(b"")
+    alive = checkpoints / f".average-last2.ckpt.tmp-{host}-{os.getpid()}-4567cdef"  # a write in progress
+    alive.write_bytes(b"")
+    average_run(tmp_path / "run", 2)
+    assert not stale.exists() and alive.exists()
+    assert (checkpoints / "average-last2.ckpt").is_file()

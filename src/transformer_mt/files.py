@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import secrets
 import shutil
@@ -24,10 +25,14 @@ def atomic_write(target: str | Path) -> Iterator[Path]:
 
     The rename is atomic: readers see the old content or the new, never part of it. The
     temporary name is unique to this write. A directory that another process renamed into place
-    first is kept.
+    first is kept. Temporaries of the same target left by killed writers (make export, make
+    average, a cache) are removed first.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*"):  # of this target, by killed writers
+        if is_stale(stale):
+            remove(stale)
     # host, process and a random part: ranks on nodes that share the folder never share a temporary name
     tmp = target.with_name(f".{target.name}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -54,14 +59,24 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
     """Remove the temporary files and folders that atomic_write left in `directory` (or a folder
     inside it) when its process was killed: those of this host whose process is gone (another
     host's may still be writing)."""
-    host, removed = socket.gethostname(), []
+    removed = []
     found = [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")] if directory.is_dir() else []
     for path in found:
-        owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)
-        if len(owner) == 3 and owner[0] == host and owner[1].isdigit() and not process_exists(int(owner[1])):
+        if is_stale(path):
             remove(path)
             removed.append(path)
     return removed
+
+
+def is_stale(path: Path) -> bool:
+    """A temporary of atomic_write whose writer, a process of this host, is gone."""
+    owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)
+    return (
+        len(owner) == 3
+        and owner[0] == socket.gethostname()
+        and owner[1].isdigit()
+        and not process_exists(int(owner[1]))
+    )
 
 
 def process_exists(pid: int) -> bool:

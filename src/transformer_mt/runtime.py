@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import os
 import platform
+import signal
 from pathlib import Path
 
 import torch
@@ -141,3 +142,13 @@ def use_tf32() -> None:
     off by default; bf16-mixed training does not use it (its products are bf16)."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(worker_id: int = 0) -> None:
+    """A data loader's worker_init_fn: on Linux, the kernel kills this worker when the training process
+    dies, however it dies (SIGKILL included), instead of leaving it running. Elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

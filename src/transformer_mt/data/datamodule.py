@@ -29,7 +29,7 @@ from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, col
 from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
 from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
-from transformer_mt.runtime import launched_rank
+from transformer_mt.runtime import die_with_parent, launched_rank
 from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -347,6 +347,7 @@ class TranslationDataModule(L.LightningDataModule):
             # would shift dropout's random numbers by whether a validation or an epoch start came between
             # a checkpoint and the next update, so a resumed run would not match. Collation draws nothing.
             generator=torch.Generator().manual_seed(self.seed),
+            worker_init_fn=die_with_parent,
         )
         if split == "train":
             return ResumableLoader(data, batches_done=self._batches_done, **kwargs)
