@@ -1,5 +1,6 @@
 """Reading, cleaning, SentencePiece, caching and token-bucket batching (issue: data)."""
 
+import errno
 import io
 import math
 import os
@@ -704,3 +705,57 @@ def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_p
     for pid in alive:
         os.kill(pid, 9)
     assert not alive, f"workers {alive} still alive 1 s after the training process died"
+
+
+# ---------------------------------------------------------------- damaged and unwritable caches
+
+
+def test_a_damaged_cache_is_noticed_when_opened_and_built_again_with_a_warning(tmp_path, caplog):
+    first = text_datamodule(tmp_path)
+    first.build()
+    train_cache = first.split_directory(first.raw["train"])
+    arrow = train_cache / "pairs.arrow"
+    expected = [list(first.splits["train"][i][0]) for i in range(5)]
+    os.truncate(arrow, arrow.stat().st_size // 2)  # cut short after it was written
+    model = first.tokenizer_directory(first.raw["train"]) / "sentencepiece.model"
+    model.write_bytes(b"garbage")
+    again = text_datamodule(tmp_path)
+    with caplog.at_level("WARNING"):
+        again.build()
+    assert re.search(r"damaged cache, built again: \S+sentencepiece.model: not a SentencePiece model", caplog.text)
+    assert re.search(
+        rf"damaged cache, built again: {re.escape(str(arrow))} holds [\d,]+ bytes, [\d,]+ were", caplog.text
+    )
+    assert [list(again.splits["train"][i][0]) for i in range(5)] == expected  # the same ids as before
+
+
+def test_a_read_only_cache_ends_in_one_line_naming_the_folder_and_the_fix(tmp_path, monkeypatch):
+    # (the tests run as root, whom file modes do not stop: the file system's answer is injected)
+    def read_only(target):
+        raise OSError(errno.EROFS, "Read-only file system", str(target))
+
+    monkeypatch.setattr(datamodule_module, "atomic_write", read_only)
+    dm = text_datamodule(tmp_path)
+    with pytest.raises(InputError, match=r"data.cache_dir=\S+: the data cache cannot be written there \(Read-only"):
+        dm.build()
+
+
+def test_a_full_disk_under_the_cache_ends_in_one_line_naming_the_folder_and_the_fix(tmp_path):
+    cache, corpus = tmp_path / "cache", tmp_path / "corpus"
+    write_corpus(corpus, 400)
+    code = (
+        "import resource, signal\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))\n"  # a write past 20 kB fails: a full disk
+        "from transformer_mt.data.datamodule import TranslationDataModule\n"
+        "from transformer_mt.errors import exit_on_user_error\n"
+        f"dm = TranslationDataModule(name='synthetic', path={str(corpus)!r}, text_files={TEXT_FILES!r}, "
+        f"vocab_size=400, cache_dir={str(cache)!r})\n"
+        "exit_on_user_error(dm.build)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: data.cache_dir={cache}: the data cache cannot be written there (")
+    assert "Point data.cache_dir at a writable folder" in lines[0]
+    assert not list(cache.glob("*/*.tmp-*")) and not list(cache.glob("*/.*.tmp-*"))  # nothing partial left

@@ -6,10 +6,12 @@ caches the tokenized splits and hands Lightning its loaders.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import logging
 import os
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,6 +37,7 @@ from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tok
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "pairs.arrow"  # one tokenized split: Arrow IPC stream, read memory-mapped by datasets
+SIZE_FILE = "pairs.size"  # pairs.arrow's size as written: a cut-short file is noticed when opened
 
 
 class Stopwatch:
@@ -112,8 +115,23 @@ class TranslationDataModule(L.LightningDataModule):
         Each step runs inside `with stage("<what it does>")`: a hook for measuring them one at a time
         (scripts/scale_report.py), named by what the step will do (load or build). Before SentencePiece
         trains, every split's files are opened (Parquet/JSON converted to Arrow), so that a bad
-        validation or test file fails before the long step, not after it.
+        validation or test file fails before the long step, not after it. A cache that cannot be
+        written (read-only, full, not ours) ends in one line naming data.cache_dir and the fix.
         """
+        try:
+            self._build(stage)
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG):
+                raise
+            where = next(p for p in (self.cache_dir, *self.cache_dir.parents) if p.exists())
+            free = shutil.disk_usage(where).free / 2**20
+            raise InputError(
+                f"data.cache_dir={self.cache_dir}: the data cache cannot be written there ({e.strerror}: "
+                f"{e.filename or where}; {free:,.0f} MiB free). Point data.cache_dir at a writable folder with "
+                "room for the tokenized corpus (a few GB for WMT14), or free space there"
+            ) from None
+
+    def _build(self, stage: Callable[[str], AbstractContextManager]) -> None:
         for folder in ("sentencepiece", "corpus"):  # what a killed build left half-written
             for path in remove_stale_temporaries(self.cache_dir / folder):
                 log.info("removed %s (an unfinished cache write of a killed run)", path)
@@ -167,7 +185,11 @@ class TranslationDataModule(L.LightningDataModule):
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
         directory = self.tokenizer_directory(train)
         if (directory / MODEL_FILE).exists():
-            return Tokenizer(directory / MODEL_FILE)
+            try:
+                return Tokenizer(directory / MODEL_FILE)
+            except InputError as e:  # damaged after it was written (a disk fault, a stray copy): build it again
+                log.warning("damaged cache, built again: %s", e)
+                shutil.rmtree(directory)
         sentences = self.sentences(train)
         first = next(sentences, None)
         if first is None:
@@ -205,9 +227,16 @@ class TranslationDataModule(L.LightningDataModule):
         """One split's token ids from its cache, written first if missing; one log line per split."""
         split, filtered = raw.split, raw.split == "train"
         directory = self.split_directory(raw)
-        start, cached = time.perf_counter(), directory.exists()
+        start, cached, tokenized = time.perf_counter(), directory.exists(), None
+        if cached:
+            try:
+                tokenized = open_cache(directory)
+            except DamagedCache as e:  # damaged after it was written: tokenized again
+                log.warning("damaged cache, built again: %s", e)
+                shutil.rmtree(directory)
+                cached = False
         dropped = "" if cached else self.write_tokenized(raw, directory, filtered)
-        tokenized = TokenizedSplit(datasets.Dataset.from_file(str(directory / CACHE_FILE)))
+        tokenized = tokenized or open_cache(directory)
         how = "loaded from cache" if cached else "tokenized"
         self.timings[split] = (how, time.perf_counter() - start)
         log.info(
@@ -249,6 +278,7 @@ class TranslationDataModule(L.LightningDataModule):
                     kept += len(batch[2])
                     first_row += len(raw_src)
                     bar.update(len(raw_src))
+            (tmp / SIZE_FILE).write_text(f"{(tmp / CACHE_FILE).stat().st_size}\n")
             if not kept:
                 raise InputError(
                     f"{raw.describe()}: the {raw.split} split is empty after cleaning (dropped: {dict(drops)}); "
@@ -365,6 +395,23 @@ class TranslationDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.sampler("test", shuffle=False))
+
+
+class DamagedCache(Exception):
+    """A cache entry that does not read back as it was written."""
+
+
+def open_cache(directory: Path) -> TokenizedSplit:
+    """A split's cache, checked first: pairs.arrow must have the size written beside it (caches written
+    before that check have no size file and are only opened) and must open."""
+    path, size_file = directory / CACHE_FILE, directory / SIZE_FILE
+    try:
+        size = path.stat().st_size
+        if size_file.exists() and size != int(size_file.read_text()):
+            raise DamagedCache(f"{path} holds {size:,} bytes, {int(size_file.read_text()):,} were written")
+        return TokenizedSplit(datasets.Dataset.from_file(str(path)))
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise DamagedCache(f"{path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def ragged(values: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> pa.ListArray:
