@@ -186,6 +186,8 @@ def train(cfg: DictConfig) -> float | None:
 
 
 def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog) -> float | None:
+    """The run in its folder: what to resume from, the data, the module, the Trainer, then fit; a run
+    stopped by a signal exits with 128 + its number."""
     checkpoint_dir = run_dir / "checkpoints"
     for path in remove_stale_temporaries(checkpoint_dir):
         log.info("removed %s (an unfinished checkpoint write of a killed run)", path)

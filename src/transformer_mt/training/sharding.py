@@ -93,8 +93,12 @@ def full_copy(root: nn.Module, model: Transformer) -> Transformer:
     unit (trainer.model); every rank must call this at the same point, since gathering is a collective."""
     with FullyShardedDataParallel.summon_full_params(root, writeback=False):
         state = {name.replace(WRAPPED, ""): p.detach().clone() for name, p in model.named_parameters()}
-    device = next(iter(state.values())).device
-    with torch.device(device):
+    # Built on the meta device: no initialisation, so no draw from the random generators, whose state
+    # (dropout's masks, checkpoints) must not depend on when validations ran.
+    with torch.device("meta"):
         copy = Transformer(model.cfg)
-    copy.load_state_dict(state)  # strict: a name FSDP changed would fail here, not decode with random weights
+    copy.load_state_dict(state, assign=True)  # strict: a name FSDP changed would fail here
+    for name, buffer in model.named_buffers():  # not sharded: the model's own, shared (never written)
+        owner, _, leaf = name.replace(WRAPPED, "").rpartition(".")
+        copy.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
     return copy.train(model.training)
