@@ -338,7 +338,7 @@ def test_non_finite_weights_are_refused_by_every_command_in_one_line_naming_file
         assert not (tmp_path / "hf").exists() and not (tmp_path / "att").exists(), name
 
 
-def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_the_same_file(trained_run, tmp_path):
+def test_a_killed_writers_temporaries_are_removed_by_the_next_average(trained_run, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid no process has now: the writer that was killed
     checkpoints = tmp_path / "run" / "checkpoints"
@@ -348,8 +348,10 @@ def test_a_killed_writers_temporary_is_removed_by_the_next_write_of_the_same_fil
     host = socket.gethostname()
     stale = checkpoints / f".average-last2.ckpt.tmp-{host}-{dead.pid}-0123abcd"  # a killed make average
     stale.write_bytes(b"")
+    other = checkpoints / f".average-last5.ckpt.tmp-{host}-{dead.pid}-89abcdef"  # ... of another N
+    other.write_bytes(b"")
     alive = checkpoints / f".average-last2.ckpt.tmp-{host}-{os.getpid()}-4567cdef"  # a write in progress
     alive.write_bytes(b"")
     average_run(tmp_path / "run", 2)
-    assert not stale.exists() and alive.exists()
+    assert not stale.exists() and not other.exists() and alive.exists()
     assert (checkpoints / "average-last2.ckpt").is_file()

@@ -13,6 +13,7 @@ import torch
 
 from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
 from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
+from transformer_mt.files import remove_stale_temporaries
 
 STEP = re.compile(r"step(\d+)")
 
@@ -71,6 +72,8 @@ def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -
     if len(paths) < n:
         print(f"warning: only {len(paths)} checkpoints in {run_dir}, averaging those")
     output = Path(output) if output else paths[-1].parent / f"average-last{len(paths)}.ckpt"
+    for stale in remove_stale_temporaries(output.parent):
+        print(f"removed {stale} (the unfinished write of a killed command)")
     write_checkpoint(average_checkpoints(paths), output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {output}")
     return output

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.errors import InputError, UserError, exit_on_user_error
-from transformer_mt.files import atomic_write
+from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -254,6 +254,8 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if quantization and fmt != "ct2":
         raise InputError("--quantization applies to FORMAT=ct2 only")
     out_dir = Path(out)
+    for stale in remove_stale_temporaries(out_dir.parent if str(out_dir.parent) else Path(".")):
+        print(f"removed {stale} (the unfinished write of a killed command)")
     if out_dir.exists():
         raise InputError(f"OUT={out_dir} exists; remove it or choose another folder (nothing was written)")
     optional("transformers").utils.logging.disable_progress_bar()
