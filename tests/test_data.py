@@ -5,6 +5,7 @@ import io
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -685,18 +686,24 @@ for i, pid in enumerate(loader):
 @pytest.mark.slow
 def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_path):
     main = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT], stdout=subprocess.PIPE, text=True)
-    workers = set()
-    while (line := main.stdout.readline().strip()) != "idle":
-        workers.add(int(line))
-    time.sleep(0.3)
-    main.kill()  # SIGKILL: no finally, no atexit, as the OOM killer or a lost node
-    main.wait()
 
     def running(pid: int) -> bool:  # a zombie (Z) has ended, waiting only for init to reap it
         try:
             return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
         except FileNotFoundError:
             return False
+
+    workers = set()
+    while (line := main.stdout.readline().strip()) != "idle":
+        workers.add(int(line))
+    time.sleep(0.3)
+    for pid in workers:  # Ctrl+C and a scheduler's SIGTERM reach the whole process group: the trainer's to handle
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(0.3)
+    assert main.poll() is None and all(map(running, workers)), "a worker ended on SIGINT/SIGTERM"
+    main.kill()  # SIGKILL: no finally, no atexit, as the OOM killer or a lost node
+    main.wait()
 
     deadline = time.monotonic() + 1.0  # torch's own workers notice a dead parent only after ~5 s
     while time.monotonic() < deadline and any(map(running, workers)):

@@ -567,6 +567,8 @@ def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lo
         with pytest.raises(InputError, match=refused):
             train_in_process(args, tmp_path, run)
         assert not (run / "checkpoints").exists()  # nothing of the refused start
+        remove_if_empty(run)  # what a failed start does to its folder: not to a folder another training holds
+        assert (run / ".lock").is_file()
     finally:
         holder.kill()
         holder.wait()
@@ -579,3 +581,13 @@ def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lo
     with RunFolderLock(run):
         (run / ".hydra" / "config.yaml").write_text("seed: 1\n")  # as Hydra of the refused start does
     assert (run / ".hydra" / "config.yaml").read_text() == "seed: 0\n"
+
+
+def test_a_checkpoint_written_after_its_validation_holds_that_validations_best_score(trained_run):
+    """Update 6 is checkpointed and validated: its checkpoint waits for the validation and for best.ckpt's
+    choice, so that a run resumed from it compares later validations with the right best score."""
+    checkpoint = torch.load(trained_run / "out" / "checkpoints" / "step0000006.ckpt", weights_only=True)
+    (best,) = [state for key, state in checkpoint["callbacks"].items() if "'monitor': 'val/bleu'" in key]
+    bleu = dict(read_metrics(trained_run / "out")["val/bleu"])
+    assert 6 in bleu  # the validation of update 6
+    assert best["best_model_score"].item() == pytest.approx(max(v for step, v in bleu.items() if step <= 6))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import sys
@@ -44,6 +45,21 @@ def exit_on_user_error(fn: Callable, *args):
         raise SystemExit(1) from None
 
 
+def folder_in_use(run_dir: Path) -> bool:
+    """Whether a training holds run_dir's .lock (files.RunFolderLock)."""
+    try:
+        fd = os.open(run_dir / ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def required(cfg, key: str):
     """cfg[key], or a one-line error when it is Hydra's `???` (not given on the command line)."""
     from omegaconf import OmegaConf  # noqa: PLC0415
@@ -61,6 +77,8 @@ def remove_if_empty(run_dir: Path) -> None:
         return
     hydra_only = (".hydra", ".lock")  # and the logs; .lock: files.RunFolderLock
     if not run_dir.is_dir() or any(p.name not in hydra_only and p.suffix != ".log" for p in run_dir.iterdir()):
+        return
+    if folder_in_use(run_dir):  # a start refused there: the folder is another training's, still building its data
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     for parent in run_dir.parents:

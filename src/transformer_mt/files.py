@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import os
@@ -152,6 +153,7 @@ class RunFolderLock:
 
     def __exit__(self, *exc) -> None:
         for path, content in self.hydra.items():  # a refused start may have rewritten them
-            if not path.is_file() or path.read_bytes() != content:
-                path.write_bytes(content)
+            with contextlib.suppress(OSError):
+                if not path.is_file() or path.read_bytes() != content:
+                    path.write_bytes(content)
         os.close(self.fd)  # releases the lock; the file stays, free for the next start

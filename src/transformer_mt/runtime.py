@@ -121,8 +121,9 @@ def launched_rank() -> int:
 
 def first_process() -> bool:
     """The job's first process: global rank 0, and not one of the ranks Lightning's ddp starts itself
-    (those re-run the command with LOCAL_RANK set)."""
-    return launched_rank() == 0 and int(os.environ.get("LOCAL_RANK") or 0) == 0
+    (those re-run the command with LOCAL_RANK set), on the first node (NODE_RANK)."""
+    local = int(os.environ.get("LOCAL_RANK") or 0)
+    return launched_rank() == 0 and local == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
 
 
 def launch_id() -> str | None:
@@ -149,6 +150,10 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def die_with_parent(worker_id: int = 0) -> None:
     """A data loader's worker_init_fn: on Linux, the kernel kills this worker when the training process
-    dies, however it dies (SIGKILL included), instead of leaving it running. Elsewhere a no-op."""
+    dies, however it dies (SIGKILL included), instead of leaving it running. The stop signals (Ctrl+C,
+    SIGTERM, SLURM's SIGUSR1 reach the whole process group) are the training process's to handle: a
+    worker ignores them, so that the update in progress can finish."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import time
 import warnings
 from dataclasses import fields
@@ -34,7 +35,7 @@ from transformer_mt.runtime import (
     use_tf32,
 )
 from transformer_mt.tokenizer import PAD_ID
-from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
+from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
 from transformer_mt.training.resume import (
@@ -259,9 +260,11 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
     finally:
         finish_wandb(loggers)
-    stopped_by = next(c for c in callbacks if isinstance(c, RunEnd)).stopped_by
+    stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # RunEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
-        raise SystemExit(128 + stopped_by)
+        if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue_slurm_job()
+        raise SystemExit(128 + int(stopped_by))
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, collate, update_shape
 from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.runtime import die_with_parent, launched_rank
 from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
@@ -121,7 +121,9 @@ class TranslationDataModule(L.LightningDataModule):
         try:
             self._build(stage)
         except OSError as e:
-            if e.errno not in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG):
+            faults = (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG)
+            elsewhere = e.filename and not Path(e.filename).resolve().is_relative_to(self.cache_dir.resolve())
+            if e.errno not in faults or elsewhere:  # e.g. a corpus file that cannot be read: not the cache's
                 raise
             where = next(p for p in (self.cache_dir, *self.cache_dir.parents) if p.exists())
             free = shutil.disk_usage(where).free / 2**20
@@ -157,11 +159,8 @@ class TranslationDataModule(L.LightningDataModule):
         raw = {split: self.corpus.load(split) for split in SPLITS}
         waited = 0.0
         while True:
-            model = self.tokenizer_directory(raw["train"]) / MODEL_FILE
-            if model.exists():
-                self.tokenizer = Tokenizer(model)
-                if all(self.split_directory(split).exists() for split in raw.values()):
-                    break
+            if self.caches_ready(raw):
+                break
             if waited >= timeout_seconds:
                 raise InputError(
                     f"waited {waited / 3600:.1f} h for rank 0 to write the data caches under {self.cache_dir}; "
@@ -170,6 +169,16 @@ class TranslationDataModule(L.LightningDataModule):
             time.sleep(poll_seconds)
             waited += poll_seconds
         self.build()
+
+    def caches_ready(self, raw: dict[str, RawSplit]) -> bool:
+        """Every cache of `raw` written and readable (rank 0 may still be building or repairing one)."""
+        try:
+            self.tokenizer = Tokenizer(self.tokenizer_directory(raw["train"]) / MODEL_FILE)
+            for split in raw.values():
+                open_cache(self.split_directory(split))
+        except (UserError, DamagedCache, FileNotFoundError):
+            return False
+        return True
 
     def tokenizer_directory(self, train: RawSplit) -> Path:
         key = cache_key(

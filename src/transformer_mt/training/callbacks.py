@@ -211,6 +211,9 @@ class RunEnd(L.Callback):
         # an accumulation window and exit 0, or save mid-update: one handler that only takes note.
         self.updates_seen = trainer.global_step
         self._handlers = {signum: signal.signal(signum, self._note) for signum in self.SIGNALS}
+        if trainer.received_sigterm:  # came while the run started (restore, sanity check): Lightning's handler
+            trainer._signal_connector.received_sigterm = False  # would exit 0 at the first batch
+            self._note(signal.SIGTERM, None)
 
     def _note(self, signum: int, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -239,7 +242,8 @@ class RunEnd(L.Callback):
         elif final:
             self.save_last(trainer)
 
-    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+    def after_validation(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Called by the module's on_validation_end, after every callback's (see UpdateCheckpoint)."""
         if self.save_after_validation and not trainer.sanity_checking:
             self.save_after_validation = False
             self.save_last(trainer)
@@ -253,14 +257,14 @@ class RunEnd(L.Callback):
             received = int(flag.item())
         if received:
             self.stopped_by = signal.Signals(received)
+            # for train(), also when this runs in ddp_spawn's workers (their callback_metrics come back)
+            trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(received))
         return bool(received)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.teardown(trainer, module, "fit")  # the handlers from before the run
         if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
             self.save_last(trainer)
-        if self.stopped_by == signal.SIGUSR1 and trainer.is_global_zero:
-            requeue_slurm_job()
         if not trainer.is_global_zero:
             return
         if self.stopped_by is not None:
@@ -292,7 +296,8 @@ class RunEnd(L.Callback):
 
 def requeue_slurm_job() -> None:
     """`scontrol requeue <job>`: SLURM starts the job again later, with the same job id, hence the same
-    run folder (outputs/slurm-<job>-<step>), and train.py continues it from last.ckpt by itself."""
+    run folder (outputs/slurm-<job>-<step>), and train.py continues it from last.ckpt by itself. Called
+    last, once the run has ended (SLURM then signals every task of the job)."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         log.warning("SIGUSR1 outside a SLURM job: stopped, nothing requeued")

@@ -159,6 +159,13 @@ class TranslationModule(L.LightningModule):
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 
+    def on_validation_end(self) -> None:
+        # After every callback's on_validation_end (Lightning calls the module's last): the checkpoints that
+        # waited for this validation are written now, holding best.ckpt's score of this validation.
+        for callback in self.trainer.callbacks:
+            if hasattr(callback, "after_validation"):
+                callback.after_validation(self.trainer, self)
+
     # -- test: beam search on the whole test split
 
     def on_test_epoch_start(self) -> None:

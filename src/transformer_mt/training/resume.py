@@ -30,7 +30,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def validation_follows(trainer: L.Trainer) -> bool:
     """Whether Lightning validates right after the current training batch: its own decision (a private
     method of its loop, tested through the kill tests of tests/test_resume.py)."""
-    return not trainer.should_stop and trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    loop = trainer.fit_loop.epoch_loop
+    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
 class UpdateCheckpoint(ModelCheckpoint):
@@ -57,8 +58,9 @@ class UpdateCheckpoint(ModelCheckpoint):
         elif updated:
             super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
 
-    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        super().on_validation_end(trainer, module)
+    def after_validation(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        """Called by the module's on_validation_end, after every callback's (best.ckpt's included, so that
+        the checkpoint holds the best score of this validation)."""
         if self._after_validation is not None and not trainer.sanity_checking:
             args, self._after_validation = self._after_validation, None
             super().on_train_batch_end(trainer, module, *args)
