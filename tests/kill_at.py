@@ -8,7 +8,8 @@ Points:
   validation:N      inside the first validation batch after update N
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
   signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
-                    starts, inside the next update's accumulation window (rank 0 only): the run stops by itself
+                    starts, inside the next update's accumulation window (rank 0 only): the run stops by itself;
+                    N = -1: as the sanity validation starts, before training (and this script's handlers) start
 
 The process really dies by SIGKILL (exit status -9 for the caller): nothing runs after it, no
 `finally`, no atexit handler, exactly as when a node dies or the OOM killer strikes.
@@ -40,6 +41,10 @@ class Killer(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.kind == "update" and trainer.global_step == self.at:
             die()
+
+    def on_sanity_check_start(self, trainer, module) -> None:
+        if self.kind.startswith("SIG") and self.at == -1 and trainer.global_rank == 0:
+            os.kill(os.getpid(), getattr(signal, self.kind))
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         first = not getattr(self, "sent", False)

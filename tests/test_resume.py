@@ -259,6 +259,20 @@ def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_r
             assert torch.equal(b["state_dict"][key], value), (name, key)
 
 
+def test_a_sigterm_while_the_run_starts_stops_it_at_the_first_update_with_status_143(tmp_path):
+    """Before training starts (restoring, the sanity validation), Lightning's own handler takes the signal;
+    it is carried over, and the run stops at the first update boundary instead of exiting 0 with nothing."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "run"
+    args = [f"data.path={corpus}", "trainer.num_sanity_val_steps=1", "trainer.max_steps=12", f"hydra.run.dir={run}"]
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    stopped = run_train(args, tmp_path, check=False, entry=(kill_at, "signal:SIGTERM:-1"))
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 143, output[-3000:]
+    assert "stopped by SIGTERM after update 1; last.ckpt holds it" in output
+    assert load(run / "checkpoints" / "last.ckpt")["global_step"] == 1
+
+
 # ---------------------------------------------------------------- what resuming refuses, and a full disk
 
 
