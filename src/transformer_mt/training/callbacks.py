@@ -188,8 +188,9 @@ class RunEnd(L.Callback):
 
     A stop signal (SIGTERM from a scheduler, `timeout` or `kill`; SIGINT from Ctrl+C; under SLURM the
     requeue signal, SIGUSR1) ends the run at the end of the update in progress: last.ckpt is written at
-    that update boundary, the log says how to continue, and `stopped_by` holds the signal, so that
-    train() exits with 128 + its number (143, 130), never 0. All ranks stop at the same update (one
+    that update boundary, the log says how to continue, and the signal goes to train() through
+    callback_metrics["stopped_by_signal"] (which ddp_spawn's workers hand back too), so that it exits
+    with 128 + its number (143, 130), never 0. All ranks stop at the same update (one
     all-reduce per update with several processes). A second Ctrl+C stops at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -228,11 +229,13 @@ class RunEnd(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         updated, self.updates_seen = trainer.global_step != self.updates_seen, trainer.global_step
+        if not updated:  # inside an accumulation window: nothing to save, no signal to act on yet
+            return
         validated = validation_follows(trainer)  # then last.ckpt waits for the validation's end (UpdateCheckpoint)
         # Right after the final update, like a periodic checkpoint: resumed with a larger max_steps, it
         # continues the epoch. Saved at on_train_end, the loops would already count the epoch as done.
         final = 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step
-        if updated and self._stop_signal(trainer, module):
+        if self._stop_signal(trainer, module):
             final = self.saved_step != trainer.global_step
             trainer.should_stop = True
             if not validated:  # Lightning would validate when told to stop: not an update that is due one
