@@ -3,15 +3,20 @@
 Read top to bottom: positions -> embeddings -> attention -> feed-forward -> layers ->
 encoder/decoder -> the model. Section numbers (§) refer to the paper.
 
-Shapes: B batch, S source length, T target length, d d_model, H heads, hd = d / H, V vocab.
+Shapes: B batch, S source length, T target length, d d_model, H heads, dk / dv the query-key / value
+size per head (d / H by default, §3.2.2), V vocab.
 Masks: `src_pad` is a bool (B, S) tensor, True where the source token is padding.
+
+The defaults are the paper's model. The switches of its Table 3 and of later work, each off by default:
+d_k / d_v apart from d_model / H (rows A, B), learned positions (row E), pre-norm (fairseq's
+--encoder-normalize-before), and less embedding sharing than §3.4's three-way tie.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -34,20 +39,59 @@ class TransformerConfig:
     dropout: float = 0.1  # P_drop (§5.4): residual branches and embedding sums
     max_positions: int = 1024
     pad_id: int = 0
+    d_k: int | None = None  # query/key size per head; None: d_model / n_heads (§3.2.2)
+    d_v: int | None = None  # value size per head; None: d_model / n_heads
+    positions: str = "sinusoidal"  # §3.5; or "learned": a trained table of max_positions rows (Table 3 row E)
+    norm: str = "post"  # §3.1 LayerNorm(x + Sublayer(x)); or "pre": x + Sublayer(LayerNorm(x)), final LayerNorms
+    share_embeddings: str = "all"  # §3.4 one matrix; "decoder": decoder input = output; "none": three matrices
 
     def __post_init__(self) -> None:
         for f in fields(self):  # values from YAML or the command line: "abc" and 1.5 fail here, by name
-            value, whole = getattr(self, f.name), f.type == "int"
+            value = getattr(self, f.name)
+            if f.name in CHOICES:
+                if value not in CHOICES[f.name]:
+                    raise ValueError(f"{f.name}={value!r}: must be one of {', '.join(CHOICES[f.name])}")
+                continue
+            if value is None and f.name in ("d_k", "d_v"):
+                continue
+            whole = f.name != "dropout"
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
                 raise ValueError(f"{f.name}={value!r}: must be a {'whole number' if whole else 'number'}")
             if f.name != "pad_id" and not (0 <= value < 1 if f.name == "dropout" else value > 0):
                 raise ValueError(f"{f.name}={value}: must be {'in [0, 1)' if f.name == 'dropout' else 'positive'}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
-        if self.d_model % 2:
+        if (self.d_k is None or self.d_v is None) and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; or set d_k and d_v per head"
+            )
+        if self.d_model % 2 and self.positions == "sinusoidal":
             raise ValueError(f"d_model={self.d_model} must be even for sin/cos positions (§3.5)")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}")
+
+    @property
+    def head_sizes(self) -> tuple[int, int]:
+        """(d_k, d_v): the query/key and value sizes of one head."""
+        default = self.d_model // self.n_heads
+        return self.d_k or default, self.d_v or default
+
+    @property
+    def is_paper_architecture(self) -> bool:
+        """The paper's layers, positions and sharing (sizes aside): what Marian (the export) can express."""
+        d_k, d_v = self.head_sizes
+        return (d_k * self.n_heads, d_v * self.n_heads, self.positions, self.norm, self.share_embeddings) == (
+            self.d_model,
+            self.d_model,
+            "sinusoidal",
+            "post",
+            "all",
+        )
+
+
+CHOICES = {
+    "positions": ("sinusoidal", "learned"),
+    "norm": ("post", "pre"),
+    "share_embeddings": ("all", "decoder", "none"),
+}
 
 
 def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
@@ -62,12 +106,19 @@ def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
 
 
 class Embedding(nn.Module):
-    """§3.4 + §3.5: token embedding * sqrt(d_model) + positions, then dropout (§5.4)."""
+    """§3.4 + §3.5: token embedding * sqrt(d_model) + positions, then dropout (§5.4).
+
+    positions="learned" (Table 3 row E): a trained (max_positions, d) table in place of the sinusoids,
+    initialised N(0, d^-0.5) as fairseq's learned positions. An Embedding shared by both stacks
+    (share_embeddings=all) shares its positions too, as it shares the sinusoid table."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        if cfg.positions == "learned":
+            self.positions = nn.Parameter(torch.empty(cfg.max_positions, cfg.d_model))  # reset_parameters
+        else:
+            self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
         self.scale = math.sqrt(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -110,7 +161,8 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
 
 
 class MultiHeadAttention(nn.Module):
-    """§3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_H) W^O, via scaled dot-product attention."""
+    """§3.2.2: MultiHead(Q, K, V) = Concat(head_1..head_H) W^O, via scaled dot-product attention.
+    W^Q_i, W^K_i are d x d_k and W^V_i is d x d_v, stored for all heads at once: (d, H dk), (d, H dv)."""
 
     weights: Tensor | None = None  # (B, H, Lq, Lk) of the last call, kept while recording (record_attention)
 
@@ -118,14 +170,15 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.recording = False
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        d_k, d_v = cfg.head_sizes
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * d_k)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_heads * d_k)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_heads * d_v)
+        self.out_proj = nn.Linear(cfg.n_heads * d_v, cfg.d_model)
 
     def split_heads(self, x: Tensor) -> Tensor:
-        B, L, d = x.shape
-        return x.view(B, L, self.n_heads, d // self.n_heads).transpose(1, 2)  # (B, H, L, hd)
+        B, L, width = x.shape  # width = H * dk (queries, keys) or H * dv (values)
+        return x.view(B, L, self.n_heads, width // self.n_heads).transpose(1, 2)  # (B, H, L, dk or dv)
 
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
@@ -137,8 +190,8 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         causal: bool = False,
     ) -> Tensor:
-        # query: (B, Lq, d); kv: keys and values already projected, each (B, H, Lk, hd)
-        q = self.split_heads(self.q_proj(query))  # (B, H, Lq, hd)
+        # query: (B, Lq, d); kv: keys (B, H, Lk, dk) and values (B, H, Lk, dv), already projected
+        q = self.split_heads(self.q_proj(query))  # (B, H, Lq, dk)
         k, v = kv
         if self.recording:
             out, self.weights = explicit_attention(q, k, v, mask, causal)
@@ -149,9 +202,9 @@ class MultiHeadAttention(nn.Module):
             # (small model, fp32, 2-core EPYC: training +12% target tokens/s; greedy decoding +23%).
             bf16_sentences = q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(-2) > FEW_QUERIES
             with sdpa_kernel(SDPBackend.MATH) if bf16_sentences else contextlib.nullcontext():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, hd)
-        B, H, Lq, hd = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * hd))
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, dv)
+        B, H, Lq, d_v = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * d_v))
 
 
 class FeedForward(nn.Module):
@@ -167,19 +220,23 @@ class FeedForward(nn.Module):
 
 
 class Residual(nn.Module):
-    """§3.1 and §5.4, post-norm: LayerNorm(x + Dropout(Sublayer(x)))."""
+    """§3.1 and §5.4, post-norm: LayerNorm(x + Dropout(Sublayer(x))).
+    norm="pre": x + Dropout(Sublayer(LayerNorm(x))), the residual stream itself never normalised."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
+        self.pre = cfg.norm == "pre"
         self.dropout = nn.Dropout(cfg.dropout)
         self.norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
 
-    def forward(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
-        return self.norm(x + self.dropout(sublayer_out))
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.pre:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
 
 
 class EncoderLayer(nn.Module):
-    """§3.1: self-attention, then feed-forward, each wrapped in a post-norm residual."""
+    """§3.1: self-attention, then feed-forward, each wrapped in a residual."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -189,12 +246,12 @@ class EncoderLayer(nn.Module):
         self.ffn_res = Residual(cfg)
 
     def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
-        x = self.self_attn_res(x, self.self_attn(x, self.self_attn.project_kv(x), mask=src_mask))
-        return self.ffn_res(x, self.ffn(x))
+        x = self.self_attn_res(x, lambda h: self.self_attn(h, self.self_attn.project_kv(h), mask=src_mask))
+        return self.ffn_res(x, self.ffn)
 
 
 class DecoderLayer(nn.Module):
-    """§3.1: masked self-attention, encoder-decoder attention, feed-forward; post-norm each."""
+    """§3.1: masked self-attention, encoder-decoder attention, feed-forward; each in a residual."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -208,35 +265,42 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
         # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
         # Decoding: x is the newest position of every hypothesis (B * beam, 1, d); the cache holds the
-        # keys/values of earlier positions, each (B * beam, H, t, hd), extended in place, and the memory's
-        # keys/values from the first step on. The newest query may see every cached key: no mask.
+        # keys/values of earlier positions, each (B * beam, H, t, dk or dv), extended in place, and the
+        # memory's keys/values from the first step on. The newest query may see every cached key: no mask.
         # Every projection happens here, inside this layer's forward: FSDP gathers a wrapped layer's
         # weights around its forward only (outside it they are flat shards).
-        k, v = self.self_attn.project_kv(x)
-        if cache is not None and cache.self_kv:
-            k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
-        if cache is not None:
-            cache.self_kv = [k, v]
-        x = self.self_attn_res(x, self.self_attn(x, (k, v), causal=cache is None))
-        if cache is not None and cache.memory_kv is not None:
-            memory_kv = cache.memory_kv
-        else:
-            memory_kv = self.cross_attn.project_kv(memory)  # (B, H, S, hd) each, once per sentence
+
+        def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
+            k, v = self.self_attn.project_kv(h)
+            if cache is not None and cache.self_kv:
+                k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
             if cache is not None:
-                cache.memory_kv = memory_kv
-        # The hypotheses of one sentence share its memory and attend to it as one block of queries
-        # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
-        queries = x.view(memory_kv[0].size(0), -1, x.size(-1))
-        x = self.cross_attn_res(x, self.cross_attn(queries, memory_kv, mask=src_mask).view_as(x))
-        return self.ffn_res(x, self.ffn(x))
+                cache.self_kv = [k, v]
+            return self.self_attn(h, (k, v), causal=cache is None)
+
+        def cross_attention(h: Tensor) -> Tensor:
+            if cache is not None and cache.memory_kv is not None:
+                memory_kv = cache.memory_kv
+            else:
+                memory_kv = self.cross_attn.project_kv(memory)  # (B, H, S, dk), (B, H, S, dv), once per sentence
+                if cache is not None:
+                    cache.memory_kv = memory_kv
+            # The hypotheses of one sentence share its memory and attend to it as one block of queries
+            # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
+            queries = h.view(memory_kv[0].size(0), -1, h.size(-1))
+            return self.cross_attn(queries, memory_kv, mask=src_mask).view_as(h)
+
+        x = self.self_attn_res(x, self_attention)
+        x = self.cross_attn_res(x, cross_attention)
+        return self.ffn_res(x, self.ffn)
 
 
 @dataclass
 class LayerCache:
     """One decoder layer's incremental-decoding state."""
 
-    self_kv: list[Tensor] = field(default_factory=list)  # [keys, values] each (B * beam, H, t, hd); grows
-    memory_kv: tuple[Tensor, Tensor] | None = None  # the memory's (keys, values), each (B, H, S, hd); step 1 on
+    self_kv: list[Tensor] = field(default_factory=list)  # [keys, values], (B * beam, H, t, dk or dv); grows
+    memory_kv: tuple[Tensor, Tensor] | None = None  # the memory's (keys, values), (B, H, S, dk or dv); step 1 on
 
 
 @dataclass
@@ -263,40 +327,66 @@ class DecoderState:
 
 
 class Transformer(nn.Module):
-    """§3: encoder-decoder with one embedding matrix shared by both inputs and the output (§3.4)."""
+    """§3: encoder-decoder with one embedding matrix shared by both inputs and the output (§3.4).
+
+    share_embeddings="decoder": the encoder has an embedding of its own (`src_embed`), the decoder's input
+    is still the output projection; "none": the output projection too has its own matrix (`output`).
+    norm="pre": each stack ends with a LayerNorm (`encoder_norm`, `decoder_norm`), as fairseq and
+    torch.nn.Transformer(norm_first=True); without it the residual stream would reach the output unnormalised."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg)  # shared by encoder and decoder inputs
+        self.embed = Embedding(cfg)  # the decoder's input; the encoder's too when share_embeddings=all
+        if cfg.share_embeddings != "all":
+            self.src_embed = Embedding(cfg)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        if cfg.norm == "pre":
+            self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
+            self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
+        if cfg.share_embeddings == "none":
+            self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
+
+    @property
+    def encoder_embed(self) -> Embedding:
+        return self.embed if self.cfg.share_embeddings == "all" else self.src_embed
 
     @property
     def output_weight(self) -> Tensor:
         """The pre-softmax projection (§3.4): the embedding matrix itself, not scaled by sqrt(d)."""
-        return self.embed.tokens.weight
+        return self.output.weight if self.cfg.share_embeddings == "none" else self.embed.tokens.weight
 
     def reset_parameters(self) -> None:
-        """Xavier-uniform linear weights with zero biases; embeddings N(0, d^-0.5), pad row zero."""
+        """Xavier-uniform linear weights with zero biases; embedding matrices (and learned positions, and an
+        untied output matrix) N(0, d^-0.5), pad rows zero."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
-                nn.init.zeros_(module.bias)
-        emb = self.embed.tokens.weight
-        nn.init.normal_(emb, mean=0.0, std=self.cfg.d_model**-0.5)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        matrices = [self.embed.tokens.weight, self.encoder_embed.tokens.weight, self.output_weight]
+        if self.cfg.positions == "learned":
+            matrices += [self.embed.positions, self.encoder_embed.positions]
+        for weight in {id(w): w for w in matrices}.values():  # each matrix once, in this order
+            nn.init.normal_(weight, mean=0.0, std=self.cfg.d_model**-0.5)
         with torch.no_grad():
-            emb[self.cfg.pad_id].zero_()
+            for tokens in {id(e): e.tokens for e in (self.embed, self.encoder_embed)}.values():
+                tokens.weight[self.cfg.pad_id].zero_()
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S)."""
         src_pad = src.eq(self.cfg.pad_id)
         src_mask = key_mask(src_pad)
-        x = self.embed(src)
+        x = self.encoder_embed(src)
         for layer in self.encoder_layers:
             x = layer(x, src_mask)
-        return x, src_pad
+        return self.final_norm(x, "encoder"), src_pad
+
+    def final_norm(self, x: Tensor, stack: str) -> Tensor:
+        """Pre-norm's LayerNorm after the last layer of a stack; post-norm's layers end normalised."""
+        return getattr(self, f"{stack}_norm")(x) if self.cfg.norm == "pre" else x
 
     def project(self, h: Tensor) -> Tensor:
         return F.linear(h, self.output_weight)  # (..., d) -> (..., V)
@@ -308,7 +398,7 @@ class Transformer(nn.Module):
         x = self.embed(tgt_in)
         for layer in self.decoder_layers:
             x = layer(x, memory, src_mask)
-        return x
+        return self.final_norm(x, "decoder")
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
@@ -328,7 +418,7 @@ class Transformer(nn.Module):
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
         state.length, state.memory = state.length + 1, None  # every layer holds its projection now
-        return self.project(x[:, 0])
+        return self.project(self.final_norm(x[:, 0], "decoder"))
 
 
 @contextlib.contextmanager
@@ -357,17 +447,19 @@ def training_flops(cfg: TransformerConfig, src_lens: Tensor, tgt_lens: Tensor) -
     "model FLOP/s" and MFU figure.
 
     Forward, per token: 2 FLOPs per weight of each matrix product it passes through; per query-key
-    pair, 2 * 2 * d for QK^T and AV. Backward costs twice the forward: x 3 in all.
+    pair, 2 * (a + b) for QK^T and AV, where a = H d_k and b = H d_v (both d_model in the paper). Backward
+    costs twice the forward: x 3 in all. LayerNorms, softmax and learned positions are not products.
 
-      encoder layer:  S * (4 d^2 + 2 d d_ff) + 2 d * S^2
-      decoder layer:  T * (6 d^2 + 2 d d_ff) + S * 2 d^2 (cross-attention keys/values over the source)
-                      + 2 d * (T (T + 1) / 2 + T * S)  (self-attention is causal: T (T + 1) / 2 pairs)
-      output:         T * d * V  (tied to the embedding, §3.4: no parameter of its own, but a product)
+      encoder layer:  S * (2 d (a + b) + 2 d d_ff) + (a + b) * S^2
+      decoder layer:  T * (3 d (a + b) + 2 d d_ff) + S * d (a + b) (cross-attention keys/values over the source)
+                      + (a + b) * (T (T + 1) / 2 + T * S)  (self-attention is causal: T (T + 1) / 2 pairs)
+      output:         T * d * V  (tied or not, a product)
     """
     d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    a, b = (cfg.n_heads * size for size in cfg.head_sizes)
     S, T = src_lens.double(), tgt_lens.double()
     n_src, n_tgt = S.sum(), T.sum()
-    encoder = n_src * (4 * d * d + 2 * d * f) + 2 * d * (S**2).sum()
-    decoder = n_tgt * (6 * d * d + 2 * d * f) + n_src * 2 * d * d + 2 * d * (T * (T + 1) / 2 + T * S).sum()
+    encoder = n_src * (2 * d * (a + b) + 2 * d * f) + (a + b) * (S**2).sum()
+    decoder = n_tgt * (3 * d * (a + b) + 2 * d * f) + n_src * d * (a + b) + (a + b) * (T * (T + 1) / 2 + T * S).sum()
     multiply_adds = cfg.n_encoder_layers * encoder + cfg.n_decoder_layers * decoder + n_tgt * d * v
     return float(3 * 2 * multiply_adds)

@@ -36,6 +36,8 @@ from transformer_mt.runtime import (
 )
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
+from transformer_mt.training.ema import ExponentialMovingAverage
+from transformer_mt.training.final import finish_run
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
 from transformer_mt.training.resume import (
@@ -102,6 +104,8 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
         callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, **best, **common))
     if cfg.early_stopping_patience:
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
+    if cfg.ema_decay:
+        callbacks.append(ExponentialMovingAverage(cfg.ema_decay))
     callbacks += [
         LearningRateMonitor(logging_interval="step"),
         ProgressLog(cfg.progress_every_n_updates),
@@ -147,6 +151,17 @@ def check_config(cfg: DictConfig) -> None:
         )
     if cfg.early_stopping_patience and not monitor:
         raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
+    ema = cfg.ema_decay
+    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
+        raise InputError(f"ema_decay={ema!r}: must be a number in (0, 1), e.g. 0.9999, or null (off)")
+    if ema and cfg.trainer.get("strategy") == "fsdp":
+        raise InputError("ema_decay with trainer=fsdp: the moving average needs whole weights on every rank; use ddp")
+    final = cfg.final
+    unknown_splits = [s for s in final.splits if s not in ("validation", "test")]
+    if unknown_splits:
+        raise InputError(f"final.splits: {unknown_splits[0]!r} is not a split; choose among validation, test")
+    if isinstance(final.average_last, bool) or not isinstance(final.average_last, int) or final.average_last < 0:
+        raise InputError(f"final.average_last={final.average_last!r}: must be a whole number, 0 (no averaging) or more")
 
 
 def make_strategy(name, precision: str | None = None, devices=1):
@@ -266,7 +281,19 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
             requeue_slurm_job()
         raise SystemExit(128 + int(stopped_by))
     bleu = trainer.callback_metrics.get("val/bleu")
+    if cfg.final.enabled and trainer.is_global_zero:
+        extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
+        decoding = plain(cfg.decoding)
+        finish_run(
+            run_dir, plain(cfg.final), decoding, datamodule, trainer.strategy.root_device, cfg.label_smoothing,
+            bool(cfg.ema_decay), extra,
+        )  # fmt: skip
     return float(bleu) if bleu is not None else None
+
+
+def overrides() -> list[str]:
+    """The job's command-line overrides (Hydra's), e.g. ["table3=A-h1", "seed=1"]."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")

@@ -346,10 +346,11 @@ class TranslationDataModule(L.LightningDataModule):
         """(training tokens per micro-batch and device, micro-batches per update): batching.update_shape."""
         return update_shape(self.tokens_per_update, self.max_tokens, world_size)
 
-    def sampler(self, split: str, shuffle: bool) -> TokenBucketSampler:
-        """Token buckets of a split. A training pair longer than max_tokens (with EOS/BOS) is left out, and
-        counted in the log; a validation or test sentence that long is kept, in a batch of its own."""
-        rank, world = self._rank_world()
+    def sampler(self, split: str, shuffle: bool, whole: bool = False) -> TokenBucketSampler:
+        """Token buckets of a split (this rank's share; `whole`: all of it). A training pair longer than
+        max_tokens (with EOS/BOS) is left out, and counted in the log; a validation or test sentence that
+        long is kept, in a batch of its own."""
+        rank, world = (0, 1) if whole else self._rank_world()
         data = self.splits[split]
         # training: the per-device share of the update; validation and test: max_tokens
         max_tokens = self.update_shape(world)[0] if split == "train" else self.max_tokens
@@ -404,6 +405,10 @@ class TranslationDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.sampler("test", shuffle=False))
+
+    def whole_split_loader(self, split: str) -> DataLoader:
+        """Every batch of a validation or test split, for one process (the end-of-run evaluation)."""
+        return self._loader(split, self.sampler(split, shuffle=False, whole=True))
 
 
 class DamagedCache(Exception):

@@ -54,6 +54,11 @@ class TranslationModule(L.LightningModule):
         self._last_batch_end: float | None = None
         self._update_tokens: Tensor | None = None  # target tokens of the update being accumulated, this rank
         self._decoder: Transformer | None = None  # what validation and test decode with (sharding.py)
+        # Training's target tokens (every rank's) and seconds over every attempt of the run, kept in checkpoints
+        # for results.json's tokens/s. Tokens stay on the device until a checkpoint is written: no sync per update.
+        self.totals = {"target_tokens": 0, "train_seconds": 0.0}
+        self._new_tokens: Tensor | None = None
+        self._clock: float | None = None
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
@@ -64,6 +69,20 @@ class TranslationModule(L.LightningModule):
         )
 
     # -- training
+
+    def on_train_start(self) -> None:
+        self._clock = time.monotonic()
+
+    def training_totals(self) -> dict:
+        """self.totals brought up to now: the tokens of the updates since the last call, and the time."""
+        if self._new_tokens is not None:
+            self.totals["target_tokens"] += int(self._new_tokens.item())
+            self._new_tokens = None
+        if self._clock is not None:
+            now = time.monotonic()
+            self.totals["train_seconds"] += now - self._clock
+            self._clock = now
+        return dict(self.totals)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
         loss_sum, nll_sum, n_tokens = self._losses(batch)
@@ -105,6 +124,7 @@ class TranslationModule(L.LightningModule):
         self._update_tokens = None
         if self.trainer.world_size > 1:
             torch.distributed.all_reduce(tokens)
+        self._new_tokens = tokens if self._new_tokens is None else self._new_tokens + tokens
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens  # on the gradients' device
         for p in self.parameters():
             if p.grad is not None:
@@ -218,8 +238,10 @@ class TranslationModule(L.LightningModule):
             logger.save()
         if self.tokenizer is not None:
             checkpoint["sentencepiece"] = self.tokenizer.proto
+        checkpoint["totals"] = self.training_totals()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.totals = dict(checkpoint.get("totals", self.totals))
         if self.tokenizer is None and "sentencepiece" in checkpoint:
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
 

@@ -1,0 +1,66 @@
+"""An exponential moving average of the weights (`ema_decay`): Marian's exponential smoothing, Eole's
+average_decay. Kept beside the trained weights, not in their place: checkpoints, validation and
+`make average` see the trained weights as without it; the end of the run evaluates the average too
+(training/final.py writes it as ema.ckpt).
+
+Lightning's own EMAWeightAveraging puts the average in the checkpoints' state_dict and validates with it,
+so the last-N checkpoint average (§6.1) would average averages: hence this small callback.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import Tensor
+
+STATE_KEY = "ExponentialMovingAverage"
+
+
+class ExponentialMovingAverage(L.Callback):
+    """After every update t: ema_t = decay * ema_{t-1} + (1 - decay) * weights_t, with ema_0 the initial
+    weights, in fp32. Its state (the average and the updates it has seen) travels in every checkpoint,
+    so a resumed run continues the same average, bit for bit."""
+
+    def __init__(self, decay: float):
+        if not 0 < decay < 1:
+            raise ValueError(f"ema_decay={decay}: must be in (0, 1), e.g. 0.9999")
+        self.decay = decay
+        self.average: dict[str, Tensor] | None = None
+        self.updates = 0
+
+    @property
+    def state_key(self) -> str:
+        return STATE_KEY
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        params = dict(module.model.named_parameters())
+        if self.average is None:  # a new run: the average starts at the initial weights
+            self.average = {name: p.detach().float().clone() for name, p in params.items()}
+            self.updates = trainer.global_step
+        else:  # restored from a checkpoint (load_state_dict): onto the weights' device
+            self.average = {name: value.to(params[name].device) for name, value in self.average.items()}
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.updates:  # inside an accumulation window: no update yet
+            return
+        self.updates = trainer.global_step
+        for name, p in module.model.named_parameters():
+            self.average[name].lerp_(p.detach().float(), 1 - self.decay)  # ema + (1 - decay) * (p - ema)
+
+    def state_dict(self) -> dict:
+        average = {name: value.cpu() for name, value in (self.average or {}).items()}
+        return {"decay": self.decay, "updates": self.updates, "average": average}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay, self.updates, self.average = state["decay"], state["updates"], dict(state["average"])
+
+
+def ema_state(checkpoint: dict) -> dict[str, Tensor]:
+    """A checkpoint's moving average as a state_dict of the LightningModule (names under "model."), in the
+    trained weights' dtypes."""
+    state = checkpoint.get("callbacks", {}).get(STATE_KEY)
+    if state is None:
+        raise KeyError("the checkpoint holds no moving average (trained without ema_decay)")
+    weights = checkpoint["state_dict"]
+    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in state["average"].items()}

@@ -1,0 +1,161 @@
+"""The paper's protocol when a run ends (§6.1): average the last N periodic checkpoints (5 for base, 20 for
+big), decode the test split with beam search (beam 4, alpha 0.6), score it. Writes <run>/results.json and
+a block in the run's log: sacreBLEU with its signature, chrF, the tokenized compound-split BLEU the paper
+reports, perplexity, the update count, training time and target tokens/s.
+
+conf/train.yaml's `final` block sets it; `make average` and `make evaluate` do the same steps by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from transformer_mt.averaging import average_checkpoints, run_checkpoints
+from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
+from transformer_mt.errors import MissingInputError
+from transformer_mt.files import atomic_write
+from transformer_mt.model import Transformer
+from transformer_mt.objective import sequence_losses
+from transformer_mt.scoring import score
+from transformer_mt.search import beam_search, greedy
+from transformer_mt.tokenizer import Tokenizer
+from transformer_mt.training.callbacks import duration
+
+log = logging.getLogger(__name__)
+
+RESULTS = "results.json"
+
+
+def final_checkpoints(checkpoint_dir: Path, average_last: int, ema: bool) -> dict[str, Path]:
+    """What the protocol evaluates, by name: the average of the last `average_last` periodic checkpoints
+    (written as average-last<N>.ckpt), or last.ckpt when averaging is off or there is nothing to average;
+    with `ema`, also the exponential moving average of the weights (ema.ckpt)."""
+    last = checkpoint_dir / "last.ckpt"
+    chosen = {}
+    periodic = []
+    if average_last:
+        try:
+            periodic = run_checkpoints(checkpoint_dir)[-average_last:]
+        except MissingInputError:
+            log.warning("final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt", average_last)
+    if periodic:
+        if len(periodic) < average_last:
+            log.warning("final.average_last=%d: only %d periodic checkpoints, averaging those", average_last, len(periodic))
+        path = checkpoint_dir / f"average-last{len(periodic)}.ckpt"
+        write_checkpoint(average_checkpoints(periodic), path)
+        log.info("averaged %s -> %s", ", ".join(p.name for p in periodic), path.name)
+        chosen[f"average-last{len(periodic)}"] = path
+    else:
+        chosen["last"] = last
+    if ema:
+        chosen["ema"] = write_ema_checkpoint(last, checkpoint_dir / "ema.ckpt")
+    return chosen
+
+
+def write_ema_checkpoint(last: Path, path: Path) -> Path:
+    """last.ckpt with its weights replaced by the moving average it carries (training/ema.py)."""
+    from transformer_mt.training.ema import ema_state  # noqa: PLC0415 (ema imports Lightning callbacks)
+
+    checkpoint = read_checkpoint(last)
+    state = ema_state(checkpoint)
+    keep = {k: checkpoint[k] for k in ("hyper_parameters", "sentencepiece", "global_step", "epoch") if k in checkpoint}
+    write_checkpoint({**keep, "state_dict": state}, path)
+    return path
+
+
+@torch.no_grad()
+def evaluate_split(
+    model: Transformer, tokenizer: Tokenizer, loader, decoding: dict, tgt_lang: str, label_smoothing: float
+) -> dict:
+    """Teacher-forced loss and perplexity (per target token, EOS included) and the scores of the
+    configured search's translations, over every batch of a split."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(3, dtype=torch.float64)
+    hyps: dict[int, tuple[list[int], str]] = {}
+    options = {k: decoding[k] for k in ("alpha", "max_len_a", "max_len_b") if k in decoding}
+    for batch in loader:
+        src = batch["src"].to(device)
+        loss, nll, n = sequence_losses(model, src, batch["tgt_in"].to(device), batch["tgt_out"].to(device), label_smoothing)
+        sums += torch.stack([loss.double(), nll.double(), n.double()]).cpu()
+        if decoding.get("beam_size", 4) > 1:
+            ids = beam_search(model, src, decoding.get("beam_size", 4), **options)[0]
+        else:
+            ids = greedy(model, src, options.get("max_len_a", 1.0), options.get("max_len_b", 50))
+        hyps.update(zip(batch["index"].tolist(), zip(ids, batch["reference"])))
+    order = sorted(hyps)
+    texts = tokenizer.decode([hyps[i][0] for i in order])
+    result = score(texts, [hyps[i][1] for i in order], tgt_lang)
+    loss_sum, nll_sum, tokens = sums.tolist()
+    return {**result, "loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
+
+
+def finish_run(
+    run_dir: Path,
+    final: dict,
+    decoding: dict,
+    datamodule,
+    device: torch.device,
+    label_smoothing: float,
+    ema: bool,
+    extra: dict | None = None,
+) -> dict:
+    """The protocol on a finished run (one process): results.json in run_dir, a block in the log."""
+    start = time.monotonic()
+    checkpoint_dir = run_dir / "checkpoints"
+    chosen = final_checkpoints(checkpoint_dir, final["average_last"], ema)
+    last = read_checkpoint(checkpoint_dir / "last.ckpt", mmap=True, finite=False)
+    totals = last.get("totals", {})
+    seconds, tokens = totals.get("train_seconds", 0.0), totals.get("target_tokens", 0)
+    results = {
+        "updates": last.get("global_step"),
+        "train_seconds": round(seconds, 1),
+        "target_tokens": tokens,
+        "target_tokens_per_second": round(tokens / seconds) if seconds else None,
+        "parameters": None,
+        "decoding": decoding,
+        **(extra or {}),
+        "models": {},
+    }
+    for name, path in chosen.items():
+        model, tokenizer, _ = load_for_inference(path)
+        model.to(device)
+        results["parameters"] = sum(p.numel() for p in model.parameters())
+        results["models"][name] = {"checkpoint": str(path)}
+        for split in final["splits"]:
+            scores = evaluate_split(
+                model, tokenizer, datamodule.whole_split_loader(split), decoding, datamodule.corpus.tgt_lang, label_smoothing
+            )
+            results["models"][name][split] = scores
+    results["evaluation_seconds"] = round(time.monotonic() - start, 1)
+    with atomic_write(run_dir / RESULTS) as tmp:
+        tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    log.info("%s", results_block(results, run_dir / RESULTS))
+    return results
+
+
+def results_block(results: dict, path: Path) -> str:
+    """The log's summary of results.json: one line per evaluated model and split."""
+    rate = results["target_tokens_per_second"]
+    lines = [
+        f"results ({path}): {results['updates']:,} updates, {duration(results['train_seconds'])} of training"
+        + (f", {rate:,} target tok/s" if rate else "")
+        + f", {results['parameters']:,} parameters; "
+        + f"beam {results['decoding'].get('beam_size')}, alpha {results['decoding'].get('alpha')}"
+    ]
+    for name, model in results["models"].items():
+        for split, s in model.items():
+            if split == "checkpoint":
+                continue
+            lines.append(
+                f"  {name} on {split} ({s['sentences']:,} sentences): sacreBLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}, "
+                f"tokenized compound-split BLEU {s['tokenized_bleu_compound_split']:.2f} (the paper's metric), "
+                f"ppl {s['ppl']:.2f}"
+            )
+            lines.append(f"    {s['bleu_signature']}")
+    return "\n".join(lines)
