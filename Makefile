@@ -53,6 +53,7 @@ CKPT ?=
 SRC  ?=
 REF  ?=
 RUN  ?=
+RUNS ?=
 N    ?= 5
 
 .PHONY: evaluate translate average
@@ -90,6 +91,11 @@ attention:  ## Attention pictures of one sentence: make attention CKPT=... TEXT=
 plot:  ## Learning curves of a run as a PNG: make plot RUN=outputs/<date>/<time> (writes <run>/curves.png)
 	$(call need,RUN,make plot RUN=outputs/<date>/<time>)
 	$(PY) -m transformer_mt.tools.plot $(RUN) $(if $(OUT),--out $(OUT))
+
+.PHONY: table3
+table3:  ## Table 3 of a sweep, ours beside the paper's: make table3 RUNS=multirun/<date>/<time> (writes <RUNS>/table3.md)
+	$(call need,RUNS,make table3 RUNS=multirun/<date>/<time> (the folder of a CONFIG=table3 or table3_cpu sweep))
+	$(PY) -m transformer_mt.tools.table3 $(RUNS)
 
 .PHONY: bench
 bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2): make bench [CKPT=... SRC=... REF=...] [ARGS=...]

@@ -74,18 +74,6 @@ class TransformerConfig:
         default = self.d_model // self.n_heads
         return self.d_k or default, self.d_v or default
 
-    @property
-    def is_paper_architecture(self) -> bool:
-        """The paper's layers, positions and sharing (sizes aside): what Marian (the export) can express."""
-        d_k, d_v = self.head_sizes
-        return (d_k * self.n_heads, d_v * self.n_heads, self.positions, self.norm, self.share_embeddings) == (
-            self.d_model,
-            self.d_model,
-            "sinusoidal",
-            "post",
-            "all",
-        )
-
 
 CHOICES = {
     "positions": ("sinusoidal", "learned"),

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.errors import InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
-from transformer_mt.model import Transformer
+from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 EXTRA = 'pip install -e ".[export]"'
@@ -61,6 +61,21 @@ RENAMES = [  # our parameter names -> Marian's (applied in order)
 ]
 READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "w1")  # input features are d_model: reorder columns
 WRITES_RESIDUAL = ("out_proj", "w2")  # output features are d_model: reorder rows and bias
+
+
+def inexpressible(cfg: TransformerConfig) -> list[str]:
+    """The model's switches that Marian's architecture has no setting for (model.py's defaults are all Marian's)."""
+    d_k, d_v = cfg.head_sizes
+    found = []
+    if not d_k * cfg.n_heads == d_v * cfg.n_heads == cfg.d_model:
+        found.append(f"d_k={d_k}, d_v={d_v} with {cfg.n_heads} heads (Marian's heads are d_model / n_heads wide)")
+    if cfg.positions != "sinusoidal":
+        found.append(f"positions={cfg.positions} (Marian's positions are sinusoids)")
+    if cfg.norm != "post":
+        found.append(f"norm={cfg.norm} (Marian's layers are post-norm)")
+    if cfg.share_embeddings != "all":
+        found.append(f"share_embeddings={cfg.share_embeddings} (this export ties all three matrices, as §3.4)")
+    return found
 
 
 def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
@@ -262,6 +277,12 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if fmt == "ct2":
         optional("ctranslate2")
     model, tokenizer, checkpoint = load_for_inference(ckpt)
+    cannot = inexpressible(model.cfg)
+    if cannot:
+        raise InputError(
+            f"{ckpt}: cannot be exported as a Marian model: {'; '.join(cannot)}. Translate and evaluate it with "
+            "make translate / make evaluate (nothing was written)"
+        )
     data = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
     languages = (data.get("src_lang", "en"), data.get("tgt_lang", "de"))
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all

@@ -1,0 +1,162 @@
+"""The runs of a Table 3 sweep as one table, ours beside the paper's: `make table3 RUNS=<sweep dir>`.
+
+Reads every results.json under RUNS (each job of `make train CONFIG=table3 ARGS="-m table3=glob(*)"`, or
+of the CPU-sized table3_cpu study), and prints a Markdown table, also written to <RUNS>/table3.md:
+parameters, perplexity and BLEU on the validation split (Table 3's newstest2013: "dev"), sacreBLEU on the
+test split when the runs decoded it, and each row's difference from base. Runs of the base row with
+several seeds give the run-to-run spread; a difference larger than it is marked with *.
+
+BLEU (dev) is the tokenized compound-split BLEU (the paper's metric); sacreBLEU is the one to compare
+with other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
+from transformer_mt.files import atomic_write
+from transformer_mt.training.final import RESULTS
+
+GROUPS = ["base", "(A)", "(B)", "(C)", "(D)", "(E)", "big"]  # Table 3's order of rows
+
+
+def natural(text: str) -> list:
+    """'A-h4' before 'A-h16'."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
+    """(one entry per finished run, the job folders without results.json: running, failed or stopped)."""
+    if not runs.is_dir():
+        raise MissingInputError(f"RUNS={runs}: no such folder (a sweep's folder, multirun/<date>/<time>)")
+    entries, unfinished = [], []
+    for job in sorted(p for p in runs.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
+        path = job / RESULTS
+        if not path.is_file():
+            unfinished.append(job)
+            continue
+        results = json.loads(path.read_text(encoding="utf-8"))
+        row = results.get("table3_row") or {}
+        model_name, model = next(iter(results["models"].items()))
+        dev, test = model.get("validation"), model.get("test")
+        entries.append(
+            {
+                "job": job.name,
+                "name": row.get("name", job.name),
+                "row": row.get("row", ""),
+                "change": row.get("change", " ".join(results.get("overrides", []))),
+                "paper": row.get("paper") or {},
+                "seed": results.get("seed"),
+                "evaluated": model_name,
+                "params_millions": results["parameters"] / 1e6,
+                "updates": results["updates"],
+                "train_seconds": results["train_seconds"],
+                "dev_ppl": dev and dev["ppl"],
+                "dev_bleu": dev and dev["tokenized_bleu_compound_split"],
+                "dev_sacrebleu": dev and dev["bleu"],
+                "test_sacrebleu": test and test["bleu"],
+            }
+        )
+    if not entries and not unfinished:
+        raise InputError(f"RUNS={runs}: no job folders (with .hydra/) in it; give the sweep's folder")
+    entries.sort(key=lambda e: (GROUPS.index(e["row"]) if e["row"] in GROUPS else len(GROUPS), natural(e["name"])))
+    return entries, unfinished
+
+
+METRICS = ("dev_ppl", "dev_bleu", "dev_sacrebleu", "test_sacrebleu")
+
+
+def base_spread(entries: list[dict]) -> tuple[dict, dict]:
+    """(mean, spread = max - min) of each metric over the base row's runs (its seeds)."""
+    base = [e for e in entries if e["row"] == "base" and e["name"].startswith("base")]
+    mean, spread = {}, {}
+    for metric in METRICS:
+        values = [e[metric] for e in base if e[metric] is not None]
+        if values:
+            mean[metric] = sum(values) / len(values)
+            spread[metric] = max(values) - min(values) if len(values) > 1 else None
+    return mean, spread
+
+
+def number(value, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def difference(entry: dict, metric: str, mean: dict, spread: dict) -> str:
+    """The difference from base's mean, * when larger than the base seeds' spread."""
+    if entry[metric] is None or metric not in mean or entry["row"] == "base":
+        return ""
+    delta = entry[metric] - mean[metric]
+    beyond = spread.get(metric) is not None and abs(delta) > spread[metric]
+    return f"{delta:+.2f}{'*' if beyond else ''}"
+
+
+def table(entries: list[dict]) -> str:
+    mean, spread = base_spread(entries)
+    has_test = any(e["test_sacrebleu"] is not None for e in entries)
+    head = [
+        "row",
+        "change",
+        "seed",
+        "params (M) ours / paper",
+        "PPL dev ours / paper",
+        "BLEU dev ours / paper",
+        "Δ BLEU dev",
+        "sacreBLEU dev",
+    ]
+    head += ["sacreBLEU test", "Δ test"] if has_test else []
+    head += ["updates", "training"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for e in entries:
+        paper = e["paper"]
+        cells = [
+            f"{e['row']} {e['name']}",
+            e["change"],
+            str(e["seed"]),
+            f"{e['params_millions']:.1f} / {paper.get('params_millions') or ''}",
+            f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
+            f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}",
+            difference(e, "dev_bleu", mean, spread),
+            number(e["dev_sacrebleu"], 1),
+        ]
+        if has_test:
+            cells += [number(e["test_sacrebleu"], 1), difference(e, "test_sacrebleu", mean, spread)]
+        cells += [f"{e['updates']:,}", f"{e['train_seconds'] / 60:.1f} min"]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = []
+    if any(v is not None for v in spread.values()):
+        shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
+        notes.append(f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it.")
+    else:
+        notes.append("One base run only: no run-to-run spread, so no difference is marked (run base with 2 seeds).")
+    minutes = sum(e["train_seconds"] for e in entries) / 60
+    notes.append(f"{len(entries)} runs, {minutes:.0f} minutes of training in all.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def collect(runs: str | Path) -> str:
+    runs = Path(runs)
+    entries, unfinished = read_runs(runs)
+    text = table(entries) if entries else ""
+    for job in unfinished:
+        text += f"{job}: no {RESULTS} (still running, failed, or stopped before its end; see {job}/train.log)\n"
+    with atomic_write(runs / "table3.md") as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    print(text, end="")
+    print(f"wrote {runs / 'table3.md'}")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", help="the sweep's folder (multirun/<date>/<time>)")
+    args = parser.parse_args()
+    exit_on_user_error(collect, args.runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The end of a run (training/final.py): averaging, beam search on the splits, results.json and the log block;
+the moving average of the weights (training/ema.py); and every tool on a model with every switch on."""
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import hydra_task, train_in_process, write_corpus
+from transformer_mt.averaging import average_run
+from transformer_mt.checkpoint import read_checkpoint
+from transformer_mt.errors import InputError
+from transformer_mt.evaluate import evaluate
+from transformer_mt.tools.attention_maps import draw
+from transformer_mt.tools.export import export
+from transformer_mt.training.ema import STATE_KEY, ExponentialMovingAverage, ema_state
+
+SWITCHES = ["model.d_k=6", "model.d_v=10", "model.positions=learned", "model.norm=pre", "model.share_embeddings=none"]
+RUN = ["data.max_tokens=400", "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=2", "ema_decay=0.9"]
+FINAL = ["final.enabled=true", "final.average_last=3", "final.splits=[validation,test]", "decoding.max_len_b=10"]
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def variant_run(tmp_path_factory) -> Path:
+    """6 updates of a tiny model with every switch on, the end-of-run protocol and a moving average."""
+    root = tmp_path_factory.mktemp("variant")
+    corpus = write_corpus(root / "corpus")
+    handler, logger = Lines(), logging.getLogger("transformer_mt.training.final")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        train_in_process([f"data.path={corpus}", "trainer.max_steps=6", *RUN, *FINAL, *SWITCHES], root, root / "out")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    (root / "out" / "final.log").write_text("\n".join(handler.lines))
+    return root / "out"
+
+
+def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_run):
+    results = json.loads((variant_run / "results.json").read_text())
+    assert results["updates"] == 6 and results["parameters"] > 0 and results["seed"] == 0
+    assert results["train_seconds"] > 0 and results["target_tokens"] > 0
+    assert results["target_tokens_per_second"] == pytest.approx(results["target_tokens"] / results["train_seconds"], rel=0.02)
+    assert results["decoding"] == {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 10}
+    assert "model.norm=pre" in results["overrides"]
+    assert list(results["models"]) == ["average-last3", "ema"]
+    for model in results["models"].values():
+        for split in ("validation", "test"):
+            scores = model[split]
+            assert scores["sentences"] == 30 and scores["bleu_signature"].startswith("nrefs:1|")
+            assert {"bleu", "chrf", "tokenized_bleu_compound_split", "loss", "ppl"} <= scores.keys()
+            assert scores["ppl"] > 1
+    log = (variant_run / "final.log").read_text()  # what the run's log received
+    assert f"results ({variant_run / 'results.json'}): 6 updates" in log
+    assert log.count("tokenized compound-split BLEU") == 4  # 2 models x 2 splits
+
+
+def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, capsys):
+    """An independent path to the same numbers: evaluate.py reads the text split and batches its own way."""
+    results = json.loads((variant_run / "results.json").read_text())
+    ckpt = variant_run / "checkpoints" / "average-last3.ckpt"
+    overrides = [f"ckpt={ckpt}", "split=test", "decoding.max_len_b=10"]
+    scores = evaluate(hydra_task("evaluate", overrides, variant_run / "evaluate"))
+    ours = results["models"]["average-last3"]["test"]
+    for key in ("bleu", "chrf", "tokenized_bleu_compound_split", "bleu_signature", "sentences"):
+        assert scores[key] == ours[key], key
+
+
+def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_run):
+    folder = variant_run / "checkpoints"
+    average = read_checkpoint(folder / "average-last3.ckpt")["state_dict"]
+    parts = [read_checkpoint(folder / f"step{n:07d}.ckpt")["state_dict"] for n in (2, 4, 6)]
+    assert {"model.embed.positions", "model.output.weight", "model.src_embed.tokens.weight"} <= average.keys()
+    for key, value in average.items():
+        torch.testing.assert_close(value, sum(p[key].double() for p in parts).float() / 3, rtol=0, atol=1e-6)
+
+
+def test_a_model_with_every_switch_draws_attention_pictures(variant_run, tmp_path):
+    out = draw(str(variant_run / "checkpoints" / "last.ckpt"), "the cat sees a dog .", None, 1, None, tmp_path, "cpu")
+    weights = np.load(out / "attention.npz")
+    assert weights["encoder"].shape[:2] == (2, 4)  # (layers, heads, ...)
+    np.testing.assert_allclose(weights["cross"].sum(-1), 1.0, rtol=1e-5)
+
+
+def test_export_refuses_what_marian_cannot_express_in_one_line(variant_run, tmp_path):
+    with pytest.raises(InputError) as error:
+        export(str(variant_run / "checkpoints" / "last.ckpt"), "hf", str(tmp_path / "hf"))
+    message = str(error.value)
+    assert "cannot be exported as a Marian model: d_k=6, d_v=10 with 4 heads" in message and "\n" not in message
+    for switch in ("positions=learned", "norm=pre", "share_embeddings=none"):
+        assert switch in message
+    assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------- the moving average
+
+
+def test_the_moving_average_is_the_formula_once_per_update():
+    """ema_0 = the initial weights; after update t, ema_t = d ema_{t-1} + (1 - d) w_t; micro-batches inside
+    an accumulation window (no new update) change nothing."""
+    decay = 0.75
+    module = SimpleNamespace(model=nn.Linear(3, 2))
+    trainer = SimpleNamespace(global_step=0)
+    ema = ExponentialMovingAverage(decay)
+    ema.on_train_start(trainer, module)
+    expected = {k: v.detach().clone() for k, v in module.model.named_parameters()}
+    for step in range(1, 4):
+        with torch.no_grad():
+            for p in module.model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.on_train_batch_end(trainer, module, None, None, 0)  # the micro-batch before the update
+        trainer.global_step = step
+        ema.on_train_batch_end(trainer, module, None, None, 0)
+        for name, p in module.model.named_parameters():
+            expected[name] = decay * expected[name] + (1 - decay) * p.detach()
+            torch.testing.assert_close(ema.average[name], expected[name], rtol=1e-6, atol=1e-6)
+    assert ema.state_dict()["updates"] == 3
+    with pytest.raises(ValueError, match="ema_decay=1"):
+        ExponentialMovingAverage(1)
+
+
+def test_a_resumed_run_continues_the_same_moving_average_bit_for_bit(tmp_path):
+    """3 updates, stop, resume to 6 == 6 updates in one go (dropout 0.1 as every shipped config): the
+    average, the weights and the training totals travel in the checkpoint."""
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [f"data.path={corpus}", *RUN]
+    train_in_process([*args, "trainer.max_steps=6"], tmp_path, tmp_path / "straight")
+    train_in_process([*args, "trainer.max_steps=3"], tmp_path, tmp_path / "resumed")
+    train_in_process([*args, "trainer.max_steps=6", "ckpt_path=last"], tmp_path, tmp_path / "resumed")
+    straight, resumed = (read_checkpoint(tmp_path / run / "checkpoints" / "last.ckpt") for run in ("straight", "resumed"))
+    for key, value in ema_state(straight).items():
+        assert torch.equal(ema_state(resumed)[key], value), key
+        assert not torch.equal(straight["state_dict"][key], value)  # an average, not the weights
+    assert straight["callbacks"][STATE_KEY]["updates"] == resumed["callbacks"][STATE_KEY]["updates"] == 6
+    assert straight["totals"]["target_tokens"] == resumed["totals"]["target_tokens"] > 0
+
+
+def test_make_average_and_evaluate_keep_working_for_runs_without_the_new_keys(tmp_path, capsys):
+    """A run from before results.json (no totals, no moving average, no switches in its hyper-parameters)."""
+    old = Path(__file__).resolve().parent / "data" / "pre-layout-step3.ckpt"
+    folder = tmp_path / "old" / "checkpoints"
+    folder.mkdir(parents=True)
+    for step in (2, 3):
+        shutil.copy(old, folder / f"step{step:07d}.ckpt")
+    average = average_run(tmp_path / "old", 2)
+    assert "totals" not in read_checkpoint(average)
+    corpus = write_corpus(tmp_path / "corpus")
+    scores = evaluate(
+        hydra_task("evaluate", [f"ckpt={average}", f"data_path={corpus}", "split=test"], tmp_path / "evaluate")
+    )
+    assert scores["sentences"] == 30 and 0 <= scores["bleu"] <= 100
