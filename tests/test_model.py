@@ -30,8 +30,9 @@ def copy_attention(ours, theirs: nn.MultiheadAttention) -> None:
 
 
 def reference_transformer(model: Transformer) -> nn.Transformer:
-    """torch.nn.Transformer (post-norm, ReLU) holding a copy of our weights."""
+    """torch.nn.Transformer (ReLU; post-norm, or norm_first for model.norm=pre) holding a copy of our weights."""
     cfg = model.cfg
+    pre = cfg.norm == "pre"
     ref = nn.Transformer(
         d_model=cfg.d_model,
         nhead=cfg.n_heads,
@@ -41,12 +42,13 @@ def reference_transformer(model: Transformer) -> nn.Transformer:
         dropout=cfg.dropout,
         activation="relu",
         batch_first=True,
-        norm_first=False,
+        norm_first=pre,
     )
-    # nn.Transformer adds a final LayerNorm after each stack, which the paper does not have,
-    # and its nested-tensor fast path zeroes padded encoder rows: switch both off.
-    ref.encoder.norm = None
-    ref.decoder.norm = None
+    # nn.Transformer adds a final LayerNorm after each stack, which the paper's post-norm does not have
+    # (pre-norm does: copied below), and its nested-tensor fast path zeroes padded encoder rows: off.
+    if not pre:
+        ref.encoder.norm = None
+        ref.decoder.norm = None
     ref.encoder.use_nested_tensor = False
     with torch.no_grad():
         for ours, theirs in zip(model.encoder_layers, ref.encoder.layers):
@@ -63,6 +65,9 @@ def reference_transformer(model: Transformer) -> nn.Transformer:
             theirs.norm1.load_state_dict(ours.self_attn_res.norm.state_dict())
             theirs.norm2.load_state_dict(ours.cross_attn_res.norm.state_dict())
             theirs.norm3.load_state_dict(ours.ffn_res.norm.state_dict())
+        if pre:
+            ref.encoder.norm.load_state_dict(model.encoder_norm.state_dict())
+            ref.decoder.norm.load_state_dict(model.decoder_norm.state_dict())
     return ref.eval()
 
 

@@ -56,7 +56,9 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
     results = json.loads((variant_run / "results.json").read_text())
     assert results["updates"] == 6 and results["parameters"] > 0 and results["seed"] == 0
     assert results["train_seconds"] > 0 and results["target_tokens"] > 0
-    assert results["target_tokens_per_second"] == pytest.approx(results["target_tokens"] / results["train_seconds"], rel=0.02)
+    assert results["target_tokens_per_second"] == pytest.approx(
+        results["target_tokens"] / results["train_seconds"], rel=0.02
+    )
     assert results["decoding"] == {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 10}
     assert "model.norm=pre" in results["overrides"]
     assert list(results["models"]) == ["average-last3", "ema"]
@@ -143,7 +145,9 @@ def test_a_resumed_run_continues_the_same_moving_average_bit_for_bit(tmp_path):
     train_in_process([*args, "trainer.max_steps=6"], tmp_path, tmp_path / "straight")
     train_in_process([*args, "trainer.max_steps=3"], tmp_path, tmp_path / "resumed")
     train_in_process([*args, "trainer.max_steps=6", "ckpt_path=last"], tmp_path, tmp_path / "resumed")
-    straight, resumed = (read_checkpoint(tmp_path / run / "checkpoints" / "last.ckpt") for run in ("straight", "resumed"))
+    straight, resumed = (
+        read_checkpoint(tmp_path / run / "checkpoints" / "last.ckpt") for run in ("straight", "resumed")
+    )
     for key, value in ema_state(straight).items():
         assert torch.equal(ema_state(resumed)[key], value), key
         assert not torch.equal(straight["state_dict"][key], value)  # an average, not the weights

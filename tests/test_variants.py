@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import random_batch, tiny_config
-from test_model import copy_attention
+from test_model import reference_transformer
 from transformer_mt.configs import CONF_DIR, compose
 from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig, record_attention, training_flops
 from transformer_mt.objective import sequence_losses
@@ -43,36 +43,8 @@ def variant(name: str, **overrides) -> Transformer:
 
 def test_pre_norm_matches_torch_nn_transformer_norm_first_with_copied_weights():
     model = variant("pre-norm")
-    cfg = model.cfg
-    ref = nn.Transformer(
-        d_model=cfg.d_model,
-        nhead=cfg.n_heads,
-        num_encoder_layers=cfg.n_encoder_layers,
-        num_decoder_layers=cfg.n_decoder_layers,
-        dim_feedforward=cfg.d_ff,
-        dropout=0.0,
-        activation="relu",
-        batch_first=True,
-        norm_first=True,  # its stacks end with a LayerNorm each, as ours in pre-norm
-    ).eval()
-    ref.encoder.use_nested_tensor = False
-    with torch.no_grad():
-        for ours, theirs in zip(model.encoder_layers, ref.encoder.layers):
-            copy_attention(ours.self_attn, theirs.self_attn)
-            theirs.linear1.load_state_dict(ours.ffn.w1.state_dict())
-            theirs.linear2.load_state_dict(ours.ffn.w2.state_dict())
-            theirs.norm1.load_state_dict(ours.self_attn_res.norm.state_dict())
-            theirs.norm2.load_state_dict(ours.ffn_res.norm.state_dict())
-        for ours, theirs in zip(model.decoder_layers, ref.decoder.layers):
-            copy_attention(ours.self_attn, theirs.self_attn)
-            copy_attention(ours.cross_attn, theirs.multihead_attn)
-            theirs.linear1.load_state_dict(ours.ffn.w1.state_dict())
-            theirs.linear2.load_state_dict(ours.ffn.w2.state_dict())
-            theirs.norm1.load_state_dict(ours.self_attn_res.norm.state_dict())
-            theirs.norm2.load_state_dict(ours.cross_attn_res.norm.state_dict())
-            theirs.norm3.load_state_dict(ours.ffn_res.norm.state_dict())
-        ref.encoder.norm.load_state_dict(model.encoder_norm.state_dict())
-        ref.decoder.norm.load_state_dict(model.decoder_norm.state_dict())
+    ref = reference_transformer(model)
+    assert ref.encoder.layers[0].norm_first and ref.encoder.norm is not None  # its stacks end in a LayerNorm, as ours
     src, tgt = random_batch([7, 4, 2], 23, seed=1), random_batch([5, 9, 3], 23, seed=2)
     causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool).triu(1)
     with torch.no_grad():
@@ -81,10 +53,11 @@ def test_pre_norm_matches_torch_nn_transformer_norm_first_with_copied_weights():
         ref_hidden = ref.decoder(model.embed(tgt), ref_memory, tgt_mask=causal, memory_key_padding_mask=src_pad)
         torch.testing.assert_close(memory, ref_memory, atol=1e-5, rtol=0)
         torch.testing.assert_close(model(src, tgt), ref_hidden @ model.embed.tokens.weight.T, atol=1e-5, rtol=0)
-    # and it is not post-norm: the same weights without the switch give other outputs
-    post = Transformer(TransformerConfig(**{**vars(cfg), "norm": "post"})).eval()
-    post.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith(("encoder_norm", "decoder_norm"))})
-    assert not torch.allclose(post(src, tgt), model(src, tgt), atol=1e-3)
+        # and it is not post-norm: the same weights without the switch give other outputs
+        post = Transformer(TransformerConfig(**{**vars(model.cfg), "norm": "post"})).eval()
+        final_norms = ("encoder_norm", "decoder_norm")
+        post.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith(final_norms)})
+        assert not torch.allclose(post(src, tgt), model(src, tgt), atol=1e-3)
 
 
 # ---------------------------------------------------------------- d_k, d_v apart from d_model / h: by hand
@@ -164,11 +137,14 @@ def test_embedding_sharing_ties_exactly_the_matrices_it_names(share):
     assert (storage(encoder) == storage(decoder)) == (share == "all")
     assert (storage(decoder) == storage(output)) == (share != "none")
     vocab_shaped = sorted(n for n, p in model.named_parameters() if p.shape[0] == 23)
-    assert vocab_shaped == {
-        "all": ["embed.tokens.weight"],
-        "decoder": ["embed.tokens.weight", "src_embed.tokens.weight"],
-        "none": ["embed.tokens.weight", "output.weight", "src_embed.tokens.weight"],
-    }[share]
+    assert (
+        vocab_shaped
+        == {
+            "all": ["embed.tokens.weight"],
+            "decoder": ["embed.tokens.weight", "src_embed.tokens.weight"],
+            "none": ["embed.tokens.weight", "output.weight", "src_embed.tokens.weight"],
+        }[share]
+    )
     for weight in {id(w): w for w in (encoder, decoder)}.values():
         assert torch.count_nonzero(weight[0]) == 0  # the pad row of each input matrix
     # Changing the encoder's row 5 changes the memory; the output logit 5 changes only when it is the same matrix.
@@ -297,7 +273,7 @@ def train_two_updates(cfg) -> list[float]:
     return losses
 
 
-# The paper's rows at their full size (up to 214M parameters: ~10 s each on 2 cores) in the slow tier; the CPU rows here.
+# The paper's rows at full size (up to 214M parameters: ~10 s each on 2 cores) in the slow tier; the CPU rows here.
 ROWS = [pytest.param("table3", r, marks=pytest.mark.slow) for r in rows("table3")]
 ROWS += [("table3_cpu", r) for r in rows("table3_cpu")]
 

@@ -28,6 +28,13 @@ LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
 FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
 
 
+CHOICES = {  # the switches' values; the first is the paper's
+    "positions": ("sinusoidal", "learned"),
+    "norm": ("post", "pre"),
+    "share_embeddings": ("all", "decoder", "none"),
+}
+
+
 @dataclass
 class TransformerConfig:
     vocab_size: int
@@ -73,13 +80,6 @@ class TransformerConfig:
         """(d_k, d_v): the query/key and value sizes of one head."""
         default = self.d_model // self.n_heads
         return self.d_k or default, self.d_v or default
-
-
-CHOICES = {
-    "positions": ("sinusoidal", "learned"),
-    "norm": ("post", "pre"),
-    "share_embeddings": ("all", "decoder", "none"),
-}
 
 
 def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:

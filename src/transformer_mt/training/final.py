@@ -43,10 +43,14 @@ def final_checkpoints(checkpoint_dir: Path, average_last: int, ema: bool) -> dic
         try:
             periodic = run_checkpoints(checkpoint_dir)[-average_last:]
         except MissingInputError:
-            log.warning("final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt", average_last)
+            log.warning(
+                "final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt", average_last
+            )
     if periodic:
         if len(periodic) < average_last:
-            log.warning("final.average_last=%d: only %d periodic checkpoints, averaging those", average_last, len(periodic))
+            log.warning(
+                "final.average_last=%d: only %d periodic checkpoints, averaging those", average_last, len(periodic)
+            )
         path = checkpoint_dir / f"average-last{len(periodic)}.ckpt"
         write_checkpoint(average_checkpoints(periodic), path)
         log.info("averaged %s -> %s", ", ".join(p.name for p in periodic), path.name)
@@ -81,7 +85,9 @@ def evaluate_split(
     options = {k: decoding[k] for k in ("alpha", "max_len_a", "max_len_b") if k in decoding}
     for batch in loader:
         src = batch["src"].to(device)
-        loss, nll, n = sequence_losses(model, src, batch["tgt_in"].to(device), batch["tgt_out"].to(device), label_smoothing)
+        loss, nll, n = sequence_losses(
+            model, src, batch["tgt_in"].to(device), batch["tgt_out"].to(device), label_smoothing
+        )
         sums += torch.stack([loss.double(), nll.double(), n.double()]).cpu()
         if decoding.get("beam_size", 4) > 1:
             ids = beam_search(model, src, decoding.get("beam_size", 4), **options)[0]
@@ -129,7 +135,12 @@ def finish_run(
         results["models"][name] = {"checkpoint": str(path)}
         for split in final["splits"]:
             scores = evaluate_split(
-                model, tokenizer, datamodule.whole_split_loader(split), decoding, datamodule.corpus.tgt_lang, label_smoothing
+                model,
+                tokenizer,
+                datamodule.whole_split_loader(split),
+                decoding,
+                datamodule.corpus.tgt_lang,
+                label_smoothing,
             )
             results["models"][name][split] = scores
     results["evaluation_seconds"] = round(time.monotonic() - start, 1)
