@@ -5,10 +5,12 @@ pre-layout-step3.nbest4.txt what that code's `make translate ARGS="n_best=4"` pr
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import run_translate, train_in_process, write_corpus
 from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.errors import InputError
 
 DATA = Path(__file__).resolve().parent / "data"
 OLD = DATA / "pre-layout-step3.ckpt"
@@ -49,3 +51,12 @@ def test_a_checkpoint_from_before_the_move_resumes_to_the_same_weights(tmp_path)
     for key, value in reached["state_dict"].items():
         if not key.endswith("k_proj.bias"):
             torch.testing.assert_close(resumed["state_dict"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_a_checkpoint_from_before_the_switches_refuses_to_resume_with_one_turned_on(tmp_path):
+    """Its hyper-parameters lack the switches: they are the paper's, and turning one on is refused in one line."""
+    corpus = write_corpus(tmp_path / "corpus")
+    with pytest.raises(InputError, match=r"the checkpoint's model has norm post \(now pre\)"):
+        train_in_process(
+            [f"data.path={corpus}", *OLD_RUN, f"ckpt_path={OLD}", "model.norm=pre"], tmp_path, tmp_path / "run"
+        )

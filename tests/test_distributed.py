@@ -176,7 +176,8 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
     step), and the same job started again (torchrun --max-restarts, a SLURM requeue) continues from its
     newest checkpoint without ckpt_path."""
     flags, overrides = train_overrides(
-        [f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", "checkpoint.every_n_train_steps=3"],
+        [f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", "checkpoint.every_n_train_steps=3"]
+        + ["final.enabled=true", "final.average_last=2", "decoding.max_len_b=10"],  # the end of run: rank 0 only
         tmp_path,
     )
     train = [sys.executable, "-m", "transformer_mt.train", *overrides]
@@ -201,6 +202,11 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
     assert "resuming from" in outputs[1] and "(update 6)" in outputs[1]
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8
+    # Each start ended with the protocol, on rank 0 alone: one results block per start, the last one's results.json.
+    assert log.count("results (") == 2
+    results = json.loads((run / "results.json").read_text())
+    assert results["updates"] == 8 and list(results["models"]) == ["average-last2"]  # steps 3 and 6
+    assert results["models"]["average-last2"]["test"]["sentences"] == 30
 
 
 # ---------------------------------------------------------------- DDP: the update's gradient over ranks

@@ -1,6 +1,7 @@
 """Hydra configs and the training entry point: in this process where a run's results are what is
 checked, as a user runs it (subprocesses, the slow tier) where its console, log file and exit status are."""
 
+import json
 import os
 import re
 import shutil
@@ -402,6 +403,7 @@ def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_
             "trainer.strategy=ddp",
             "trainer.devices=2",
             f"hydra.sweep.dir={sweep}",
+            *["final.enabled=true", "final.average_last=0", "decoding.max_len_b=10"],  # the end of run, by ddp_spawn
         ],
         tmp_path,
     )
@@ -410,6 +412,12 @@ def test_two_job_sweep_runs_each_in_its_own_directory_also_with_ddp(corpus, tmp_
     lasts = [load(j / "checkpoints" / "last.ckpt") for j in jobs]
     assert [c["hyper_parameters"]["model"]["dropout"] for c in lasts] == [0.1, 0.3]
     assert [c["global_step"] for c in lasts] == [2, 2]  # written by the spawned workers, not the idle main process
+    # the main process evaluated each job's last.ckpt once, with the two ranks' training totals
+    results = [json.loads((j / "results.json").read_text()) for j in jobs]
+    assert [r["updates"] for r in results] == [2, 2] and all(
+        r["models"]["last"]["test"]["sentences"] == 30 for r in results
+    )
+    assert all(r["target_tokens"] > 0 for r in results)
     assert "ddp_spawn" in proc.stdout + proc.stderr
 
 
@@ -456,6 +464,10 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     bleus = [value for _, value in read_metrics(tmp_path / "run")["val/bleu"]]
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
+    # the recipe's end: the 4 periodic checkpoints (every 100 updates) averaged, test2016 decoded with beam 4
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert list(results["models"]) == ["average-last4"] and results["updates"] == 400
+    assert results["models"]["average-last4"]["test"]["bleu"] > 8.0 and results["decoding"]["beam_size"] == 4
 
 
 @pytest.mark.slow

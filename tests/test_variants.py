@@ -16,6 +16,7 @@ from test_model import reference_transformer
 from transformer_mt.configs import CONF_DIR, compose
 from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig, record_attention, training_flops
 from transformer_mt.objective import sequence_losses
+from transformer_mt.training.resume import flatten
 
 VARIANTS = {  # each switch alone, and all at once, on the tiny shape (d_model 32, 4 heads)
     "d_k=3,d_v=5": dict(d_k=3, d_v=5),
@@ -109,19 +110,24 @@ def test_head_sizes_default_to_d_model_over_h_and_no_longer_need_to_divide_it():
 # ---------------------------------------------------------------- learned positions (Table 3 row E)
 
 
-def test_learned_positions_are_a_trained_table_added_like_the_sinusoids():
+def test_learned_positions_are_a_trained_table_per_stack_added_like_the_sinusoids():
     model = variant("learned")
-    table = model.embed.positions
-    assert isinstance(table, nn.Parameter) and table.shape == (64, 32)  # max_positions rows
-    assert "embed.positions" in model.state_dict()  # saved, unlike the sinusoid buffer
-    assert table.std().item() == pytest.approx(32**-0.5, rel=0.1)  # N(0, d^-0.5), as fairseq's
+    tables = model.embed.positions
+    assert sorted(tables) == ["source", "target"]  # one per stack, as tensor2tensor's and fairseq's
+    for table in tables.values():
+        assert isinstance(table, nn.Parameter) and table.shape == (64, 32)  # max_positions rows
+        assert table.std().item() == pytest.approx(32**-0.5, rel=0.1)  # N(0, d^-0.5), as fairseq's
+    assert {"embed.positions.source", "embed.positions.target"} <= model.state_dict().keys()  # saved
     ids = torch.tensor([[5, 6, 7]])
-    expected = model.embed.tokens(ids) * math.sqrt(32) + table[:3]
+    expected = model.embed.tokens(ids) * math.sqrt(32) + tables["target"][:3]
     torch.testing.assert_close(model.embed(ids), expected)
     torch.testing.assert_close(model.embed(ids[:, 2:], start=2), expected[:, 2:])  # decoding's offset
-    loss, _, _ = sequence_losses(model.train(), ids, ids, ids, 0.1)
+    source = model.embed.tokens(ids) * math.sqrt(32) + tables["source"][:3]
+    torch.testing.assert_close(model.embed(ids, side="source"), source)
+    loss, _, _ = sequence_losses(model.train(), ids, ids[:, :2], ids[:, :2], 0.1)
     loss.backward()
-    assert table.grad[:3].abs().sum() > 0 and table.grad[3:].abs().sum() == 0  # only the positions used learn
+    assert tables["source"].grad[:3].abs().sum() > 0 and tables["source"].grad[3:].abs().sum() == 0
+    assert tables["target"].grad[:2].abs().sum() > 0 and tables["target"].grad[2:].abs().sum() == 0
     with pytest.raises(ValueError, match="exceeds max_positions=64"):
         model.embed(torch.ones(1, 65, dtype=torch.long))
 
@@ -249,8 +255,8 @@ def test_table3_row_parameters_match_the_paper(row, capsys):
     paper = cfg.table3_row.paper.params_millions
     with capsys.disabled():
         print(f"\n{row}: {n / 1e6:.1f}M parameters (paper: {f'{paper}M' if paper else 'as base'})", end="")
-    if paper is None:  # the cell is empty: base's size (A keeps h x d_k = 512; E's table adds 1024 x 512)
-        assert n == base + (1024 * 512 if cfg.model.get("positions") == "learned" else 0)
+    if paper is None:  # the cell is empty: base's size (A keeps h x d_k = 512; E adds two 1024 x 512 tables)
+        assert n == base + (2 * 1024 * 512 if cfg.model.get("positions") == "learned" else 0)
         return
     assert abs(n - paper * 1e6) / (paper * 1e6) < TOLERANCE
     if cfg.model.d_model == 512:
@@ -282,6 +288,9 @@ ROWS += [("table3_cpu", r) for r in rows("table3_cpu")]
 def test_every_table3_row_composes_builds_and_trains_two_updates(group, row):
     cfg = row_config(group, row)
     assert cfg.table3_row.name == row and cfg.final.enabled and cfg.final.average_last == 0
+    own = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / group / f"{row}.yaml"))
+    for key, value in flatten(own).items():  # every value of the row's file is in the composed config
+        assert OmegaConf.select(cfg, key) == value, key
     assert "validation" in cfg.final.splits  # Table 3 reports the dev set
     losses = train_two_updates(cfg)
     assert all(math.isfinite(x) for x in losses) and losses[1] < losses[0]

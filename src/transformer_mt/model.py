@@ -96,29 +96,32 @@ def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
 class Embedding(nn.Module):
     """§3.4 + §3.5: token embedding * sqrt(d_model) + positions, then dropout (§5.4).
 
-    positions="learned" (Table 3 row E): a trained (max_positions, d) table in place of the sinusoids,
-    initialised N(0, d^-0.5) as fairseq's learned positions. An Embedding shared by both stacks
-    (share_embeddings=all) shares its positions too, as it shares the sinusoid table."""
+    `sides`: the stacks it serves, ("source", "target") when shared (share_embeddings=all). Sinusoids are one
+    fixed table for both; positions="learned" (Table 3 row E) trains one (max_positions, d) table per stack,
+    as tensor2tensor and fairseq do, initialised N(0, d^-0.5) as fairseq's."""
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, sides: tuple[str, ...] = ("source", "target")):
         super().__init__()
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        if cfg.positions == "learned":
-            self.positions = nn.Parameter(torch.empty(cfg.max_positions, cfg.d_model))  # reset_parameters
+        self.learned = cfg.positions == "learned"
+        if self.learned:  # initialised in Transformer.reset_parameters
+            self.positions = nn.ParameterDict({side: torch.empty(cfg.max_positions, cfg.d_model) for side in sides})
         else:
             self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        self.max_positions = cfg.max_positions
         self.scale = math.sqrt(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: Tensor, start: int = 0) -> Tensor:
+    def forward(self, ids: Tensor, start: int = 0, side: str = "target") -> Tensor:
         # ids: (B, L) -> (B, L, d); `start` is the position of ids[:, 0] (incremental decoding)
         end = start + ids.size(1)
-        if end > self.positions.size(0):
+        if end > self.max_positions:
             raise ValueError(
-                f"sequence of length {end} exceeds max_positions={self.positions.size(0)}; "
+                f"sequence of length {end} exceeds max_positions={self.max_positions}; "
                 "truncate the input or raise model.max_positions"
             )
-        x = self.tokens(ids) * self.scale + self.positions[start:end]
+        table = self.positions[side] if self.learned else self.positions
+        x = self.tokens(ids) * self.scale + table[start:end]
         return self.dropout(x)
 
 
@@ -325,9 +328,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg)  # the decoder's input; the encoder's too when share_embeddings=all
-        if cfg.share_embeddings != "all":
-            self.src_embed = Embedding(cfg)
+        if cfg.share_embeddings == "all":
+            self.embed = Embedding(cfg)  # both inputs (and the output)
+        else:
+            self.embed = Embedding(cfg, sides=("target",))  # the decoder's input
+            self.src_embed = Embedding(cfg, sides=("source",))
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         if cfg.norm == "pre":
@@ -356,7 +361,7 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
         matrices = [self.embed.tokens.weight, self.encoder_embed.tokens.weight, self.output_weight]
         if self.cfg.positions == "learned":
-            matrices += [self.embed.positions, self.encoder_embed.positions]
+            matrices += [self.encoder_embed.positions["source"], self.embed.positions["target"]]
         for weight in {id(w): w for w in matrices}.values():  # each matrix once, in this order
             nn.init.normal_(weight, mean=0.0, std=self.cfg.d_model**-0.5)
         with torch.no_grad():
@@ -367,7 +372,7 @@ class Transformer(nn.Module):
         """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S)."""
         src_pad = src.eq(self.cfg.pad_id)
         src_mask = key_mask(src_pad)
-        x = self.encoder_embed(src)
+        x = self.encoder_embed(src, side="source")
         for layer in self.encoder_layers:
             x = layer(x, src_mask)
         return self.final_norm(x, "encoder"), src_pad

@@ -37,7 +37,7 @@ from transformer_mt.runtime import (
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
 from transformer_mt.training.ema import ExponentialMovingAverage
-from transformer_mt.training.final import finish_run
+from transformer_mt.training.final import final_metrics, finish_run
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
 from transformer_mt.training.resume import (
@@ -157,11 +157,15 @@ def check_config(cfg: DictConfig) -> None:
     if ema and cfg.trainer.get("strategy") == "fsdp":
         raise InputError("ema_decay with trainer=fsdp: the moving average needs whole weights on every rank; use ddp")
     final = cfg.final
-    unknown_splits = [s for s in final.splits if s not in ("validation", "test")]
-    if unknown_splits:
-        raise InputError(f"final.splits: {unknown_splits[0]!r} is not a split; choose among validation, test")
-    if isinstance(final.average_last, bool) or not isinstance(final.average_last, int) or final.average_last < 0:
-        raise InputError(f"final.average_last={final.average_last!r}: must be a whole number, 0 (no averaging) or more")
+    if final.enabled:
+        splits = final.splits
+        if not OmegaConf.is_list(splits) or not splits or any(s not in ("validation", "test") for s in splits):
+            raise InputError(
+                f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]"
+            )
+        average = final.average_last
+        if isinstance(average, bool) or not isinstance(average, int) or average < 0:
+            raise InputError(f"final.average_last={average!r}: must be a whole number, 0 (no averaging) or more")
 
 
 def make_strategy(name, precision: str | None = None, devices=1):
@@ -273,21 +277,30 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
+        return finish(cfg, run_dir, trainer, datamodule, loggers)
     finally:
         finish_wandb(loggers)
+
+
+def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:
+    """After fit: a run stopped by a signal exits with 128 + its number; a finished one applies the paper's
+    protocol (final.enabled, on the first process), whose scores also reach the loggers (wandb: before it
+    closes). Returns the last validation BLEU (the objective of hparams_search)."""
     stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # RunEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
             requeue_slurm_job()
         raise SystemExit(128 + int(stopped_by))
-    bleu = trainer.callback_metrics.get("val/bleu")
     if cfg.final.enabled and trainer.is_global_zero:
         extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
-        decoding = plain(cfg.decoding)
-        finish_run(
-            run_dir, plain(cfg.final), decoding, datamodule, trainer.strategy.root_device, cfg.label_smoothing,
-            bool(cfg.ema_decay), extra,
+        results = finish_run(
+            run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
+            cfg.label_smoothing, bool(cfg.ema_decay), extra,
         )  # fmt: skip
+        for logger in loggers:
+            logger.log_metrics(final_metrics(results), step=results["updates"])
+            logger.save()
+    bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 
 

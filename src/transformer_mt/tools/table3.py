@@ -114,7 +114,7 @@ def table(entries: list[dict]) -> str:
     for e in entries:
         paper = e["paper"]
         cells = [
-            f"{e['row']} {e['name']}",
+            e["name"],
             e["change"],
             str(e["seed"]),
             f"{e['params_millions']:.1f} / {paper.get('params_millions') or ''}",

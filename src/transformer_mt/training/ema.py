@@ -9,11 +9,15 @@ so the last-N checkpoint average (§6.1) would average averages: hence this smal
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 import torch
 from torch import Tensor
 
 STATE_KEY = "ExponentialMovingAverage"
+
+log = logging.getLogger(__name__)
 
 
 class ExponentialMovingAverage(L.Callback):
@@ -53,7 +57,11 @@ class ExponentialMovingAverage(L.Callback):
         return {"decay": self.decay, "updates": self.updates, "average": average}
 
     def load_state_dict(self, state: dict) -> None:
-        self.decay, self.updates, self.average = state["decay"], state["updates"], dict(state["average"])
+        if state["decay"] != self.decay:  # the configured decay applies from here on
+            log.warning(
+                "ema_decay=%s: the checkpoint's moving average was kept with %s until now", self.decay, state["decay"]
+            )
+        self.updates, self.average = state["updates"], dict(state["average"])
 
 
 def ema_state(checkpoint: dict) -> dict[str, Tensor]:

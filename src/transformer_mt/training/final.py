@@ -58,7 +58,10 @@ def final_checkpoints(checkpoint_dir: Path, average_last: int, ema: bool) -> dic
     else:
         chosen["last"] = last
     if ema:
-        chosen["ema"] = write_ema_checkpoint(last, checkpoint_dir / "ema.ckpt")
+        try:
+            chosen["ema"] = write_ema_checkpoint(last, checkpoint_dir / "ema.ckpt")
+        except KeyError as e:
+            log.warning("ema_decay is set but %s holds no moving average (%s): not evaluated", last.name, e.args[0])
     return chosen
 
 
@@ -148,6 +151,18 @@ def finish_run(
         tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     log.info("%s", results_block(results, run_dir / RESULTS))
     return results
+
+
+def final_metrics(results: dict) -> dict[str, float]:
+    """results.json's scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>."""
+    names = {"bleu": "bleu", "chrf": "chrf", "tokenized_bleu_compound_split": "tokenized_bleu", "ppl": "ppl"}
+    return {
+        f"final/{model}/{split}/{short}": scores[key]
+        for model, splits in results["models"].items()
+        for split, scores in splits.items()
+        if split != "checkpoint"
+        for key, short in names.items()
+    }
 
 
 def results_block(results: dict, path: Path) -> str:

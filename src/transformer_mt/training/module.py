@@ -124,7 +124,8 @@ class TranslationModule(L.LightningModule):
         self._update_tokens = None
         if self.trainer.world_size > 1:
             torch.distributed.all_reduce(tokens)
-        self._new_tokens = tokens if self._new_tokens is None else self._new_tokens + tokens
+        tokens_so_far = tokens.double()  # exact far past float32's 2^24 tokens between checkpoints
+        self._new_tokens = tokens_so_far if self._new_tokens is None else self._new_tokens + tokens_so_far
         scale = self.trainer.accumulate_grad_batches * self.trainer.world_size / tokens  # on the gradients' device
         for p in self.parameters():
             if p.grad is not None:

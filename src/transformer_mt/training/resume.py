@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import check_finite, read_checkpoint, write_checkpoint
 from transformer_mt.errors import InputError, MissingInputError
+from transformer_mt.model import TransformerConfig
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +167,9 @@ def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
     saved = checkpoint["hyper_parameters"]
-    changed = {k: (v, model.get(k)) for k, v in saved["model"].items() if k != "dropout" and model.get(k) != v}
+    # Keys a checkpoint lacks (written before a switch existed) are the defaults it was trained with.
+    before, now = comparable_model(saved["model"]), comparable_model(model)
+    changed = {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}
     if changed:
         shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))
         raise InputError(
@@ -185,6 +189,12 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
             "resuming with settings that differ from the checkpoint's: %s",
             "; ".join(f"{k}: {before.get(k)} -> {now.get(k)}" for k in differ),
         )
+
+
+def comparable_model(model: dict) -> dict:
+    """A model's settings with TransformerConfig's defaults filled in and d_k / d_v resolved (null = d_model / h)."""
+    cfg = TransformerConfig(**model)
+    return {**asdict(cfg), "d_k": cfg.head_sizes[0], "d_v": cfg.head_sizes[1]}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
