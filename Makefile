@@ -95,7 +95,7 @@ plot:  ## Learning curves of a run as a PNG: make plot RUN=outputs/<date>/<time>
 .PHONY: table3
 table3:  ## Table 3 of a sweep, ours beside the paper's: make table3 RUNS=multirun/<date>/<time> (writes <RUNS>/table3.md)
 	$(call need,RUNS,make table3 RUNS=multirun/<date>/<time> (the folder of a CONFIG=table3 or table3_cpu sweep))
-	$(PY) -m transformer_mt.tools.table3 $(RUNS)
+	$(PY) -m transformer_mt.tools.table3 $(RUNS)  # RUNS="<dir> <dir>": several sweeps in one table
 
 .PHONY: bench
 bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2): make bench [CKPT=... SRC=... REF=...] [ARGS=...]

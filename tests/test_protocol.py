@@ -211,3 +211,35 @@ def test_the_collector_names_unfinished_jobs_and_refuses_a_folder_that_is_not_a_
         collect(tmp_path / "sweep" / "0")
     with pytest.raises(MissingInputError, match="no such folder"):
         collect(tmp_path / "missing")
+
+
+def fake_results(folder: Path, name: str, row: str, seed: int, dev_bleu: float, test_bleu: float) -> None:
+    """A job folder as a Table 3 sweep leaves it, with a results.json of these scores."""
+    (folder / ".hydra").mkdir(parents=True)
+    scores = {"ppl": 5.0, "tokenized_bleu_compound_split": dev_bleu, "bleu": dev_bleu - 1}
+    results = {
+        "updates": 100,
+        "train_seconds": 60.0,
+        "parameters": 2_500_000,
+        "seed": seed,
+        "table3_row": {"name": name, "row": row, "change": name, "paper": {"ppl": 4.92, "bleu": 25.8}},
+        "models": {"last": {"validation": scores, "test": {**scores, "bleu": test_bleu}}},
+    }
+    (folder / "results.json").write_text(json.dumps(results))
+
+
+def test_the_collector_orders_rows_as_table_3_and_marks_differences_beyond_the_base_seeds(tmp_path, capsys):
+    """Base seeds at dev BLEU 30 and 31 (spread 1.00, mean 30.5): row E at 33 is +2.50, beyond; row D at 30.2 is
+    -0.30, within. Runs spread over two sweep folders make one table."""
+    first, second = tmp_path / "sweep", tmp_path / "seeds"
+    fake_results(first / "0", "E-learned", "(E)", 0, 33.0, 34.0)
+    fake_results(first / "1", "base", "base", 0, 30.0, 31.0)
+    fake_results(first / "2", "D-drop0.0", "(D)", 0, 30.2, 30.0)
+    fake_results(second / "0", "base-seed1", "base", 1, 31.0, 31.5)
+    text = collect(first, second)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r[0] for r in rows] == ["| base", "| base-seed1", "| D-drop0.0", "| E-learned"]
+    assert [r[6] for r in rows] == ["", "", "-0.30", "+2.50*"]  # Δ BLEU dev
+    assert [r[9] for r in rows] == ["", "", "-1.25*", "+2.75*"]  # Δ test against 31.25, spread 0.50
+    assert "dev_bleu 1.00" in text and "4 runs, 4 minutes of training" in text
+    assert (first / "table3.md").read_text() == text

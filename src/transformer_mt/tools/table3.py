@@ -1,4 +1,5 @@
-"""The runs of a Table 3 sweep as one table, ours beside the paper's: `make table3 RUNS=<sweep dir>`.
+"""The runs of a Table 3 sweep as one table, ours beside the paper's: `make table3 RUNS=<sweep dir>` (or
+RUNS="<dir> <dir> ..." for runs spread over several sweeps).
 
 Reads every results.json under RUNS (each job of `make train CONFIG=table3 ARGS="-m table3=glob(*)"`, or
 of the CPU-sized table3_cpu study), and prints a Markdown table, also written to <RUNS>/table3.md:
@@ -7,7 +8,8 @@ test split when the runs decoded it, and each row's difference from base. Runs o
 several seeds give the run-to-run spread; a difference larger than it is marked with *.
 
 BLEU (dev) is the tokenized compound-split BLEU (the paper's metric); sacreBLEU is the one to compare
-with other work.
+with other work. Each run contributes the first model its results.json evaluated: the average of the
+last checkpoints, or the final weights where averaging was off (Table 3's protocol); not the EMA.
 """
 
 from __future__ import annotations
@@ -63,8 +65,13 @@ def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
         )
     if not entries and not unfinished:
         raise InputError(f"RUNS={runs}: no job folders (with .hydra/) in it; give the sweep's folder")
-    entries.sort(key=lambda e: (GROUPS.index(e["row"]) if e["row"] in GROUPS else len(GROUPS), natural(e["name"])))
     return entries, unfinished
+
+
+def order(entry: dict) -> tuple:
+    """Table 3's order: base, (A) ... (E), big; within a group by name (natural), then seed."""
+    group = GROUPS.index(entry["row"]) if entry["row"] in GROUPS else len(GROUPS)
+    return group, natural(entry["name"]), entry["seed"] or 0
 
 
 METRICS = ("dev_ppl", "dev_bleu", "dev_sacrebleu", "test_sacrebleu")
@@ -138,9 +145,15 @@ def table(entries: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def collect(runs: str | Path) -> str:
-    runs = Path(runs)
-    entries, unfinished = read_runs(runs)
+def collect(*folders: str | Path) -> str:
+    """One table of the runs of one or more sweep folders (e.g. a sweep and the seeds added later), written to
+    <first folder>/table3.md."""
+    entries, unfinished = [], []
+    for folder in map(Path, folders):
+        found, left = read_runs(folder)
+        entries, unfinished = entries + found, unfinished + left
+    entries.sort(key=order)
+    runs = Path(folders[0])
     text = table(entries) if entries else ""
     for job in unfinished:
         text += f"{job}: no {RESULTS} (still running, failed, or stopped before its end; see {job}/train.log)\n"
@@ -153,9 +166,9 @@ def collect(runs: str | Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", help="the sweep's folder (multirun/<date>/<time>)")
+    parser.add_argument("runs", nargs="+", help="the sweep's folder (multirun/<date>/<time>), or several")
     args = parser.parse_args()
-    exit_on_user_error(collect, args.runs)
+    exit_on_user_error(collect, *args.runs)
 
 
 if __name__ == "__main__":
