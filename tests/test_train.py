@@ -75,8 +75,9 @@ def test_unknown_config_keys_are_rejected(tmp_path):
 def test_base_and_big_carry_the_papers_values(tmp_path):
     base = compose_train(["experiment=base"], tmp_path)
     assert dict(base.model) == dict(
-        d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, dropout=0.1, max_positions=1024
-    )
+        d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, dropout=0.1, max_positions=1024,
+        d_k=None, d_v=None, positions="sinusoidal", norm="post", share_embeddings="all",  # the switches: the paper's
+    )  # fmt: skip
     assert base.label_smoothing == 0.1
     assert dict(base.optim) == dict(lr_factor=1.0, warmup_steps=4000, betas=[0.9, 0.98], eps=1e-9)
     assert base.trainer.max_steps == 100_000 and base.data.tokens_per_update == 25_000
@@ -87,6 +88,9 @@ def test_base_and_big_carry_the_papers_values(tmp_path):
     assert (big.model.d_model, big.model.d_ff, big.model.n_heads, big.model.dropout) == (1024, 4096, 16, 0.3)
     assert big.trainer.max_steps == 300_000 and big.data.tokens_per_update == 25_000
     assert big.checkpoint.keep_last == 20 and big.optim.warmup_steps == 4000
+    # both end with §6.1's protocol: the last 5 / 20 checkpoints averaged, the test split (newstest2014) beam-decoded
+    assert (base.final.enabled, base.final.average_last, list(base.final.splits)) == (True, 5, ["test"])
+    assert (big.final.enabled, big.final.average_last) == (True, 20) and big.decoding.beam_size == 4
 
 
 # ---------------------------------------------------------------- real runs (subprocesses)
@@ -225,12 +229,16 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         ("model.d_model=abc", "model.d_model='abc': must be a whole number"),
         ("model.dropout=1.5", "model.dropout=1.5: must be in [0, 1)"),
         ("model.n_heads=3", "model.d_model=512 is not divisible by n_heads=3"),
-        ("+model.d_modle=3", "model.d_modle: not a model setting; the model takes d_ff, d_model"),
+        ("+model.d_modle=3", "model.d_modle: not a model setting; the model takes d_ff, d_k, d_model"),
+        ("model.norm=sandwich", "model.norm='sandwich': must be one of post, pre"),
+        ("model.d_k=0", "model.d_k=0: must be positive"),
+        ("ema_decay=1.5", "ema_decay=1.5: must be a number in (0, 1)"),
+        ("final.enabled=true final.splits=[dev]", "final.splits=['dev']: must be a list of validation and/or test"),
         ("optim.lr_factor=fast", "optim.lr_factor='fast': must be a number, 0 or more"),
         ("optim.warmup_steps=-5", "optim.warmup_steps=-5: must be a whole number, 0 or more"),
     ]:
         with pytest.raises(InputError) as error:
-            check_config(compose_train([override], tmp_path))
+            check_config(compose_train(override.split(), tmp_path))
         assert str(error.value).startswith(message), (override, str(error.value))
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* add trainer=cpu"):
