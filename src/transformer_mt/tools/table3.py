@@ -124,7 +124,7 @@ def table(entries: list[dict]) -> str:
             e["name"],
             e["change"],
             str(e["seed"]),
-            f"{e['params_millions']:.1f} / {paper.get('params_millions') or ''}",
+            f"{e['params_millions']:.1f}" + (f" / {paper['params_millions']}" if paper.get("params_millions") else ""),
             f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
             f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}",
             difference(e, "dev_bleu", mean, spread),
