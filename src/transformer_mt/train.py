@@ -300,6 +300,10 @@ def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, logge
         for logger in loggers:
             logger.log_metrics(final_metrics(results), step=results["updates"])
             logger.save()
+    if cfg.final.enabled and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Every rank waits for rank 0's evaluation, then all leave together: a rank that exited alone aborted
+        # in its process group's teardown under srun (rank 0 hosts the rendezvous store there).
+        trainer.strategy.barrier("final")
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 

@@ -192,9 +192,11 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
 
 
 def comparable_model(model: dict) -> dict:
-    """A model's settings with TransformerConfig's defaults filled in and d_k / d_v resolved (null = d_model / h)."""
+    """A model's settings with TransformerConfig's defaults filled in; d_k / d_v null where they are
+    d_model / n_heads (so d_k=64 at base equals null, and a change of d_model is not also one of d_k)."""
     cfg = TransformerConfig(**model)
-    return {**asdict(cfg), "d_k": cfg.head_sizes[0], "d_v": cfg.head_sizes[1]}
+    derived = cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else None
+    return {**asdict(cfg), **{k: None if size == derived else size for k, size in zip(("d_k", "d_v"), cfg.head_sizes)}}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
