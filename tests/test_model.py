@@ -333,12 +333,17 @@ def test_parameter_count_matches_table_3(name, paper_params, capsys):
     assert abs(n - paper_params) / paper_params < 0.04
 
 
-def test_training_flops_equal_torchs_flop_counter_but_for_the_causal_half():
+SWITCHES = [{}, dict(d_k=3, d_v=5), dict(d_k=6, d_v=10, positions="learned", norm="pre", share_embeddings="none")]
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=["paper", "d_k=3,d_v=5", "every-switch"])
+def test_training_flops_equal_torchs_flop_counter_but_for_the_causal_half(switches):
     """model.training_flops against torch.utils.flop_counter on a real training step (forward with the
     loss training uses, backward). The counter sees every matrix product as run: with no padding and the
     MATH attention backend, the only difference is the masked half of decoder self-attention, which runs
-    but does no useful work (training_flops counts T(T+1)/2 pairs, the counter T^2)."""
-    cfg = tiny_config(vocab_size=50, dropout=0.0)
+    but does no useful work (training_flops counts T(T+1)/2 pairs, the counter T^2); each pair costs
+    2 (H d_k + H d_v) in the forward pass (4 d_model in the paper's model)."""
+    cfg = tiny_config(vocab_size=50, dropout=0.0, **switches)
     model = Transformer(cfg)
     B, S, T = 3, 7, 5
     src, tgt_in, tgt_out = (random_batch([n] * B, 50, seed=i) for i, n in enumerate((S, T, T)))
@@ -346,7 +351,8 @@ def test_training_flops_equal_torchs_flop_counter_but_for_the_causal_half():
         loss, _, _ = sequence_losses(model, src, tgt_in, tgt_out, 0.1)
         loss.backward()
     ours = training_flops(cfg, torch.full((B,), S), torch.full((B,), T))
-    masked_half = 3 * 2 * 2 * cfg.d_model * cfg.n_decoder_layers * B * (T * T - T * (T + 1) / 2)
+    a, b = (cfg.n_heads * size for size in cfg.head_sizes)
+    masked_half = 3 * 2 * (a + b) * cfg.n_decoder_layers * B * (T * T - T * (T + 1) / 2)
     assert counter.get_total_flops() == ours + masked_half
     # Padding is not work: a sentence's count does not depend on the batch it is padded in.
     one = training_flops(cfg, torch.tensor([S]), torch.tensor([T]))
