@@ -291,19 +291,25 @@ def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, logge
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
             requeue_slurm_job()
         raise SystemExit(128 + int(stopped_by))
+    failed = None
     if cfg.final.enabled and trainer.is_global_zero:
         extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
-        results = finish_run(
-            run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
-            cfg.label_smoothing, bool(cfg.ema_decay), extra,
-        )  # fmt: skip
-        for logger in loggers:
-            logger.log_metrics(final_metrics(results), step=results["updates"])
-            logger.save()
+        try:
+            results = finish_run(
+                run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
+                cfg.label_smoothing, bool(cfg.ema_decay), extra,
+            )  # fmt: skip
+            for logger in loggers:
+                logger.log_metrics(final_metrics(results), step=results["updates"])
+                logger.save()
+        except BaseException as e:  # raised after the barrier: the other ranks must not wait for it in vain
+            failed = e
     if cfg.final.enabled and torch.distributed.is_available() and torch.distributed.is_initialized():
         # Every rank waits for rank 0's evaluation, then all leave together: a rank that exited alone aborted
         # in its process group's teardown under srun (rank 0 hosts the rendezvous store there).
         trainer.strategy.barrier("final")
+    if failed is not None:
+        raise failed
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 
