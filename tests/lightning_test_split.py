@@ -12,6 +12,7 @@ import lightning as L
 
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.runtime import end_process_group
 from transformer_mt.training.module import TranslationModule
 from transformer_mt.training.sharding import LayerFSDP
 
@@ -33,3 +34,4 @@ metrics = trainer.test(module, datamodule, verbose=False)[0]
 if trainer.is_global_zero:
     with open(out, "w") as f:
         json.dump({"world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__, **metrics}, f)
+end_process_group()  # as train.py: a group left to the interpreter's exit can abort it

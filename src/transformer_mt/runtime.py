@@ -157,3 +157,11 @@ def die_with_parent(worker_id: int = 0) -> None:
         signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def end_process_group() -> None:
+    """Destroy the job's process group, if there is one, before the interpreter exits. Lightning leaves it
+    open; at exit, gloo's threads were torn down unjoined now and then ("terminate called without an active
+    exception", status -6) on CPU processes under torchrun and srun."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

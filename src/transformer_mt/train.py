@@ -28,6 +28,7 @@ from transformer_mt.files import RunFolderLock, remove_stale_temporaries
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import (
     cpu_has_native_bf16,
+    end_process_group,
     first_process,
     keep_freed_memory,
     launch_id,
@@ -280,6 +281,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         return finish(cfg, run_dir, trainer, datamodule, loggers)
     finally:
         finish_wandb(loggers)
+        end_process_group()
 
 
 def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:
