@@ -23,9 +23,10 @@ from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
 from transformer_mt.scoring import score
-from transformer_mt.search import beam_search, greedy
+from transformer_mt.search import beam_search
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.callbacks import duration
+from transformer_mt.training.module import decoding_options
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +86,13 @@ def evaluate_split(
     device = next(model.parameters()).device
     sums = torch.zeros(3, dtype=torch.float64)
     hyps: dict[int, tuple[list[int], str]] = {}
-    options = {k: decoding[k] for k in ("alpha", "max_len_a", "max_len_b") if k in decoding}
     for batch in loader:
         src = batch["src"].to(device)
         loss, nll, n = sequence_losses(
             model, src, batch["tgt_in"].to(device), batch["tgt_out"].to(device), label_smoothing
         )
         sums += torch.stack([loss.double(), nll.double(), n.double()]).cpu()
-        if decoding.get("beam_size", 4) > 1:
-            ids = beam_search(model, src, decoding.get("beam_size", 4), **options)[0]
-        else:
-            ids = greedy(model, src, options.get("max_len_a", 1.0), options.get("max_len_b", 50))
+        ids = beam_search(model, src, **decoding_options(decoding))[0]  # as trainer.test (module.test_step)
         hyps.update(zip(batch["index"].tolist(), zip(ids, batch["reference"])))
     order = sorted(hyps)
     texts = tokenizer.decode([hyps[i][0] for i in order])
