@@ -191,6 +191,8 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
             outputs.append(proc.stdout + proc.stderr)
         else:
             outputs.append(srun_like([*train, f"trainer.max_steps={steps}"], tmp_path, free_port()))
+    # Every rank's process group went with its Trainer, before the exit (runtime.end_process_group).
+    assert not [o for o in outputs if "the process group outlived the run" in o]
     folder = {"torchrun": "torchrun-job42", "srun": "slurm-4242-0"}[launcher]
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == [folder]  # one folder for both ranks
     run = tmp_path / "outputs" / folder

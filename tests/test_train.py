@@ -26,7 +26,7 @@ from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.files import RunFolderLock
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.runtime import use_tf32
+from transformer_mt.runtime import end_process_group, use_tf32
 from transformer_mt.tools.plot import read_metrics
 from transformer_mt.train import check_config, make_callbacks, make_strategy, trainer_arguments
 from transformer_mt.training.callbacks import StartupLog
@@ -611,3 +611,16 @@ def test_a_checkpoint_written_after_its_validation_holds_that_validations_best_s
     bleu = dict(read_metrics(trained_run / "out")["val/bleu"])
     assert 6 in bleu  # the validation of update 6
     assert best["best_model_score"].item() == pytest.approx(max(v for step, v in bleu.items() if step <= 6))
+
+
+def test_the_process_group_ends_with_the_last_object_that_holds_it_and_its_gloo_threads_are_joined(tmp_path):
+    """A gloo thread still running when the interpreter finalizes can abort the process (status -6):
+    end_process_group reports the threads of a group something still holds, and none once it is dropped."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.distributed.all_reduce(torch.ones(3))
+    holder = [torch.distributed.group.WORLD]  # as a DDP/FSDP wrapper holds its group
+    assert "pt_gloo_runloop" in end_process_group()
+    assert not torch.distributed.is_initialized()
+    holder.clear()
+    assert end_process_group() == []

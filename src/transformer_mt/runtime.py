@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import platform
 import signal
@@ -159,9 +160,24 @@ def die_with_parent(worker_id: int = 0) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def end_process_group() -> None:
-    """Destroy the job's process group, if there is one, before the interpreter exits. Lightning leaves it
-    open; at exit, gloo's threads were torn down unjoined now and then ("terminate called without an active
-    exception", status -6) on CPU processes under torchrun and srun."""
+def end_process_group() -> list[str]:
+    """Destroy the job's process group and collect what still holds it (the Trainer's DDP/FSDP wrappers:
+    call this once they are out of scope), so that gloo's worker threads are joined before the interpreter
+    exits. Those threads release a collective's tensors just after the collective returns; one that did so
+    while the interpreter was finalizing could not take the GIL and aborted its process ("terminate called
+    without an active exception", status -6) now and then under torchrun and srun (pytorch/pytorch#190489).
+    Returns the names of gloo threads still running (Linux; [] elsewhere): none when the group is gone."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    gc.collect()
+    return [name for name in thread_names() if name.startswith(("pt_gloo", "gloo"))]
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads (Linux: /proc/self/task; [] elsewhere)."""
+    names = []
+    with contextlib.suppress(OSError):
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):
+                names.append((task / "comm").read_text().strip())
+    return names

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+import traceback
 import warnings
 from dataclasses import fields
 from datetime import timedelta
@@ -202,8 +203,16 @@ def train(cfg: DictConfig) -> float | None:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     # One training per run folder: a second start into it is refused (the job's first process holds it).
-    with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
-        return fit(cfg, run_dir, trainer_args, startup)
+    try:
+        with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
+            return fit(cfg, run_dir, trainer_args, startup)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
+        raise
+    finally:
+        # After fit returned, its Trainer is garbage: the process group goes with it, gloo's threads joined.
+        if still_running := end_process_group():
+            log.warning("the process group outlived the run (threads %s): the exit may abort", still_running)
 
 
 def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog) -> float | None:
@@ -281,7 +290,6 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         return finish(cfg, run_dir, trainer, datamodule, loggers)
     finally:
         finish_wandb(loggers)
-        end_process_group()
 
 
 def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:
