@@ -51,7 +51,7 @@ from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
-from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory
+from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory, matmul_peak
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import HF_LENGTH_PENALTY, export, marian_model, optional
@@ -77,18 +77,6 @@ class Usage:
         self.user = end.ru_utime - self.start.ru_utime
         self.system = end.ru_stime - self.start.ru_stime
         self.faults = end.ru_minflt - self.start.ru_minflt
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large square matrix product in `dtype`, the best of `repeats`."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 # ---------------------------------------------------------------- training
@@ -124,7 +112,7 @@ def training_batches(pairs, vocab: int, max_tokens: int, count: int, seed: int =
 
 
 def batch_flops(cfg: TransformerConfig, batch: dict) -> float:
-    return training_flops(cfg, batch["src"].ne(PAD_ID).sum(1), batch["tgt_out"].ne(PAD_ID).sum(1))
+    return training_flops(cfg, batch["src_lengths"], batch["tgt_lengths"])
 
 
 def marian_loss(hf, batch: dict):
@@ -135,7 +123,8 @@ def marian_loss(hf, batch: dict):
 
 
 def ours_loss(model, batch: dict):
-    return sequence_losses(model, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1)  # as training does
+    src, tgt_in, tgt_out, positions = (batch[k] for k in ("src", "tgt_in", "tgt_out", "target_positions"))
+    return sequence_losses(model, src, tgt_in, tgt_out, 0.1, positions)  # as training does
 
 
 class TorchPeer(torch.nn.Module):

@@ -21,13 +21,15 @@ import torch
 from omegaconf import OmegaConf
 
 import transformer_mt.data.datamodule as datamodule_module
-from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, write_corpus, write_pair
+from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, tiny_config, write_corpus, write_pair
 from transformer_mt.configs import run_folder
 from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError
 from transformer_mt.files import read_lines
+from transformer_mt.model import Transformer
+from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import launch_id, launched_rank
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -283,6 +285,30 @@ def test_collate_shifts_target_right():
     assert batch["src"].tolist() == [[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]]
     assert batch["tgt_in"].tolist() == [[BOS_ID, 8, 9, PAD_ID], [BOS_ID, 10, 11, 12]]
     assert batch["tgt_out"].tolist() == [[8, 9, EOS_ID, PAD_ID], [10, 11, 12, EOS_ID]]
+    # Counted on the host for training (no device read): what the padded tensors say.
+    assert batch["src_lengths"] == batch["src"].ne(PAD_ID).sum(1).tolist() == [4, 2]
+    assert batch["tgt_lengths"] == batch["tgt_out"].ne(PAD_ID).sum(1).tolist() == [3, 4]
+    assert batch["target_positions"].tolist() == batch["tgt_out"].ne(PAD_ID).flatten().nonzero().flatten().tolist()
+
+
+def test_the_loss_with_collates_target_positions_is_the_loss_found_on_the_device():
+    """sequence_losses projects the rows collate located on the host, or finds them itself: the same
+    loss and gradients, bit for bit."""
+    rng = np.random.default_rng(0)
+    items = [(rng.integers(4, 23, n), rng.integers(4, 23, m), i) for i, (n, m) in enumerate([(5, 2), (3, 7), (6, 6)])]
+    batch = collate(items)
+    results = []
+    for positions in (batch["target_positions"], None):
+        torch.manual_seed(0)
+        model = Transformer(tiny_config(dropout=0.1))
+        torch.manual_seed(1)
+        loss, nll, n = sequence_losses(model, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1, positions)
+        loss.backward()
+        results.append((loss, nll, n, [p.grad for p in model.parameters()]))
+    (loss_a, nll_a, n_a, grads_a), (loss_b, nll_b, n_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(nll_a, nll_b)
+    assert int(n_a) == int(n_b) == sum(batch["tgt_lengths"])
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
 
 
 # ---------------------------------------------------------------- token buckets

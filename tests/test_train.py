@@ -137,9 +137,12 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     assert len(lines) == len(set(lines))
     (startup,) = [line for line in lines if "first update done" in line]  # how long the start took, once
     assert re.search(r"first update done [\d.]+ s after the start \(data ready at [\d.]+ s, training loop", startup)
-    assert any(
-        "update 3/8 (38%) | loss " in line and "target tok/s | elapsed" in line and "ETA" in line for line in lines
+    progress = (
+        r"update 3/8 \(38%\) \| loss [\d.]+ \| lr \S+ \| [\d,]+ target tok/s \| [\d,.]+ [GT]FLOP/s, MFU [\d.]+% \|"
     )
+    assert any(re.search(progress + r" elapsed \S+ \| ETA", line) for line in lines)
+    (peak,) = [line for line in lines if "MFU: model FLOP/s" in line]  # what MFU is measured against, once
+    assert re.search(r"over [\d,]+ GFLOP/s fp32, a 2048\^3 matrix product timed on this CPU$", peak)
     assert any(
         "validation at update 8: loss" in line and "greedy sacreBLEU" in line and "chrF" in line for line in lines
     )

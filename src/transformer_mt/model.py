@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -434,7 +434,7 @@ def record_attention(model: Transformer) -> Iterator[dict[str, list[MultiHeadAtt
             attn.recording, attn.weights = False, None
 
 
-def training_flops(cfg: TransformerConfig, src_lens: Tensor, tgt_lens: Tensor) -> float:
+def training_flops(cfg: TransformerConfig, src_lens: Sequence[int] | Tensor, tgt_lens: Sequence[int] | Tensor) -> float:
     """Model FLOPs of one training step (forward + backward) over sentences of these real lengths
     (source with EOS, target with EOS): useful work only, padding excluded. The one count behind every
     "model FLOP/s" and MFU figure.
@@ -450,9 +450,10 @@ def training_flops(cfg: TransformerConfig, src_lens: Tensor, tgt_lens: Tensor) -
     """
     d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
     a, b = (cfg.n_heads * size for size in cfg.head_sizes)
-    S, T = src_lens.double(), tgt_lens.double()
-    n_src, n_tgt = S.sum(), T.sum()
-    encoder = n_src * (2 * d * (a + b) + 2 * d * f) + (a + b) * (S**2).sum()
-    decoder = n_tgt * (3 * d * (a + b) + 2 * d * f) + n_src * d * (a + b) + (a + b) * (T * (T + 1) / 2 + T * S).sum()
+    S, T = [float(n) for n in src_lens], [float(n) for n in tgt_lens]  # host numbers (training's come from collate)
+    n_src, n_tgt = sum(S), sum(T)
+    encoder = n_src * (2 * d * (a + b) + 2 * d * f) + (a + b) * sum(s * s for s in S)
+    pairs = sum(t * (t + 1) / 2 + t * s for s, t in zip(S, T, strict=True))
+    decoder = n_tgt * (3 * d * (a + b) + 2 * d * f) + n_src * d * (a + b) + (a + b) * pairs
     multiply_adds = cfg.n_encoder_layers * encoder + cfg.n_decoder_layers * decoder + n_tgt * d * v
     return float(3 * 2 * multiply_adds)

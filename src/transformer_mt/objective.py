@@ -28,13 +28,16 @@ def label_smoothed_nll(
 
 
 def sequence_losses(
-    model: Transformer, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, epsilon: float
+    model: Transformer, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, epsilon: float, positions: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Teacher-forced label_smoothed_nll of a batch, projecting only the non-pad target positions."""
+    """Teacher-forced label_smoothed_nll of a batch, projecting only the non-pad target positions.
+    positions: where they are in the flattened (B * T) batch (collate's target_positions, computed on the
+    host); without it they are found on the device, which makes a GPU wait (a boolean mask's size)."""
     hidden = model.features(src, tgt_in)  # (B, T, d)
-    keep = tgt_out.ne(model.cfg.pad_id)
-    logits = model.project(hidden[keep])  # (N, V): no vocabulary-sized work for padding
-    return label_smoothed_nll(logits, tgt_out[keep], epsilon, model.cfg.pad_id)
+    if positions is None:
+        positions = tgt_out.ne(model.cfg.pad_id).flatten().nonzero().squeeze(1)
+    logits = model.project(hidden.flatten(0, 1).index_select(0, positions))  # (N, V): no work for padding
+    return label_smoothed_nll(logits, tgt_out.flatten().index_select(0, positions), epsilon, model.cfg.pad_id)
 
 
 def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> float:

@@ -22,6 +22,8 @@ import gc
 import os
 import platform
 import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -144,6 +146,86 @@ def use_tf32() -> None:
     off by default; bf16-mixed training does not use it (its products are bf16)."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
+
+
+# Dense (no sparsity) peaks in TFLOP/s from the vendors' data sheets, by the format of training's matrix
+# products; the longest name found in torch's device name wins ("A100" before "A10", "H100 PCIe" before "H100").
+PEAK_TFLOPS = {
+    "V100": {"fp16": 125, "fp32": 15.7},
+    "A10": {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2},
+    "A100": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
+    "L4": {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3},
+    "L40S": {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6},
+    "RTX 3090": {"bf16": 71, "fp16": 71, "tf32": 35.6, "fp32": 35.6},
+    "RTX 4090": {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6},
+    "H100": {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67},  # SXM
+    "H100 PCIe": {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51},
+    "H200": {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67},
+}
+
+
+@dataclass(frozen=True)
+class Peak:
+    """What model FLOP/s are measured against: FLOP/s per device (None when unknown) and where it comes from."""
+
+    flops: float | None
+    source: str
+
+    def utilisation(self, flops_per_second: float) -> float | None:
+        return flops_per_second / self.flops if self.flops else None
+
+
+def matmul_format(precision: str, device: torch.device) -> str:
+    """The format training's matrix products compute in: bf16, fp16, tf32 (fp32 on CUDA tensor cores, as
+    use_tf32 allows) or fp32."""
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return "bf16"
+    if precision.startswith("16"):
+        return "fp16"
+    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if tf32 else "fp32"
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device | str = "cpu", n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matrix product in `dtype` on `device`, the best of `repeats`."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    a @ b
+    synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def device_peak(device: torch.device, precision: str) -> Peak:
+    """The peak of one training device: a GPU's from PEAK_TFLOPS, a CPU's measured here (a 2048^3 product in
+    training's format, ~1 s): CPUs differ too much for a table (cores, AVX-512, AMX, clocks)."""
+    fmt = matmul_format(precision, device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = [key for key in PEAK_TFLOPS if key in name]
+        if not known:
+            return Peak(None, f"{name} is not in runtime.PEAK_TFLOPS: no MFU (add its data-sheet peaks there)")
+        key = max(known, key=len)
+        if fmt not in PEAK_TFLOPS[key]:
+            return Peak(None, f"{name} has no {fmt} peak in runtime.PEAK_TFLOPS: no MFU")
+        return Peak(PEAK_TFLOPS[key][fmt] * 1e12, f"{PEAK_TFLOPS[key][fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
+    if device.type != "cpu":
+        return Peak(None, f"no peak known for {device.type} devices: no MFU")
+    flops = matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
+    return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU")
+
+
+def flops_text(flops_per_second: float) -> str:
+    """FLOP/s for a person: 412 GFLOP/s on a CPU, 412.3 TFLOP/s on a GPU."""
+    if flops_per_second >= 1e12:
+        return f"{flops_per_second / 1e12:,.1f} TFLOP/s"
+    return f"{flops_per_second / 1e9:,.0f} GFLOP/s"
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

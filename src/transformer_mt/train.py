@@ -305,9 +305,10 @@ def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, logge
     if cfg.final.enabled and trainer.is_global_zero:
         extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
         try:
+            progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
             results = finish_run(
                 run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
-                cfg.label_smoothing, bool(cfg.ema_decay), extra,
+                cfg.label_smoothing, bool(cfg.ema_decay), extra, progress.peak, trainer.world_size,
             )  # fmt: skip
             for logger in loggers:
                 logger.log_metrics(final_metrics(results), step=results["updates"])

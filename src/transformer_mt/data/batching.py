@@ -68,13 +68,25 @@ def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: l
     """The one layout of a training batch: (source, target, index) items -> src = x + EOS;
     tgt_in = BOS + y; tgt_out = y + EOS (§3: the decoder input is the output shifted right),
     right-padded; index = position in the split. With `references` (the split's raw target text),
-    batches carry theirs for BLEU."""
+    batches carry theirs for BLEU.
+
+    Counted here, on the host, so that training never asks the device: src_lengths and tgt_lengths (Python
+    ints with the EOS: the tokens/s and model FLOPs), and target_positions, where tgt_out's real tokens are
+    in the flattened (B * T) batch (the loss projects only those, without a boolean mask's device sync)."""
     targets = [t for _, t, _ in items]
+    tgt_out = padded(targets, suffix=[EOS_ID])
+    tgt_lengths = [len(t) + 1 for t in targets]
+    width = tgt_out.shape[1]
     batch = {
         "src": source_batch([s for s, _, _ in items]),
         "tgt_in": padded(targets, prefix=[BOS_ID]),
-        "tgt_out": padded(targets, suffix=[EOS_ID]),
+        "tgt_out": tgt_out,
         "index": torch.tensor([i for _, _, i in items]),
+        "src_lengths": [len(s) + 1 for s, _, _ in items],
+        "tgt_lengths": tgt_lengths,
+        "target_positions": torch.from_numpy(
+            np.concatenate([np.arange(row * width, row * width + n) for row, n in enumerate(tgt_lengths)])
+        ),
     }
     if references is not None:
         batch["reference"] = [references[i] for _, _, i in items]

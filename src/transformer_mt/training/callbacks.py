@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
-from transformer_mt.tokenizer import PAD_ID
+from transformer_mt.runtime import Peak, device_peak, flops_text
 from transformer_mt.training.resume import validation_follows
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,8 @@ def duration(seconds: float) -> str:
 
 class ProgressLog(L.Callback):
     """A line every `every` updates and after each validation, readable in a file or a cluster log:
-    update/max, mean loss since the last line, learning rate, target tokens/s, elapsed and ETA.
+    update/max, mean loss since the last line, learning rate, target tokens/s, model FLOP/s and MFU (their
+    share of the devices' peak: runtime.device_peak, named once at the start), elapsed and ETA.
 
     A finite divergence (the loss of a line RISE times its best so far) is warned about once, with the
     update and the likely causes; training goes on (a non-finite gradient stops it, module.py)."""
@@ -39,18 +40,22 @@ class ProgressLog(L.Callback):
     def __init__(self, every: int):
         self.every = every
         self.best_loss, self.warned = float("inf"), False
+        self.peak: Peak | None = None  # rank 0's, found when training starts (None in ddp_spawn's main process)
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.peak = device_peak(trainer.strategy.root_device, trainer.precision)
+            log.info("MFU: model FLOP/s (model.training_flops) per device over %s", self.peak.source)
         self.start = self.since = time.monotonic()
         self.first_step = self.since_step = trainer.global_step
-        self.loss_sum, self.loss_tokens, self.tokens, self.paused = 0.0, 0, 0, 0.0
+        self.loss_sum, self.tokens, self.flops, self.paused = 0.0, 0, 0.0, 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        # Sums stay on the device until a line is written (no synchronisation per batch); the loss is
-        # per target token since the last line, tokens counted without padding.
+        # The loss sum stays on the device until a line is written (no synchronisation per batch); the loss
+        # is per target token since the last line. Tokens (without padding) and FLOPs are host numbers.
         self.loss_sum += outputs["loss_sum"]
-        self.loss_tokens += outputs["tokens"]
-        self.tokens += batch["tgt_out"].ne(PAD_ID).sum()
+        self.tokens += outputs["tokens"]
+        self.flops += outputs["flops"]
         step = trainer.global_step
         if self.every and step != self.since_step and step % self.every == 0:
             self.report(trainer)
@@ -73,21 +78,23 @@ class ProgressLog(L.Callback):
             f"update {step:,}"
             + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")
         ]
-        if self.loss_tokens:
-            loss = float(self.loss_sum) / float(self.loss_tokens)
+        if self.tokens:
+            loss = float(self.loss_sum) / self.tokens
             parts.append(f"loss {loss:.3f}")
             self.check_divergence(loss, step)
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
-        # rank 0's tokens x ranks: every rank's batches hold about as many tokens (token buckets)
+        # rank 0's tokens and FLOPs x ranks: every rank's batches hold about as many tokens (token buckets)
         seconds = max(now - self.since - self.paused, 1e-9)
-        parts.append(f"{int(self.tokens) * trainer.world_size / seconds:,.0f} target tok/s")
+        parts.append(f"{self.tokens * trainer.world_size / seconds:,.0f} target tok/s")
+        mfu = self.peak.utilisation(self.flops / seconds) if self.peak else None
+        parts.append(flops_text(self.flops * trainer.world_size / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
         parts.append(f"elapsed {duration(elapsed)}")
         eta = eta_seconds(trainer, step, rate)
         if eta is not None:
             parts.append(f"ETA {duration(eta)}")
         log.info(" | ".join(parts))
         self.since, self.since_step = now, step
-        self.loss_sum, self.loss_tokens, self.tokens, self.paused = 0.0, 0, 0, 0.0
+        self.loss_sum, self.tokens, self.flops, self.paused = 0.0, 0, 0.0, 0.0
 
     def check_divergence(self, loss: float, step: int) -> None:
         self.best_loss = min(self.best_loss, loss)
@@ -190,8 +197,10 @@ class RunEnd(L.Callback):
     requeue signal, SIGUSR1) ends the run at the end of the update in progress: last.ckpt is written at
     that update boundary, the log says how to continue, and the signal goes to train() through
     callback_metrics["stopped_by_signal"] (which ddp_spawn's workers hand back too), so that it exits
-    with 128 + its number (143, 130), never 0. All ranks stop at the same update (one
-    all-reduce per update with several processes). A second Ctrl+C stops at once."""
+    with 128 + its number (143, 130), never 0. All ranks stop at the same update: with several processes,
+    the module reduces the signal with the update's token count and reads it at the update's one sync
+    (module.py), so a signal noted after that is acted on an update later (or at the end of training). A
+    second Ctrl+C stops at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -211,7 +220,11 @@ class RunEnd(L.Callback):
         # Replaces Lightning's own SIGTERM/SIGUSR1 handlers (registered when fit starts), which stop inside
         # an accumulation window and exit 0, or save mid-update: one handler that only takes note.
         self.updates_seen = trainer.global_step
+        self.module = module
         self._handlers = {signum: signal.signal(signum, self._note) for signum in self.SIGNALS}
+        # Lightning's own check (a broadcast and a device sync before every micro-batch under DDP) looks for
+        # the SIGTERM its replaced handler would have noted: never, here.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
         if trainer.received_sigterm:  # came while the run started (restore, sanity check): Lightning's handler
             trainer._signal_connector.received_sigterm = False  # would exit 0 at the first batch
             self._note(signal.SIGTERM, None)
@@ -226,6 +239,7 @@ class RunEnd(L.Callback):
                 "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else "",
             )
         self.received = signum
+        self.module.signal_received = signum
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         updated, self.updates_seen = trainer.global_step != self.updates_seen, trainer.global_step
@@ -251,13 +265,16 @@ class RunEnd(L.Callback):
             self.save_after_validation = False
             self.save_last(trainer)
 
-    def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule) -> bool:
-        """Whether any rank received a stop signal; every rank gets the same answer."""
+    def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule, reduce: bool = False) -> bool:
+        """Whether any rank received a stop signal; every rank gets the same answer: the module's of this
+        update with several ranks (no sync of its own), or with reduce=True an all-reduce of its own."""
         received = self.received
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 and reduce:
             flag = torch.tensor([received], device=module.device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             received = int(flag.item())
+        elif trainer.world_size > 1:
+            received = module.update_signal
         if received:
             self.stopped_by = signal.Signals(received)
             # for train(), also when this runs in ddp_spawn's workers (their callback_metrics come back)
@@ -266,6 +283,8 @@ class RunEnd(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.teardown(trainer, module, "fit")  # the handlers from before the run
+        if self.stopped_by is None:  # a signal noted after the last update's decision
+            self._stop_signal(trainer, module, reduce=True)
         if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
             self.save_last(trainer)
         if not trainer.is_global_zero:

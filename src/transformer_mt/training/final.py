@@ -22,6 +22,7 @@ from transformer_mt.errors import MissingInputError
 from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
+from transformer_mt.runtime import Peak, flops_text
 from transformer_mt.scoring import score
 from transformer_mt.search import beam_search
 from transformer_mt.tokenizer import Tokenizer
@@ -110,19 +111,29 @@ def finish_run(
     label_smoothing: float,
     ema: bool,
     extra: dict | None = None,
+    peak: Peak | None = None,
+    devices: int = 1,
 ) -> dict:
-    """The protocol on a finished run (one process): results.json in run_dir, a block in the log."""
+    """The protocol on a finished run (one process): results.json in run_dir, a block in the log. peak: one
+    training device's (for the MFU), devices: how many trained."""
     start = time.monotonic()
     checkpoint_dir = run_dir / "checkpoints"
     chosen = final_checkpoints(checkpoint_dir, final["average_last"], ema)
     last = read_checkpoint(checkpoint_dir / "last.ckpt", mmap=True, finite=False)
     totals = last.get("totals", {})
     seconds, tokens = totals.get("train_seconds", 0.0), totals.get("target_tokens", 0)
+    flops = totals.get("model_flops")  # absent from checkpoints written before it was counted
+    flops_per_second = flops / seconds if flops and seconds else None
+    mfu = peak.utilisation(flops_per_second / devices) if peak and flops_per_second else None
     results = {
         "updates": last.get("global_step"),
         "train_seconds": round(seconds, 1),
         "target_tokens": tokens,
         "target_tokens_per_second": round(tokens / seconds) if seconds else None,
+        "model_flops_per_second": float(f"{flops_per_second:.4g}") if flops_per_second else None,
+        "devices": devices,
+        "mfu": round(mfu, 4) if mfu else None,
+        "peak": peak.source if peak else None,
         "parameters": None,
         "decoding": decoding,
         **(extra or {}),
@@ -164,10 +175,12 @@ def final_metrics(results: dict) -> dict[str, float]:
 
 def results_block(results: dict, path: Path) -> str:
     """The log's summary of results.json: one line per evaluated model and split."""
-    rate = results["target_tokens_per_second"]
+    rate, flops, mfu = (results.get(key) for key in ("target_tokens_per_second", "model_flops_per_second", "mfu"))
     lines = [
         f"results ({path}): {results['updates']:,} updates, {duration(results['train_seconds'])} of training"
         + (f", {rate:,} target tok/s" if rate else "")
+        + (f", {flops_text(flops)}" if flops else "")
+        + (f" (MFU {mfu:.1%})" if mfu else "")
         + f", {results['parameters']:,} parameters; "
         + f"beam {results['decoding'].get('beam_size')}, alpha {results['decoding'].get('alpha')}"
     ]
