@@ -7,11 +7,24 @@ rule with torch.cuda.set_sync_debug_mode (tests/test_cuda.py)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import traceback
+import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader
+
+from transformer_mt.data.batching import collate
+from transformer_mt.runtime import end_process_group
+from transformer_mt.training.callbacks import ProgressLog, RunEnd, UpdateProgressBar
+from transformer_mt.training.module import TranslationModule
+
+MODEL = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.1)
 
 SIZE_FROM_VALUES = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2", "unique_dim"}
 
@@ -58,6 +71,26 @@ class DeviceWaits(TorchDispatchMode):
         return read
 
 
+class CudaWaits:
+    """The same count on a GPU, from CUDA itself: torch.cuda.set_sync_debug_mode warns at every operation
+    that synchronises with the device; inside the block, `waits` lists them."""
+
+    def __enter__(self):
+        self._warnings = warnings.catch_warnings(record=True)
+        self._record = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        return self._warnings.__exit__(*exc)
+
+    @property
+    def waits(self) -> list[str]:
+        return [str(w.message).splitlines()[0] for w in self._record if "synchroniz" in str(w.message)]
+
+
 class WaitsPerMicroBatch(L.Callback):
     """The waits of each training micro-batch (its step, backward and, for the last of an update, the
     optimizer step and every callback's batch end), and whether it ended an update."""
@@ -70,3 +103,49 @@ class WaitsPerMicroBatch(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.batches.append((trainer.global_step != self.step, self.counter.waits[self.start :]))
+
+
+def micro_batches(seed: int = 0) -> list[dict]:
+    """6 micro-batches (2 updates of 3 at accumulate_grad_batches=3) of random sentences, targets 1 longer."""
+    g, batches, index = torch.Generator().manual_seed(seed), [], 0
+    for lengths in [[5, 3], [2, 7, 4], [6], [3, 3], [4, 2, 8], [5]]:
+        items = []
+        for n in lengths:
+            src, tgt = (torch.randint(4, MODEL["vocab_size"], (m,), generator=g).numpy() for m in (n, n + 1))
+            items.append((src, tgt, index))
+            index += 1
+        batches.append(collate(items))
+    return batches
+
+
+def count_waits(
+    batches: list[dict], run_dir: Path, counter: DeviceWaits | CudaWaits | None = None, **trainer_args
+) -> tuple[TranslationModule, list]:
+    """Trains on the batches (2 updates) with the shipped callbacks: the module, and each micro-batch's
+    (ended an update, waits)."""
+    counter = counter or DeviceWaits()
+    waits = WaitsPerMicroBatch(counter)
+    callbacks = [RunEnd(run_dir, keep_last=1), ProgressLog(every=1000), UpdateProgressBar(), waits]
+    trainer = L.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+        **{"accelerator": "cpu", **trainer_args},
+    )
+    module = TranslationModule(MODEL, val_bleu_sentences=0)
+    with counter:
+        trainer.fit(module, DataLoader(batches, batch_size=None))
+    return module, waits.batches
+
+
+if __name__ == "__main__":  # under torchrun: Lightning's DDP; this rank's waits go to <out>-<rank>.json
+    out, rank = sys.argv[1], int(os.environ["RANK"])
+    _, found = count_waits(
+        micro_batches(seed=rank), Path(out).parent, devices=int(os.environ["WORLD_SIZE"]), strategy="ddp"
+    )
+    Path(f"{out}-{rank}.json").write_text(json.dumps(found))
+    end_process_group()

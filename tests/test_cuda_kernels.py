@@ -5,7 +5,6 @@ and a bf16 training update of the base model (tokens/s, share of the bf16 peak, 
 import contextlib
 import gc
 import math
-import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,24 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from device_waits import CudaWaits, count_waits, micro_batches
 from transformer_mt.configs import model_preset
 from transformer_mt.data.batching import collate
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import sequence_losses
+from transformer_mt.runtime import device_peak
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.module import TranslationModule
 
 pytestmark = pytest.mark.cuda
 
-# NVIDIA's dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by device name. H100/H200 are the SXM parts;
-# PCIe and NVL parts run lower clocks and are left unknown rather than guessed.
-BF16_PEAK = [
-    (r"H[12]00(?!.*(PCIe|NVL))", 989e12),
-    (r"A100", 312e12),
-    (r"L40S", 362e12),
-    (r"\bL4\b", 121e12),
-    (r"RTX 4090", 165e12),
-]
 BACKENDS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
 
 
@@ -43,10 +35,6 @@ def release_gpu_memory():
     yield
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def bf16_peak(device_name: str) -> float | None:
-    return next((peak for pattern, peak in BF16_PEAK if re.search(pattern, device_name)), None)
 
 
 def sentence_pairs(sentences: int, length: int, vocab: int, seed: int) -> dict:
@@ -73,11 +61,9 @@ def test_bf16_training_update_of_the_base_model(record_property):
     optimizers = module.configure_optimizers()  # the project's fused Adam and Noam schedule
     optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     batches = [sentence_pairs(sentences, length, vocab, seed) for seed in range(micro_batches)]
-    src_lens = [b["src"].ne(PAD_ID).sum(1) for b in batches]  # real lengths with EOS, padding excluded
-    tgt_lens = [b["tgt_out"].ne(PAD_ID).sum(1) for b in batches]
-    tokens = int(sum(n.sum() for n in tgt_lens))  # target tokens of the whole update
-    flops = sum(training_flops(model.cfg, s, t) for s, t in zip(src_lens, tgt_lens))
-    batches = [{key: b[key].cuda() for key in ("src", "tgt_in", "tgt_out")} for b in batches]
+    tokens = sum(sum(b["tgt_lengths"]) for b in batches)  # target tokens of the whole update (real, with EOS)
+    flops = sum(training_flops(model.cfg, b["src_lengths"], b["tgt_lengths"]) for b in batches)  # as training
+    batches = [{key: b[key].cuda() for key in ("src", "tgt_in", "tgt_out", "target_positions")} for b in batches]
     torch.cuda.reset_peak_memory_stats()
 
     def update() -> tuple[float, float]:
@@ -86,7 +72,9 @@ def test_bf16_training_update_of_the_base_model(record_property):
         loss = torch.zeros((), device="cuda")
         for b in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss_sum, _, _ = sequence_losses(model, b["src"], b["tgt_in"], b["tgt_out"], epsilon=0.1)
+                loss_sum, _, _ = sequence_losses(
+                    model, b["src"], b["tgt_in"], b["tgt_out"], 0.1, b["target_positions"]
+                )  # as training: the rows located by collate, no wait for the device
             (loss_sum / tokens).backward()  # per target token of the whole update, not per micro-batch
             loss += loss_sum.detach()
         optimizer.step()
@@ -100,8 +88,8 @@ def test_bf16_training_update_of_the_base_model(record_property):
     seconds, losses = zip(*(update() for _ in range(timed)))
     median = sorted(seconds)[timed // 2]
     name = torch.cuda.get_device_name()
-    peak = bf16_peak(name)
-    share = f"{flops / median / peak:.0%} of bf16 peak" if peak else f"bf16 peak of {name} unknown"
+    peak = device_peak(torch.device("cuda"), "bf16-mixed")  # what the training log's MFU uses
+    share = f"MFU {peak.utilisation(flops / median):.1%} of {peak.source}" if peak.flops else peak.source
     memory = torch.cuda.max_memory_allocated() / 2**30
     figures = f"{tokens / median:,.0f} tgt tok/s, {share}, {memory:.1f} GiB"
     print(
@@ -113,6 +101,15 @@ def test_bf16_training_update_of_the_base_model(record_property):
     record_property("figures", figures)
     # A fresh model predicts nearly uniformly: ~ln V per target token. Far from it, the normalisation is wrong.
     assert all(math.isfinite(x) and abs(x - math.log(vocab)) < 2 for x in losses), losses
+
+
+def test_a_training_update_on_the_gpu_waits_for_it_once(tmp_path):
+    """test_module's rule, checked by CUDA (set_sync_debug_mode): inside an accumulation window no
+    micro-batch synchronises with the GPU, and an update does once."""
+    _, found = count_waits(micro_batches(), tmp_path, counter=CudaWaits(), accelerator="gpu", devices=1)
+    assert [updated for updated, _ in found] == [False, False, True] * 2
+    for updated, waits in found:
+        assert len(waits) == (1 if updated else 0), waits
 
 
 # ---------------------------------------------------------------- which SDPA backends run the model's attention

@@ -211,6 +211,20 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
     assert results["models"]["average-last2"]["test"]["sentences"] == 30
 
 
+def test_a_ddp_update_waits_for_the_device_once_on_every_rank(tmp_path):
+    """As test_module's rule, under Lightning's DDP on 2 processes: no rank waits inside an accumulation
+    window (Lightning's own per-batch SIGTERM broadcast, a device read, is off), and each waits once per
+    update, the stop decision riding on the gradient norm's read."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = run_process([*torchrun, str(ROOT / "tests" / "device_waits.py"), str(tmp_path / "waits")], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(2):
+        batches = json.loads((tmp_path / f"waits-{rank}.json").read_text())
+        assert [updated for updated, _ in batches] == [False, False, True] * 2
+        for updated, found in batches:
+            assert len(found) == (1 if updated else 0), (rank, found)
+
+
 # ---------------------------------------------------------------- DDP: the update's gradient over ranks
 
 

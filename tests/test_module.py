@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from device_waits import DeviceWaits, WaitsPerMicroBatch
+from device_waits import DeviceWaits, count_waits, micro_batches
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, noam_lr, sequence_losses
 from transformer_mt.tokenizer import PAD_ID
-from transformer_mt.training.callbacks import ProgressLog, RunEnd, UpdateProgressBar, duration
+from transformer_mt.training.callbacks import duration
 from transformer_mt.training.module import TranslationModule
 
 
@@ -172,46 +172,17 @@ def test_a_training_update_waits_for_the_device_once_whatever_its_micro_batches(
     """On a GPU every read of a device value drains the kernel queue. With the shipped callbacks, a
     micro-batch inside an accumulation window never waits, and one that ends an update waits once (the
     gradient norm's finiteness); the tokens/s and model FLOPs are counted on the host (collate)."""
-    micro_batches = [collate(items) for items in sentence_items([[5, 3], [2, 7, 4], [6], [3, 3], [4, 2, 8], [5]])]
-    model_cfg = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.1)
-    module = TranslationModule(model_cfg, val_bleu_sentences=0)
-    counter = DeviceWaits()
-    waits = WaitsPerMicroBatch(counter)
-    trainer = L.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        callbacks=[RunEnd(tmp_path, keep_last=1), ProgressLog(every=1000), UpdateProgressBar(), waits],
-    )
-    with counter:
-        trainer.fit(module, DataLoader(micro_batches, batch_size=None))
-    assert [updated for updated, _ in waits.batches] == [False, False, True] * 2
-    for updated, found in waits.batches:
-        assert len(found) == (1 if updated else 0), found
+    batches = micro_batches()
+    module, found = count_waits(batches, tmp_path)
+    assert [updated for updated, _ in found] == [False, False, True] * 2
+    for updated, waits in found:
+        assert len(waits) == (1 if updated else 0), waits
     # The host's counts are the padded tensors': target tokens, and model FLOPs of the real lengths.
-    tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in micro_batches)
-    flops = sum(
-        training_flops(module.model.cfg, b["src"].ne(PAD_ID).sum(1), b["tgt_out"].ne(PAD_ID).sum(1))
-        for b in micro_batches
-    )
+    cfg = module.model.cfg
+    tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches)
+    flops = sum(training_flops(cfg, b["src"].ne(PAD_ID).sum(1), b["tgt_out"].ne(PAD_ID).sum(1)) for b in batches)
     assert module.totals["target_tokens"] == tokens and module.totals["model_flops"] == pytest.approx(flops, rel=1e-12)
     # Without collate's positions, the loss would find its rows on the device: the counter sees that.
-    with DeviceWaits() as found:
-        batch = micro_batches[0]
-        sequence_losses(module.model, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1)
-    assert [w.split()[0] for w in found.waits] == ["nonzero"]
-
-
-def sentence_items(lengths: list[list[int]], vocab: int = 20, seed: int = 0):
-    """Micro-batches of (source, target, index) items with these source lengths (targets 1 longer)."""
-    g, index = torch.Generator().manual_seed(seed), 0
-    for batch in lengths:
-        items = []
-        for n in batch:
-            src, tgt = (torch.randint(4, vocab, (m,), generator=g).numpy() for m in (n, n + 1))
-            items.append((src, tgt, index))
-            index += 1
-        yield items
+    with DeviceWaits() as counter:
+        sequence_losses(module.model, batches[0]["src"], batches[0]["tgt_in"], batches[0]["tgt_out"], 0.1)
+    assert [w.split()[0] for w in counter.waits] == ["nonzero"]

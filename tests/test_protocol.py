@@ -3,6 +3,7 @@ the moving average of the weights (training/ema.py); and every tool on a model w
 
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -59,6 +60,16 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
     assert results["updates"] == 6 and results["parameters"] > 0 and results["seed"] == 0
     assert results["train_seconds"] > 0 and results["target_tokens"] > 0
     assert results["target_tokens_per_second"] > 0
+    # Model FLOP/s over the run (the totals counted per update, test_module) and their share of the peak.
+    totals = torch.load(variant_run / "checkpoints" / "last.ckpt", weights_only=True)["totals"]
+    flops = results["model_flops_per_second"]
+    assert flops == pytest.approx(totals["model_flops"] / totals["train_seconds"], rel=1e-3)
+    peak = re.fullmatch(
+        r"([\d.,]+) ([GT])FLOP/s (?:bf16|fp32), a 2048\^3 matrix product timed on this CPU", results["peak"]
+    )
+    assert results["devices"] == 1 and results["mfu"] == pytest.approx(
+        flops / (float(peak[1].replace(",", "")) * {"G": 1e9, "T": 1e12}[peak[2]]), rel=0.01
+    )
     assert results["decoding"] == {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 10}
     assert "model.norm=pre" in results["overrides"]
     assert list(results["models"]) == ["average-last3", "ema"]
@@ -70,6 +81,7 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
             assert scores["ppl"] > 1
     log = (variant_run / "final.log").read_text()  # what the run's log received
     assert f"results ({variant_run / 'results.json'}): 6 updates" in log
+    assert re.search(r"target tok/s, [\d,.]+ GFLOP/s \(MFU [\d.]+%\), ", log)
     assert log.count("tokenized compound-split BLEU") == 4  # 2 models x 2 splits
 
 

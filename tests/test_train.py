@@ -26,7 +26,7 @@ from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.files import RunFolderLock
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.runtime import end_process_group, use_tf32
+from transformer_mt.runtime import device_peak, end_process_group, use_tf32
 from transformer_mt.tools.plot import read_metrics
 from transformer_mt.train import check_config, make_callbacks, make_strategy, trainer_arguments
 from transformer_mt.training.callbacks import StartupLog
@@ -142,7 +142,7 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     )
     assert any(re.search(progress + r" elapsed \S+ \| ETA", line) for line in lines)
     (peak,) = [line for line in lines if "MFU: model FLOP/s" in line]  # what MFU is measured against, once
-    assert re.search(r"over [\d,]+ GFLOP/s fp32, a 2048\^3 matrix product timed on this CPU$", peak)
+    assert re.search(r"over [\d.,]+ [GT]FLOP/s (?:bf16|fp32), a 2048\^3 matrix product timed on this CPU$", peak)
     assert any(
         "validation at update 8: loss" in line and "greedy sacreBLEU" in line and "chrF" in line for line in lines
     )
@@ -627,3 +627,31 @@ def test_the_process_group_ends_with_the_last_object_that_holds_it_and_its_gloo_
     assert not torch.distributed.is_initialized()
     holder.clear()
     assert end_process_group() == []
+
+
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [
+        ("NVIDIA H200", "bf16-mixed", 989e12),
+        ("NVIDIA H100 80GB HBM3", "32-true", 67e12),  # fp32: torch's default matmul precision is "highest"
+        ("NVIDIA H100 PCIe", "bf16-mixed", 756e12),
+        ("NVIDIA A100-SXM4-80GB", "16-mixed", 312e12),
+        ("NVIDIA A10", "bf16-mixed", 125e12),  # not A100's
+        ("NVIDIA H100 NVL", "bf16-mixed", None),  # lower clocks: left unknown rather than guessed
+        ("Tesla V100-SXM2-32GB", "bf16-mixed", None),  # no bf16
+    ],
+)
+def test_mfu_is_measured_against_the_data_sheets_peak_of_the_gpu_and_its_format(monkeypatch, name, precision, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    found = device_peak(torch.device("cuda", 0), precision)
+    assert found.flops == peak
+    assert (name in found.source) and (("no MFU" in found.source) == (peak is None))
+    if peak:
+        assert found.utilisation(peak / 4) == 0.25
+
+
+def test_a_cpus_peak_is_a_matrix_product_timed_in_trainings_format():
+    found = device_peak(torch.device("cpu"), "32-true")
+    assert found.flops > 1e9 and re.fullmatch(
+        r"[\d.]+ GFLOP/s fp32, a 2048\^3 matrix product timed on this CPU", found.source
+    )

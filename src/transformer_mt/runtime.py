@@ -21,6 +21,7 @@ import ctypes
 import gc
 import os
 import platform
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -148,20 +149,18 @@ def use_tf32() -> None:
     torch.backends.cudnn.allow_tf32 = True
 
 
-# Dense (no sparsity) peaks in TFLOP/s from the vendors' data sheets, by the format of training's matrix
-# products; the longest name found in torch's device name wins ("A100" before "A10", "H100 PCIe" before "H100").
-PEAK_TFLOPS = {
-    "V100": {"fp16": 125, "fp32": 15.7},
-    "A10": {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2},
-    "A100": {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5},
-    "L4": {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3},
-    "L40S": {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6},
-    "RTX 3090": {"bf16": 71, "fp16": 71, "tf32": 35.6, "fp32": 35.6},
-    "RTX 4090": {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6},
-    "H100": {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67},  # SXM
-    "H100 PCIe": {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51},
-    "H200": {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67},
-}
+# Dense (no sparsity) peaks in TFLOP/s from NVIDIA's data sheets, by the format of training's matrix products,
+# for the device names they match (re.search). H100/H200 are the SXM parts; NVL parts are left unknown, not guessed.
+PEAK_TFLOPS = [
+    (r"H[12]00(?!.*(PCIe|NVL))", {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),
+    (r"H100 PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
+    (r"A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
+    (r"\bA10\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
+    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
+    (r"RTX 4090", {"bf16": 165, "fp16": 165, "tf32": 82.6, "fp32": 82.6}),
+    (r"V100", {"fp16": 125, "fp32": 15.7}),
+]
 
 
 @dataclass(frozen=True)
@@ -208,13 +207,12 @@ def device_peak(device: torch.device, precision: str) -> Peak:
     fmt = matmul_format(precision, device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        known = [key for key in PEAK_TFLOPS if key in name]
-        if not known:
-            return Peak(None, f"{name} is not in runtime.PEAK_TFLOPS: no MFU (add its data-sheet peaks there)")
-        key = max(known, key=len)
-        if fmt not in PEAK_TFLOPS[key]:
-            return Peak(None, f"{name} has no {fmt} peak in runtime.PEAK_TFLOPS: no MFU")
-        return Peak(PEAK_TFLOPS[key][fmt] * 1e12, f"{PEAK_TFLOPS[key][fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
+        peaks = next((peaks for pattern, peaks in PEAK_TFLOPS if re.search(pattern, name)), None)
+        if peaks is None:
+            return Peak(None, f"no peak known for {name}: no MFU (add its data sheet's to runtime.PEAK_TFLOPS)")
+        if fmt not in peaks:
+            return Peak(None, f"no {fmt} peak known for {name}: no MFU")
+        return Peak(peaks[fmt] * 1e12, f"{peaks[fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
     if device.type != "cpu":
         return Peak(None, f"no peak known for {device.type} devices: no MFU")
     flops = matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
@@ -222,10 +220,10 @@ def device_peak(device: torch.device, precision: str) -> Peak:
 
 
 def flops_text(flops_per_second: float) -> str:
-    """FLOP/s for a person: 412 GFLOP/s on a CPU, 412.3 TFLOP/s on a GPU."""
+    """FLOP/s for a person, 3 significant digits: 412 GFLOP/s or 0.0512 GFLOP/s on a CPU, 412.3 TFLOP/s on a GPU."""
     if flops_per_second >= 1e12:
         return f"{flops_per_second / 1e12:,.1f} TFLOP/s"
-    return f"{flops_per_second / 1e9:,.0f} GFLOP/s"
+    return f"{flops_per_second / 1e9:.3g} GFLOP/s"
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -132,7 +132,7 @@ def finish_run(
         "target_tokens_per_second": round(tokens / seconds) if seconds else None,
         "model_flops_per_second": float(f"{flops_per_second:.4g}") if flops_per_second else None,
         "devices": devices,
-        "mfu": round(mfu, 4) if mfu else None,
+        "mfu": float(f"{mfu:.4g}") if mfu else None,
         "peak": peak.source if peak else None,
         "parameters": None,
         "decoding": decoding,
