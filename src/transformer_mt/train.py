@@ -37,6 +37,7 @@ from transformer_mt.runtime import (
     use_tf32,
 )
 from transformer_mt.tokenizer import PAD_ID
+from transformer_mt.training.batch_fit import FitBatch, shape_updates
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.final import final_metrics, finish_run
@@ -61,6 +62,7 @@ def plain(cfg: DictConfig) -> dict:
 def trainer_arguments(cfg: DictConfig) -> dict:
     """conf/trainer as lightning.Trainer arguments, checked against this machine before any work."""
     args = plain(cfg)
+    args.pop("compile", None)  # the module's (TranslationModule.compile_training), not Lightning's
     accelerator = args.get("accelerator", "auto")
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise InputError(
@@ -108,6 +110,8 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
     if cfg.ema_decay:
         callbacks.append(ExponentialMovingAverage(cfg.ema_decay))
+    if cfg.data.max_tokens == "auto":
+        callbacks.append(FitBatch())
     callbacks += [
         LearningRateMonitor(logging_interval="step"),
         ProgressLog(cfg.progress_every_n_updates),
@@ -158,6 +162,13 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError(f"ema_decay={ema!r}: must be a number in (0, 1), e.g. 0.9999, or null (off)")
     if ema and cfg.trainer.get("strategy") == "fsdp":
         raise InputError("ema_decay with trainer=fsdp: the moving average needs whole weights on every rank; use ddp")
+    compile_step = cfg.trainer.get("compile", False)
+    if not isinstance(compile_step, bool):
+        raise InputError(f"trainer.compile={compile_step!r}: must be true or false")
+    if compile_step and cfg.trainer.get("strategy") == "fsdp":
+        raise InputError(
+            "trainer.compile with trainer=fsdp is not supported (untested); use ddp, or trainer.compile=false"
+        )
     final = cfg.final
     if final.enabled:
         splits = final.splits
@@ -245,6 +256,8 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         config=plain(cfg),
         tokenizer=datamodule.tokenizer,
     )
+    if cfg.trainer.compile:
+        module.compile_training()
     if resume_path:
         check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, plain(cfg))
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
@@ -261,11 +274,8 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         default_root_dir=run_dir,
         enable_model_summary=False,
     )
-    # The update's shape needs the number of devices, known once the Trainer exists; validation counts updates.
-    batch_tokens, trainer.accumulate_grad_batches = datamodule.update_shape(trainer.world_size)
-    if isinstance(trainer.val_check_interval, int):
-        trainer.val_check_interval *= trainer.accumulate_grad_batches  # Lightning counts micro-batches
-    tokens = trainer.accumulate_grad_batches * batch_tokens * trainer.world_size
+    if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
+        shape_updates(trainer, datamodule)
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
         log.info(
@@ -273,15 +283,6 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
             f"{n_params:,}",
             model_cfg["vocab_size"],
             trainer.precision,
-        )
-        log.info(
-            "tokens per update: accumulation %d x %d tokens x %d device(s) = %s padded tokens per "
-            "side (data.tokens_per_update: %s)",
-            trainer.accumulate_grad_batches,
-            batch_tokens,
-            trainer.world_size,
-            f"{tokens:,}",
-            datamodule.tokens_per_update,
         )
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)

@@ -82,8 +82,9 @@ class TranslationDataModule(L.LightningDataModule):
     ):
         super().__init__()
         for key, value in {"max_tokens": max_tokens, "vocab_size": vocab_size, "max_len": max_len}.items():
-            if not isinstance(value, int) or value < 1:
-                raise InputError(f"data.{key}={value}: must be a positive whole number")
+            if (not isinstance(value, int) or value < 1) and not (key == "max_tokens" and value == "auto"):
+                raise InputError(f"data.{key}={value}: must be a positive whole number" + (
+                    " or auto (the largest batch the device fits)" if key == "max_tokens" else ""))  # fmt: skip
         if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus(name, src_lang, tgt_lang, path, hub_name, hub_config, dict(text_files or {}))
@@ -342,6 +343,11 @@ class TranslationDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    def longest_training_pair(self) -> int:
+        """Tokens of the longer side of the longest training pair, with EOS (BOS): data.max_tokens=auto's probe."""
+        split = self.splits["train"]
+        return int(max(split.src_lens.max(), split.tgt_lens.max())) + 1
+
     def update_shape(self, world_size: int) -> tuple[int, int]:
         """(training tokens per micro-batch and device, micro-batches per update): batching.update_shape."""
         return update_shape(self.tokens_per_update, self.max_tokens, world_size)
@@ -353,7 +359,9 @@ class TranslationDataModule(L.LightningDataModule):
         rank, world = (0, 1) if whole else self._rank_world()
         data = self.splits[split]
         # training: the per-device share of the update; validation and test: max_tokens
-        max_tokens = self.update_shape(world)[0] if split == "train" else self.max_tokens
+        # (data.max_tokens=auto is resolved in the processes that train, not in ddp_spawn's main process)
+        evaluation_tokens = 4096 if self.max_tokens == "auto" else self.max_tokens
+        max_tokens = self.update_shape(world)[0] if split == "train" else evaluation_tokens
         fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= max_tokens
         indices = np.flatnonzero(fits) if split == "train" else None
         if not fits.all():

@@ -57,6 +57,8 @@ class TranslationModule(L.LightningModule):
         self.signal_received = 0  # a stop signal's number, noted by RunEnd; decided on at the update's one sync
         self.update_signal = 0  # ... the largest over the ranks, known from the update's one sync
         self._decoder: Transformer | None = None  # what validation and test decode with (sharding.py)
+        self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
+        self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
         # Training's target tokens and model FLOPs (every rank's) and seconds over every attempt of the run, kept
         # in checkpoints for results.json's tokens/s and MFU. Several ranks' sums stay on the device until a
         # checkpoint is written: no sync of their own.
@@ -67,11 +69,16 @@ class TranslationModule(L.LightningModule):
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
 
-    def _losses(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def compile_training(self) -> None:
+        """trainer.compile: the training step's forward and loss (sequence_losses) through torch.compile, with
+        dynamic shapes (token buckets vary the batch's sentences and lengths); the backward follows it
+        (AOTAutograd). The model itself is not wrapped: its parameters and checkpoint keys stay eager's (no
+        `_orig_mod.`), and validation, test and decoding run eager."""
+        self._training_losses = torch.compile(sequence_losses, dynamic=True)
+
+    def _losses(self, batch: dict[str, Tensor], losses=sequence_losses) -> tuple[Tensor, Tensor, Tensor]:
         src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
-        return sequence_losses(
-            self.model, src, tgt_in, tgt_out, self.hparams.label_smoothing, batch.get("target_positions")
-        )
+        return losses(self.model, src, tgt_in, tgt_out, self.hparams.label_smoothing, batch.get("target_positions"))
 
     # -- training
 
@@ -95,7 +102,9 @@ class TranslationModule(L.LightningModule):
     # decision with it): the counts come from collate, on the host (tests/test_module.py guards this).
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
-        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        if self._training_losses is not sequence_losses and self._compile_clock is None:
+            self._compile_clock = time.perf_counter()  # the first compiled micro-batch starts
+        loss_sum, nll_sum, n_tokens = self._losses(batch, self._training_losses)
         self.log("train/loss", loss_sum / n_tokens, prog_bar=True)  # per target token of this micro-batch
         self.log("train/nll", nll_sum / n_tokens)
         self.log("train/ppl", torch.exp(nll_sum / n_tokens))
@@ -108,6 +117,11 @@ class TranslationModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
         now = time.perf_counter()
+        if self._compile_clock and self.trainer.is_global_zero:  # forward and backward compiled by now
+            log.info("trainer.compile: the first training micro-batch took %.1f s, compilation included",
+                     now - self._compile_clock)  # fmt: skip
+        if self._compile_clock:
+            self._compile_clock = 0.0
         if self._last_batch_end is not None:  # data loading + step time of this batch
             seconds = now - self._last_batch_end
             self.log("train/src_tok_per_s", sum(batch["src_lengths"]) / seconds)
