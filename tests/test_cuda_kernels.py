@@ -22,6 +22,7 @@ from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import device_peak
 from transformer_mt.tokenizer import PAD_ID
+from transformer_mt.training.batch_fit import fit_max_tokens
 from transformer_mt.training.module import TranslationModule
 
 pytestmark = pytest.mark.cuda
@@ -110,6 +111,29 @@ def test_a_training_update_on_the_gpu_waits_for_it_once(tmp_path):
     assert [updated for updated, _ in found] == [False, False, True] * 2
     for updated, waits in found:
         assert len(waits) == (1 if updated else 0), waits
+
+
+@pytest.mark.timeout(300)
+def test_auto_batch_of_the_base_model_fits_the_gpu_with_its_optimizer_step(record_property):
+    """data.max_tokens=auto's probe on the base model (bf16, sentences of 128 tokens), then a whole update
+    at the size found: forward, backward and Adam's step stay within the GPU's memory."""
+    vocab, length = 37000, 128
+    torch.manual_seed(0)
+    module = TranslationModule(model={**model_preset("base"), "vocab_size": vocab, "pad_id": PAD_ID}).cuda()
+    tokens = fit_max_tokens(module, torch.device("cuda"), "bf16-mixed", longest=length)
+    sentences = tokens // length
+    optimizer = module.configure_optimizers()["optimizer"]
+    ids = torch.randint(4, vocab, (sentences, length), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _, n = sequence_losses(module.model, ids, ids, ids, 0.1)
+    (loss / n).backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(0).total_memory
+    record_property("figures", f"max_tokens=auto: {tokens:,} ({sentences} x {length}), update peak "
+                               f"{peak / 2**30:.1f} of {total / 2**30:.1f} GiB")  # fmt: skip
+    assert sentences >= 1 and peak < total
 
 
 # ---------------------------------------------------------------- which SDPA backends run the model's attention

@@ -3,13 +3,22 @@ data.max_tokens=auto's probe (training/batch_fit.py) and trainer.compile."""
 
 import logging
 import math
+import re
+from unittest import mock
 
 import pytest
 import torch
+import torch._inductor.config as inductor
 
 from conftest import train_in_process, write_corpus
+from device_waits import MODEL, micro_batches
+from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.configs import compose as compose_config
+from transformer_mt.errors import InputError
+from transformer_mt.train import check_config
 from transformer_mt.training import batch_fit
 from transformer_mt.training.batch_fit import MARGIN, fit_max_tokens, largest_fitting
+from transformer_mt.training.module import TranslationModule
 
 GiB = 2**30
 
@@ -69,3 +78,56 @@ def test_a_run_with_auto_batches_trains_with_the_probes_batch_and_the_configured
         in caplog.text
     )
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+# ---------------------------------------------------------------- trainer.compile
+
+
+@pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
+def test_the_compiled_training_step_gives_eagers_loss_and_gradients_with_dropout():
+    """torch.compile of the training forward and loss, dynamic shapes: two batches of different shapes
+    (one graph for both), dropout 0.1. Inductor draws dropout's masks with its own generator; with
+    fallback_random it draws eager's, so both paths can be compared value for value."""
+    batches = micro_batches()[:2]  # 2 and 3 sentences of different lengths
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)  # the same weights
+        module = TranslationModule(MODEL, val_bleu_sentences=0)
+        if compiled:
+            module.compile_training()
+        step = []
+        for i, batch in enumerate(batches):
+            torch.manual_seed(100 + i)
+            with mock.patch.object(inductor, "fallback_random", True):
+                loss, nll, n = module._losses(batch, module._training_losses)
+            module.zero_grad()
+            loss.backward()
+            step.append((loss.detach(), nll.detach(), {k: p.grad.clone() for k, p in module.named_parameters()}))
+        results.append(step)
+    for (eager_loss, eager_nll, eager_grads), (loss, nll, grads) in zip(*results, strict=True):
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(nll, eager_nll, rtol=1e-5, atol=1e-5)
+        for name in eager_grads:
+            torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow  # compiles
+def test_a_compiled_run_trains_logs_its_compile_time_and_writes_eager_checkpoints(tmp_path, caplog):
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [f"data.path={corpus}", "trainer.compile=true", "trainer.max_steps=3", "checkpoint.every_n_train_steps=3"]
+    with caplog.at_level(logging.INFO):
+        train_in_process(args, tmp_path, tmp_path / "run")
+    assert re.search(
+        r"trainer.compile: the first training micro-batch took [\d.]+ s, compilation included", caplog.text
+    )
+    weights = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert weights and not [key for key in weights if "_orig_mod" in key]  # the keys of an eager run
+    model, _, _ = load_for_inference(tmp_path / "run" / "checkpoints" / "step0000003.ckpt")  # every tool reads it
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_compile_is_a_switch_and_not_with_fsdp(tmp_path):
+    with pytest.raises(InputError, match=r"trainer.compile='yes': must be true or false"):
+        check_config(compose_config("train", ["trainer.compile=yes"]))
+    with pytest.raises(InputError, match="trainer.compile with trainer=fsdp is not supported"):
+        check_config(compose_config("train", ["trainer=fsdp", "trainer.compile=true"]))
