@@ -51,7 +51,7 @@ from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
-from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory, matmul_peak
+from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory, matmul_peak, usable_cores
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import HF_LENGTH_PENALTY, export, marian_model, optional
@@ -160,7 +160,8 @@ class TorchPeer(torch.nn.Module):
 
 
 def train_round(model, loss_fn, batches, dtype) -> tuple[float, Usage]:
-    """Seconds of the updates on `batches` (after one warm-up update) and their CPU usage."""
+    """Seconds of the updates on `batches` (after one warm-up update, which compiles a compiled loss_fn)
+    and their CPU usage."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     model.train()
 
@@ -186,6 +187,9 @@ def bench_training(args, shape: str, pairs, dtype) -> None:
     transformers.logging.set_verbosity_error()
     systems["transformers Marian"] = (marian_model(ours), marian_loss)
     systems["torch.nn.Transformer"] = (TorchPeer(Transformer(ours.cfg)), ours_loss)
+    if args.compile:  # trainer.compile's way (TranslationModule.compile_training), and transformers' forward compiled
+        systems["transformer_mt compiled"] = (ours, torch.compile(ours_loss, dynamic=True))
+        systems["transformers compiled"] = (systems["transformers Marian"][0], torch.compile(marian_loss, dynamic=True))
     batches = training_batches(pairs, args.vocab, args.max_tokens, args.steps)
     flops = sum(batch_flops(ours.cfg, b) for b in batches)
     tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches)
@@ -261,13 +265,15 @@ def ct2_translate(translator, sp, sources: list[str], beam: int, alpha: float, b
 SYSTEMS = ["transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"]
 
 
-def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], singles: list[str]) -> dict:
-    """One round of one system, in a fresh process: {"outputs": {beam: texts}, "seconds": {beam: s}, "latency": [ms]}.
+def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], singles: list[str], threads: int) -> dict:
+    """One round of one system on `threads` intra-op threads, in a fresh process:
+    {"outputs": {beam: texts}, "seconds": {beam: s}, "latency": [ms]}.
 
     A process of its own, because two OpenMP runtimes in one process slow each other down for good:
     CTranslate2 brings its own libgomp, and after both had run, our one-sentence latency went from
     99 to 157-170 ms and CTranslate2's from 32 to 167 ms, pauses of seconds notwithstanding."""
     keep_freed_memory()
+    torch.set_num_threads(threads)
     if system == "transformer_mt":
         model, tokenizer, _ = load_for_inference(ckpt)
 
@@ -287,7 +293,7 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
     else:
         kind = system.split()[-1]
         translator = optional("ctranslate2").Translator(
-            exported["ct2"], device="cpu", compute_type=kind, intra_threads=torch.get_num_threads()
+            exported["ct2"], device="cpu", compute_type=kind, intra_threads=threads
         )
         # not load_for_inference: running torch before CTranslate2 in a process made CTranslate2 7x slower
         # (one sentence: 15 -> 103 ms), their two OpenMP thread pools competing for the cores
@@ -318,8 +324,11 @@ def bench_decoding(args) -> None:
     sources, references = sources[: args.limit], references and references[: args.limit]
     by_length = sorted(sources, key=len)  # one-sentence latency: sentences of median length, each alone
     singles = by_length[len(by_length) // 2 - args.latency // 2 :][: args.latency]
-    speed = {(name, beam): [] for name in SYSTEMS for beam in (4, 1)}
-    latency = {name: [] for name in SYSTEMS}
+    # Every system at 1 thread and at every core, each figure at both and its best: a peer is never shown
+    # only in a configuration that suits it badly (CTranslate2 at 2 threads was erratic on a 2-core VM).
+    thread_counts = sorted({1, usable_cores()})
+    speed = {(name, beam, n): [] for name in SYSTEMS for beam in (4, 1) for n in thread_counts}
+    latency = {(name, n): [] for name in SYSTEMS for n in thread_counts}
     outputs = {}
     with tempfile.TemporaryDirectory() as tmp:
         optional("ctranslate2")
@@ -330,23 +339,30 @@ def bench_decoding(args) -> None:
         )
         spawn = multiprocessing.get_context("spawn")
         for _ in range(args.repeats):
-            for name in SYSTEMS:
-                with ProcessPoolExecutor(1, mp_context=spawn) as pool:
-                    result = pool.submit(decode_worker, name, args.ckpt, exported, sources, singles).result()
-                for beam in (4, 1):
-                    outputs[name, beam] = result["outputs"][beam]
-                    speed[name, beam].append(len(sources) / result["seconds"][beam])
-                latency[name] += result["latency"]
-    print(f"{'system':<22} {'beam':>4} {'sent/s':>7} {'ours / it':>9} {'same as ours':>12} {'BLEU':>6} {'latency':>9}")
+            for n in thread_counts:
+                for name in SYSTEMS:
+                    with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                        job = pool.submit(decode_worker, name, args.ckpt, exported, sources, singles, n)
+                        result = job.result()
+                    for beam in (4, 1):
+                        outputs[name, beam] = result["outputs"][beam]
+                        speed[name, beam, n].append(len(sources) / result["seconds"][beam])
+                    latency[name, n] += result["latency"]
+    columns = "".join(f" {f'sent/s {n}t':>10}" for n in thread_counts) + "".join(
+        f" {f'latency {n}t':>11}" for n in thread_counts
+    )
+    print(f"{'system':<22} {'beam':>4}{columns} {'ours / it':>9} {'same as ours':>12} {'BLEU':>6}")
     for beam in (4, 1):
-        ours = median_of(speed["transformer_mt", beam])
+        best_ours = max(median_of(speed["transformer_mt", beam, n]) for n in thread_counts)
         for name in SYSTEMS:
             hyps = outputs[name, beam]
             same = sum(h == o for h, o in zip(hyps, outputs["transformer_mt", beam])) / len(hyps)
             bleu = f"{sacrebleu.corpus_bleu(hyps, [references]).score:6.2f}" if references else f"{'':>6}"
-            lat = f"{median_of(latency[name]):>6.0f} ms" if beam == 4 else ""
-            it = median_of(speed[name, beam])
-            print(f"{name:<22} {beam:>4} {it:>7.1f} {ours / it:>8.2f}x {100 * same:>11.1f}% {bleu} {lat:>9}")
+            rates = [median_of(speed[name, beam, n]) for n in thread_counts]
+            lats = [f"{median_of(latency[name, n]):>8.0f} ms" if beam == 4 else f"{'':>11}" for n in thread_counts]
+            row = "".join(f" {r:>10.1f}" for r in rates) + "".join(f" {lat}" for lat in lats)
+            print(f"{name:<22} {beam:>4}{row} {best_ours / max(rates):>8.2f}x {100 * same:>11.1f}% {bleu}")
+    print("ours / it: each system's best thread count against ours at its best; latency: one sentence, beam 4")
 
 
 # ---------------------------------------------------------------- how close the exports translate to ours
@@ -401,6 +417,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8000, help="vocabulary of the training shapes")
     parser.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per side of a training batch")
     parser.add_argument("--steps", type=int, default=4, help="timed training updates per round")
+    parser.add_argument(
+        "--no-compile", dest="compile", action="store_false", help="leave out the torch.compile training rows"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds; every figure is the median")
     parser.add_argument("--limit", type=int, help="decode the first N sentences of --src only")
     parser.add_argument("--latency", type=int, default=10, help="sentences timed one at a time")

@@ -48,7 +48,8 @@ class DeviceWaits(TorchDispatchMode):
     def note(self, what: str) -> None:
         ours = ("/transformer_mt/", "/tests/")
         frames = [f for f in traceback.extract_stack()[:-2] if any(part in f.filename for part in ours)]
-        where = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno}" if frames else "lightning/torch"
+        last = frames[-1] if frames else None
+        where = f"{last.filename.split('/')[-1]}:{last.lineno} ({last.name})" if last else "lightning/torch"
         self.waits.append(f"{what} at {where}")
 
     def __enter__(self):
@@ -144,8 +145,8 @@ def count_waits(
 
 if __name__ == "__main__":  # under torchrun: Lightning's DDP; this rank's waits go to <out>-<rank>.json
     out, rank = sys.argv[1], int(os.environ["RANK"])
-    _, found = count_waits(
-        micro_batches(seed=rank), Path(out).parent, devices=int(os.environ["WORLD_SIZE"]), strategy="ddp"
-    )
+    devices = int(os.environ["WORLD_SIZE"])
+    module, found = count_waits(micro_batches(seed=rank), Path(out).parent, devices=devices, strategy="ddp")
     Path(f"{out}-{rank}.json").write_text(json.dumps(found))
-    end_process_group()
+    del module  # and the Trainer it holds: the process group goes with them (runtime.end_process_group)
+    assert not (still_running := end_process_group()), f"the process group outlived the Trainer: {still_running}"
