@@ -214,7 +214,7 @@ def bench_training(args, shape: str, pairs, dtype) -> None:
     ours_speed = tokens / median_of(seconds["transformer_mt"])
     print(f"matrix-multiply peak ({'bf16' if dtype == torch.bfloat16 else 'fp32'} 2048^3): {peak / 1e9:.0f} GFLOP/s")
     print(
-        f"{'system':<22} {'target tok/s':>12} {'ours / it':>9} {'GFLOP/s':>8} {'of peak':>7} {'system time':>11} "
+        f"{'system':<24} {'target tok/s':>12} {'ours / it':>9} {'GFLOP/s':>8} {'of peak':>7} {'system time':>11} "
         f"{'faults/update':>13}"
     )
     for name in systems:
@@ -223,7 +223,7 @@ def bench_training(args, shape: str, pairs, dtype) -> None:
         system_share = sum(u.system for u in usages[name]) / cpu
         faults = median_of([u.faults for u in usages[name]]) / args.steps
         print(
-            f"{name:<22} {tokens / took:>12,.0f} {ours_speed / (tokens / took):>8.2f}x {flops / took / 1e9:>8.1f} "
+            f"{name:<24} {tokens / took:>12,.0f} {ours_speed / (tokens / took):>8.2f}x {flops / took / 1e9:>8.1f} "
             f"{100 * flops / took / peak:>6.0f}% {100 * system_share:>10.1f}% {faults:>13,.0f}"
         )
 

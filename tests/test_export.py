@@ -14,6 +14,7 @@ from conftest import run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.model import Transformer, sinusoidal_positions
+from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from transformer_mt.tools.export import export, marian_order
@@ -279,11 +280,14 @@ def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path)
         rows = [line.split() for line in exports.splitlines() if line.startswith(name)]
         assert len(rows) == 3 and all(row[-2].endswith("%") for row in rows), exports  # beam 1; beam 4 at 0, 0.45
     assert sum(line.startswith("ours") for line in exports.splitlines()) == 3
-    for name in ("transformer_mt", "transformers Marian", "torch.nn.Transformer"):
-        assert sum(line.startswith(name) for line in training.splitlines()) == 1, training
+    systems = ("transformer_mt", "transformers Marian", "torch.nn.Transformer", "transformer_mt compiled")
+    for name in (*systems, "transformers compiled"):  # eager and compiled (torch.compile, as trainer.compile)
+        assert sum(line[:24].rstrip() == name for line in training.splitlines()) == 1, training
     for name in ("transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
         rows = [line.split() for line in decoding.splitlines() if line.startswith(name)]
         assert len(rows) == 2, decoding  # beam 4 and greedy
+    # every decoder at 1 thread and at every core, each compared at its best
+    assert all(f"sent/s {n}t" in decoding and f"latency {n}t" in decoding for n in {1, usable_cores()}), decoding
     ours = [line.split() for line in decoding.splitlines() if line.startswith("transformer_mt")]
     assert all("100.0%" in row for row in ours)  # ours is identical to itself
     assert "matrix-multiply peak" in training and "GFLOP/s" in training
