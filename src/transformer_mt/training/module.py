@@ -90,7 +90,7 @@ class TranslationModule(L.LightningModule):
         if self._new_totals is not None:
             tokens, flops = self._new_totals.tolist()
             self.totals["target_tokens"] += int(tokens)
-            self.totals["model_flops"] = self.totals.get("model_flops", 0.0) + flops
+            self.totals["model_flops"] += flops
             self._new_totals = None
         if self._clock is not None:
             now = time.monotonic()
@@ -158,7 +158,7 @@ class TranslationModule(L.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if self.trainer.world_size == 1:  # all on the host
             self.totals["target_tokens"] += tokens
-            self.totals["model_flops"] = self.totals.get("model_flops", 0.0) + flops
+            self.totals["model_flops"] += flops
             torch._foreach_mul_(grads, self.trainer.accumulate_grad_batches / tokens)
             return None
         # float64: exact far past float32's 2^24 tokens between checkpoints
@@ -282,7 +282,7 @@ class TranslationModule(L.LightningModule):
         checkpoint["totals"] = self.training_totals()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.totals = dict(checkpoint.get("totals", self.totals))
+        self.totals = {**self.totals, **checkpoint.get("totals", {})}  # older checkpoints lack model_flops
         if self.tokenizer is None and "sentencepiece" in checkpoint:
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
 
