@@ -1,6 +1,7 @@
 """make export (transformers' MarianMTModel, CTranslate2), make attention and make plot, on tiny models."""
 
 import csv
+import json
 import subprocess
 import sys
 from dataclasses import asdict
@@ -12,13 +13,14 @@ import torch
 
 from conftest import run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
+from transformer_mt.engines import CT2Process, ct2_export
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.model import Transformer, sinusoidal_positions
 from transformer_mt.runtime import usable_cores
-from transformer_mt.search import translate_ids
+from transformer_mt.search import translate_ids, translate_lines
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from transformer_mt.tools.export import export, marian_order
-from transformer_mt.tools.plot import read_metrics
+from transformer_mt.tools.plot import find, read_metrics
 
 SENTENCES = [
     "the cat sees a dog .",
@@ -232,7 +234,10 @@ def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
         )
         writer.writeheader()
         writer.writerows(rows)
-    assert read_metrics(tmp_path / "run")["val/bleu"] == [(101, 100 / 30), (201, 200 / 30)]  # update = step + 1
+    series = read_metrics(tmp_path / "run")
+    assert series["val/bleu"] == [(101, 100 / 30), (201, 200 / 30)]  # update = step + 1
+    # A run from before train/loss_window: the training curve falls back to the micro-batch loss.
+    assert find(series, "train/loss_window|train/loss") == series["train/loss"] and len(series["train/loss"]) == 6
     proc = subprocess.run(
         [sys.executable, "-m", "transformer_mt.tools.plot", str(tmp_path / "run")], capture_output=True, text=True
     )
@@ -249,12 +254,23 @@ def test_make_plot_draws_a_png_from_the_csv_metrics(tmp_path):
 def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     run_train(
-        [f"data.path={corpus}", "trainer.max_steps=8", "trainer.log_every_n_steps=2", logger, "hydra.run.dir=run"],
+        [f"data.path={corpus}", "trainer.max_steps=8", "trainer.log_every_n_steps=2", "progress_every_n_updates=3"]
+        + [logger, "hydra.run.dir=run"],
         tmp_path,
     )
     series = read_metrics(tmp_path / "run")
     assert [update for update, _ in series["val/bleu"]] == [4, 8]  # validation every 4 updates (TINY_RUN)
     assert [update for update, _ in series["train/loss"]] == [2, 4, 6, 8] and len(series["lr-Adam"]) == 4
+    # The training curve make plot draws: each progress line's mean loss (one line every 3 updates and after
+    # each validation), at the update of its line, the same number as the run log's line.
+    window = series["train/loss_window"]
+    lines = [line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "| loss " in line]
+    printed = [
+        (int(line.split("update ")[1].split("/")[0]), float(line.split("| loss ")[1].split()[0])) for line in lines
+    ]
+    assert [update for update, _ in window] == [3, 4, 6, 8] == [update for update, _ in printed]
+    assert [round(loss, 3) for _, loss in window] == [loss for _, loss in printed]
+    assert find(series, "train/loss_window|train/loss") == window
     proc = subprocess.run(
         [sys.executable, "-m", "transformer_mt.tools.plot", str(tmp_path / "run"), "--out", str(tmp_path / "c.png")],
         capture_output=True,
@@ -291,3 +307,84 @@ def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path)
     ours = [line.split() for line in decoding.splitlines() if line.startswith("transformer_mt")]
     assert all("100.0%" in row for row in ours)  # ours is identical to itself
     assert "matrix-multiply peak" in training and "GFLOP/s" in training
+
+
+# ---------------------------------------------------------------- engine=ct2 (make translate / make evaluate)
+
+
+@pytest.mark.slow
+def test_engine_ct2_decodes_as_ours_in_a_process_without_torch_and_exports_once(sharp_checkpoint, tmp_path):
+    pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
+    pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
+    ckpt = tmp_path / "run" / "model.ckpt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(sharp_checkpoint.read_bytes())
+    messages = []
+    folder = ct2_export(ckpt, log=messages.append)
+    assert folder == tmp_path / "run" / "model.ct2" and len(messages) == 1 and "exporting" in messages[0]
+    lines = [*SENTENCES, "", "  the dog runs .  "]  # an empty line stays empty; lines are stripped
+    greedy = dict(beam_size=1, max_len_a=0, max_len_b=25)  # the same limit for both: 25 tokens, then EOS
+
+    def ours(path):
+        model, tokenizer, _ = load_for_inference(path)
+        return translate_lines(model, tokenizer, lines, **greedy)
+
+    with CT2Process(folder, device="cpu", threads=1) as process:
+        assert process.torch_imported is False and process.device == "cpu"
+        got = process.translate_lines(lines, **greedy)
+    assert got == ours(ckpt) and got[4] == "" and len(set(got)) == 5
+
+    # Exported once: the same bytes reuse the folder.
+    stamp = (folder / "model.bin").stat().st_mtime_ns
+    messages.clear()
+    assert ct2_export(ckpt, log=messages.append) == folder and messages == []
+    assert (folder / "model.bin").stat().st_mtime_ns == stamp
+
+    # New weights in the same file: exported again, and the translations are the new model's.
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["state_dict"] = {k: v.flip(0) if "ffn" in k else v for k, v in checkpoint["state_dict"].items()}
+    write_checkpoint(checkpoint, ckpt)
+    assert ct2_export(ckpt, log=messages.append) == folder and "exporting again" in messages[0]
+    with CT2Process(folder, device="cpu", threads=1) as process:
+        changed = process.translate_lines(lines, **greedy)
+    assert changed == ours(ckpt) != got
+
+    # An export cut short (no checkpoint.json, written last) is made again.
+    (folder / "checkpoint.json").unlink()
+    messages.clear()
+    ct2_export(ckpt, log=messages.append)
+    assert "exporting again" in messages[0] and (folder / "checkpoint.json").is_file()
+
+
+@pytest.mark.slow
+def test_make_translate_and_evaluate_with_engine_ct2(sharp_checkpoint, tmp_path):
+    pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
+    pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(sharp_checkpoint.read_bytes())
+    text = "\n".join([*SENTENCES, "", "the cat ."]) + "\n"
+    greedy = ["decoding=greedy", "decoding.max_len_a=0", "decoding.max_len_b=25", "threads=1"]
+
+    def translate(*args):
+        command = [sys.executable, "-m", "transformer_mt.translate", f"ckpt={ckpt}", *greedy, *args]
+        return subprocess.run(command, input=text, capture_output=True, text=True)
+
+    ours, theirs = translate(), translate("engine=ct2")
+    assert ours.returncode == 0 == theirs.returncode, theirs.stderr
+    assert theirs.stdout == ours.stdout and len(theirs.stdout.splitlines()) == 6  # stdout: translations only
+    assert "exporting" in theirs.stderr and "engine ct2" in theirs.stderr
+    nbest = translate("engine=ct2", "n_best=1")
+    assert nbest.returncode == 1 and "error: n_best needs engine=torch" in nbest.stderr
+    unknown = translate("engine=onnx")
+    assert unknown.returncode == 1 and "error: engine=onnx: choose torch (ours) or ct2" in unknown.stderr
+
+    src, ref = tmp_path / "src.en", tmp_path / "ref.de"
+    src.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    ref.write_text("".join(line + "\n" for line in ours.stdout.splitlines()[:4]), encoding="utf-8")
+    command = [sys.executable, "-m", "transformer_mt.evaluate", f"ckpt={ckpt}", f"src={src}", f"ref={ref}"]
+    proc = subprocess.run(
+        [*command, *greedy, "engine=ct2", f"hydra.run.dir={tmp_path / 'eval'}"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    scores = json.loads((tmp_path / "eval" / "scores.json").read_text())
+    assert scores["engine"] == "ct2 float32" and scores["bleu"] == pytest.approx(100.0)

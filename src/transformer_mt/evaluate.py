@@ -11,13 +11,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.checkpoint import start_inference
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
-from transformer_mt.errors import InputError, exit_on_user_error, required
+from transformer_mt.engines import open_engine
+from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import score
-from transformer_mt.search import nbest_lines, translate_lines
+from transformer_mt.search import nbest_lines
 
 log = logging.getLogger(__name__)
 
@@ -46,27 +46,26 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    model, tokenizer, checkpoint = start_inference(required(cfg, "ckpt"), cfg.device, cfg.threads)
-    data_cfg = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
-    name, sources, references = test_set(cfg, data_cfg)
-    decoding = OmegaConf.to_container(cfg.decoding)
-    start = time.perf_counter()
-    hyps = translate_lines(
-        model,
-        tokenizer,
-        sources,
-        warn=log.warning,
-        progress=True,
-        n_best=cfg.n_best,
-        tokens_per_batch=cfg.tokens_per_batch,
-        **decoding,
-    )
-    seconds = time.perf_counter() - start
+    with open_engine(cfg) as (translate_lines, config):
+        data_cfg = config.get("data", {})
+        name, sources, references = test_set(cfg, data_cfg)
+        decoding = OmegaConf.to_container(cfg.decoding)
+        start = time.perf_counter()
+        hyps = translate_lines(
+            sources,
+            warn=log.warning,
+            progress=True,
+            n_best=cfg.n_best,
+            tokens_per_batch=cfg.tokens_per_batch,
+            **decoding,
+        )
+        seconds = time.perf_counter() - start
     nbest, hyps = (hyps, [h[0][0] for h in hyps]) if cfg.n_best else (None, hyps)
     result = {
         "checkpoint": str(cfg.ckpt),
         "test_set": name,
         "decoding": decoding,
+        "engine": cfg.engine if cfg.engine == "torch" else f"{cfg.engine} {cfg.ct2_compute_type}",
         **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
         "seconds": round(seconds, 1),
         "sentences_per_second": round(len(hyps) / seconds, 2),
@@ -77,7 +76,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if nbest:
         (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(nbest)), nbest)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    print(f"{name}: {len(hyps)} sentences, beam {decoding['beam_size']}, {seconds:.1f} s")
+    print(f"{name}: {len(hyps)} sentences, beam {decoding['beam_size']}, {seconds:.1f} s, engine {result['engine']}")
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")
     print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")

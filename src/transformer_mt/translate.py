@@ -9,11 +9,11 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.checkpoint import start_inference
 from transformer_mt.configs import CONF_DIR
-from transformer_mt.errors import InputError, exit_on_user_error, required
+from transformer_mt.engines import open_engine
+from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import decode_line
-from transformer_mt.search import nbest_lines, translate_lines
+from transformer_mt.search import nbest_lines
 
 
 def stderr(message: str) -> None:
@@ -36,7 +36,11 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
 
 
 def translate(cfg: DictConfig) -> None:
-    model, tokenizer, _ = start_inference(required(cfg, "ckpt"), cfg.device, cfg.threads)
+    with open_engine(cfg) as (translate_lines, _):
+        translate_stdin(cfg, translate_lines)
+
+
+def translate_stdin(cfg: DictConfig, translate_lines) -> None:
     decoding = OmegaConf.to_container(cfg.decoding)
     # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
     batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
@@ -46,8 +50,6 @@ def translate(cfg: DictConfig) -> None:
     while raw := list(itertools.islice(sys.stdin.buffer, batch_lines)):
         chunk, error = decode_lines(raw, first_line=lines_done + 1)
         results = translate_lines(
-            model,
-            tokenizer,
             chunk,
             warn=warn_about_input,
             first_line=lines_done + 1,
@@ -65,7 +67,7 @@ def translate(cfg: DictConfig) -> None:
     seconds = time.perf_counter() - start
     stderr(
         f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
-        f"beam {decoding['beam_size']})"
+        f"beam {decoding['beam_size']}, engine {cfg.engine})"
     )
 
 

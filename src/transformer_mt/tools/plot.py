@@ -1,8 +1,9 @@
 """Learning curves of a training run as one PNG: `make plot RUN=<run dir>`.
 
 Reads the run's CSV metrics (<run>/csv/version_*/metrics.csv, which every run writes whatever
-its logger, wandb included, online or not) and draws training loss and learning rate per
-update, and validation loss, perplexity and BLEU.
+its logger, wandb included, online or not) and draws training loss (the mean over each progress
+line's window, progress_every_n_updates) and learning rate per update, and validation loss, perplexity
+and BLEU.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
 from transformer_mt.errors import MissingInputError, exit_on_user_error
 
-PANELS = [  # (title, [(metric, label)])
-    ("loss (label-smoothed cross-entropy)", [("train/loss", "training"), ("val/loss", "validation")]),
+PANELS = [  # (title, [(metric, label)]); a metric "a|b" is a, or b in runs that did not log a
+    (
+        "loss (label-smoothed cross-entropy)",
+        [("train/loss_window|train/loss", "training (mean since the previous point)"), ("val/loss", "validation")],
+    ),
     ("learning rate", [("lr-", "Noam schedule")]),
     ("validation perplexity", [("val/ppl", "validation")]),
     ("validation BLEU (sacreBLEU)", [("val/bleu", "validation")]),
@@ -51,7 +55,11 @@ def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def find(series: dict, key: str) -> list[tuple[int, float]]:
-    """The series named `key`; for a prefix such as "lr-" (LearningRateMonitor's lr-<optimizer>), the first so named."""
+    """The series named `key`; for a prefix such as "lr-" (LearningRateMonitor's lr-<optimizer>), the first so named;
+    for "a|b", series a where the run logged it, else b (runs from before train/loss_window: one micro-batch's loss)."""
+    if "|" in key:
+        first, fallback = key.split("|")
+        return find(series, first) or find(series, fallback)
     if key.endswith("-"):
         key = next((name for name in series if name.startswith(key)), key)
     return [(s, v) for s, v in series.get(key, []) if math.isfinite(v)]

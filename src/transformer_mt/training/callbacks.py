@@ -27,10 +27,14 @@ def duration(seconds: float) -> str:
     return str(timedelta(seconds=int(max(seconds, 0))))  # past a time limit, an ETA is 0:00:00, not "-1 day"
 
 
+WINDOW_LOSS = "train/loss_window"  # the mean loss per target token of each progress line's window (rank 0's)
+
+
 class ProgressLog(L.Callback):
     """A line every `every` updates and after each validation, readable in a file or a cluster log:
-    update/max, mean loss since the last line, learning rate, target tokens/s, model FLOP/s and MFU (their
-    share of the devices' peak: runtime.device_peak, named once at the start), elapsed and ETA.
+    update/max, mean loss since the last line (logged too, as train/loss_window), learning rate, target
+    tokens/s, model FLOP/s and MFU (their share of the devices' peak: runtime.device_peak, named once at the
+    start), elapsed and ETA.
 
     A finite divergence (the loss of a line RISE times its best so far) is warned about once, with the
     update and the likely causes; training goes on (a non-finite gradient stops it, module.py)."""
@@ -82,6 +86,8 @@ class ProgressLog(L.Callback):
             loss = float(self.loss_sum) / self.tokens
             parts.append(f"loss {loss:.3f}")
             self.check_divergence(loss, step)
+            for logger in trainer.loggers:  # make plot's training curve: this mean, not one micro-batch's loss
+                logger.log_metrics({WINDOW_LOSS: loss}, step=step - 1)  # Lightning's step: updates before this one
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
         # rank 0's tokens and FLOPs x ranks: every rank's batches hold about as many tokens (token buckets)
         seconds = max(now - self.since - self.paused, 1e-9)

@@ -1,0 +1,179 @@
+"""The decoder behind make translate and make evaluate (`engine=`): ours (torch, search.py) or CTranslate2.
+
+engine=ct2 exports the checkpoint once, into <checkpoint without .ckpt>.ct2/ beside it (tools/export.py, checked
+token for token against ours), and exports it again when the checkpoint's bytes change (their SHA-256 is kept in
+the folder). It decodes in a process of its own (ct2_worker.py), which never imports torch: two OpenMP runtimes
+in one process slowed both.
+
+What differs from ours: CTranslate2 divides a hypothesis' log-probability by |Y|^a, not GNMT's
+((5 + |Y|) / 6)^alpha, so it gets a = 0.75 alpha (0.45 for alpha 0.6 picked our translation most often:
+docs/inference.md); its length limit is per batch of similar lengths, ours per sentence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from transformer_mt.errors import InputError, UserError
+
+ENGINES = ("torch", "ct2")
+SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
+LENGTH_PENALTY_PER_ALPHA = 0.75  # tools/export.py's HF_LENGTH_PENALTY (0.45) / our alpha 0.6
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
+    """The CTranslate2 (float32) export of `ckpt`, beside it: made now if missing or made from other bytes."""
+    from transformer_mt.checkpoint import read_checkpoint  # noqa: PLC0415 (torch: only when exporting)
+    from transformer_mt.tools.export import export  # noqa: PLC0415
+
+    ckpt = Path(ckpt)
+    if not ckpt.is_file():
+        read_checkpoint(ckpt)  # the one "checkpoint not found" message
+    folder = ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".ct2")
+    digest = file_digest(ckpt)
+    source = folder / SOURCE_FILE
+    if source.is_file() and json.loads(source.read_text(encoding="utf-8")).get("sha256") == digest:
+        return folder
+    if folder.exists():
+        log(f"engine=ct2: {folder} is not an export of {ckpt} as it is now (it changed, or an export was cut short): "
+            "exporting again")  # fmt: skip
+        shutil.rmtree(folder)
+    else:
+        log(f"engine=ct2: exporting {ckpt} for CTranslate2 into {folder} (once; again when the checkpoint changes)")
+    max_positions = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"]["model"]["max_positions"]
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # make translate's stdout is the translation
+            export(str(ckpt), "ct2", str(folder))
+    except PermissionError as e:
+        raise InputError(f"engine=ct2 exports beside the checkpoint, and {folder} cannot be written ({e})") from None
+    info = {"checkpoint": str(ckpt), "sha256": digest, "max_source_tokens": max_positions - 1}
+    # written last: a folder without it (an export cut short) is exported again
+    source.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+class CT2Process:
+    """CTranslate2 in a child process (ct2_worker.py), fed and answered in JSON lines. A context manager."""
+
+    CHUNK = 500  # lines per request when a progress bar is shown
+
+    def __init__(self, folder: Path, device: str = "auto", threads: int = 0, compute_type: str = "float32"):
+        from transformer_mt.runtime import usable_cores  # noqa: PLC0415
+
+        self.info = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "transformer_mt.ct2_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+        )
+        threads = threads or usable_cores()
+        ready = self.ask(dict(model=str(folder), device=device, threads=threads, compute_type=compute_type))
+        self.device, self.torch_imported = ready["device"], ready["torch_imported"]
+
+    def ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request, ensure_ascii=False) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise UserError(f"the CTranslate2 process ended (exit status {self.process.wait()}); its stderr is above")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise UserError(f"CTranslate2: {answer['error']}")
+        return answer
+
+    def translate_lines(
+        self,
+        lines: list[str],
+        warn=None,
+        first_line: int = 1,
+        beam_size: int = 4,
+        alpha: float = 0.6,
+        max_len_a: float = 1.0,
+        max_len_b: int = 50,
+        tokens_per_batch: int = 16384,
+        n_best: int = 0,
+        progress: bool = False,
+    ) -> list[str]:
+        """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
+        if n_best:
+            raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
+        if progress and len(lines) > self.CHUNK:  # chunks, for the bar
+            from tqdm import tqdm  # noqa: PLC0415
+
+            outputs = []
+            with tqdm(total=len(lines), desc="translating (CTranslate2)", unit="sentence", leave=False) as bar:
+                for start in range(0, len(lines), self.CHUNK):
+                    chunk = lines[start : start + self.CHUNK]
+                    options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b)
+                    outputs += self.translate_lines(
+                        chunk, warn, first_line + start, **options, tokens_per_batch=tokens_per_batch
+                    )
+                    bar.update(len(chunk))
+            return outputs
+        answer = self.ask(
+            dict(
+                lines=lines,
+                beam_size=beam_size,
+                length_penalty=LENGTH_PENALTY_PER_ALPHA * alpha,
+                max_len_a=max_len_a,
+                max_len_b=max_len_b,
+                max_source_tokens=self.info["max_source_tokens"],
+                tokens_per_batch=tokens_per_batch,
+            )
+        )
+        limit = self.info["max_source_tokens"]
+        for i, tokens in answer["truncated"]:
+            if warn:
+                warn(f"line {first_line + i}: {tokens} tokens, truncated to the model's maximum of {limit}")
+        return answer["outputs"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait()
+
+    def __enter__(self) -> CT2Process:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
+    """For conf/inference.yaml's keys (ckpt, engine, device, threads, ct2_compute_type): a function with
+    search.translate_lines' contract less its model and tokenizer, and the checkpoint's training config."""
+    from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
+    from transformer_mt.errors import required  # noqa: PLC0415
+
+    ckpt = required(cfg, "ckpt")
+    if cfg.engine not in ENGINES:
+        raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
+    if cfg.engine == "torch":
+        from transformer_mt.search import translate_lines  # noqa: PLC0415
+
+        model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
+        yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
+        return
+    folder = ct2_export(ckpt, log=lambda message: print(message, file=sys.stderr, flush=True))
+    config = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"].get("config", {})
+    with CT2Process(folder, cfg.device, cfg.threads, cfg.ct2_compute_type) as process:
+        yield process.translate_lines, config
