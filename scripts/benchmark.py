@@ -13,8 +13,9 @@ real tokens only, attention included, decoder self-attention causal) as a share 
 matrix-multiply peak measured in the same run, the share of CPU time spent in the kernel (system
 time), and minor page faults per update.
 
-Decoding (needs CKPT and SRC): ours, transformers' generate and CTranslate2 (float32, int8)
-on the same weights (make export's conversion), beam 4 and greedy, on every sentence of SRC:
+Decoding (needs CKPT and SRC): ours (eager, and compiled: compile=true), engine=ct2 (make translate's
+CTranslate2 engine: CTranslate2 float32 in a child process), transformers' generate and CTranslate2
+(float32, int8) on the same weights (make export's conversion), beam 4 and greedy, on every sentence of SRC:
 sentences/s, the share of sentences identical to ours, BLEU when REF is given, and the
 latency of one sentence at beam 4. Our alpha 0.6 (GNMT penalty) is compared with their 0.45
 (|Y|^alpha), which picks the same translations most often (docs/inference.md, the export table).
@@ -39,6 +40,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import sacrebleu
@@ -48,6 +50,7 @@ from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
 from transformer_mt.data.batching import collate
 from transformer_mt.data.corpus import read_text_pair
+from transformer_mt.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
@@ -262,7 +265,14 @@ def ct2_translate(translator, sp, sources: list[str], beam: int, alpha: float, b
     return [sp.decode_pieces(r.hypotheses[0]) for r in results]
 
 
-SYSTEMS = ["transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"]
+SYSTEMS = [
+    "transformer_mt",
+    "transformer_mt compiled",  # compile=true: Transformer.compile_decoding
+    "engine=ct2",  # make translate/evaluate engine=ct2: engines.CT2Process, CTranslate2 float32 in a child process
+    "transformers generate",
+    "CTranslate2 float32",
+    "CTranslate2 int8",
+]
 
 
 def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], singles: list[str], threads: int) -> dict:
@@ -274,11 +284,19 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
     99 to 157-170 ms and CTranslate2's from 32 to 167 ms, pauses of seconds notwithstanding."""
     keep_freed_memory()
     torch.set_num_threads(threads)
-    if system == "transformer_mt":
+    if system.startswith("transformer_mt"):
         model, tokenizer, _ = load_for_inference(ckpt)
+        if system.endswith("compiled"):
+            model.compile_decoding()
 
         def run(lines, beam):
             return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=OUR_ALPHA)
+
+    elif system == "engine=ct2":
+        engine = CT2Process(Path(exported["engine"]), device="cpu", threads=threads)
+
+        def run(lines, beam):
+            return engine.translate_lines(lines, beam_size=beam, alpha=OUR_ALPHA)
 
     elif system == "transformers generate":
         transformers = optional("transformers")
@@ -302,7 +320,9 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
         def run(lines, beam):
             return ct2_translate(translator, sp, lines, beam, HF_LENGTH_PENALTY)
 
-    run(sources[:8], 4)  # warm-up
+    for beam in (4, 1):  # warm-up: the compiled step compiles for a batch and for one sentence here
+        run(sources[:8], beam)
+        run(singles[:1], beam)
     result = {"outputs": {}, "seconds": {}, "latency": []}
     for beam in (4, 1):
         start = time.perf_counter()
@@ -333,6 +353,8 @@ def bench_decoding(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         optional("ctranslate2")
         exported = {fmt: str(export(args.ckpt, fmt, f"{tmp}/{fmt}")) for fmt in ("hf", "ct2")}
+        (Path(tmp) / "engine.ckpt").symlink_to(Path(args.ckpt).resolve())  # engine=ct2's export, beside it
+        exported["engine"] = str(ct2_export(Path(tmp) / "engine.ckpt", log=lambda message: None))
         print(
             f"\ndecoding {len(sources)} sentences of {args.src} (median of {args.repeats} rounds, each system "
             f"in a fresh process), {args.ckpt}; latency: {len(singles)} median-length sentences one at a time, beam 4"
@@ -351,7 +373,7 @@ def bench_decoding(args) -> None:
     columns = "".join(f" {f'sent/s {n}t':>10}" for n in thread_counts) + "".join(
         f" {f'latency {n}t':>11}" for n in thread_counts
     )
-    print(f"{'system':<22} {'beam':>4}{columns} {'ours / it':>9} {'same as ours':>12} {'BLEU':>6}")
+    print(f"{'system':<24} {'beam':>4}{columns} {'ours / it':>9} {'same as ours':>12} {'BLEU':>6}")
     for beam in (4, 1):
         best_ours = max(median_of(speed["transformer_mt", beam, n]) for n in thread_counts)
         for name in SYSTEMS:
@@ -361,7 +383,7 @@ def bench_decoding(args) -> None:
             rates = [median_of(speed[name, beam, n]) for n in thread_counts]
             lats = [f"{median_of(latency[name, n]):>8.0f} ms" if beam == 4 else f"{'':>11}" for n in thread_counts]
             row = "".join(f" {r:>10.1f}" for r in rates) + "".join(f" {lat}" for lat in lats)
-            print(f"{name:<22} {beam:>4}{row} {best_ours / max(rates):>8.2f}x {100 * same:>11.1f}% {bleu}")
+            print(f"{name:<24} {beam:>4}{row} {best_ours / max(rates):>8.2f}x {100 * same:>11.1f}% {bleu}")
     print("ours / it: each system's best thread count against ours at its best; latency: one sentence, beam 4")
 
 

@@ -299,12 +299,13 @@ def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path)
     systems = ("transformer_mt", "transformers Marian", "torch.nn.Transformer", "transformer_mt compiled")
     for name in (*systems, "transformers compiled"):  # eager and compiled (torch.compile, as trainer.compile)
         assert sum(line[:24].rstrip() == name for line in training.splitlines()) == 1, training
-    for name in ("transformer_mt", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
-        rows = [line.split() for line in decoding.splitlines() if line.startswith(name)]
+    decoders = ("transformer_mt", "transformer_mt compiled", "engine=ct2", "transformers generate")
+    for name in (*decoders, "CTranslate2 float32", "CTranslate2 int8"):
+        rows = [line.split() for line in decoding.splitlines() if line[:24].rstrip() == name]
         assert len(rows) == 2, decoding  # beam 4 and greedy
     # every decoder at 1 thread and at every core, each compared at its best
     assert all(f"sent/s {n}t" in decoding and f"latency {n}t" in decoding for n in {1, usable_cores()}), decoding
-    ours = [line.split() for line in decoding.splitlines() if line.startswith("transformer_mt")]
+    ours = [line.split() for line in decoding.splitlines() if line[:24].rstrip() == "transformer_mt"]
     assert all("100.0%" in row for row in ours)  # ours is identical to itself
     assert "matrix-multiply peak" in training and "GFLOP/s" in training
 
@@ -349,11 +350,12 @@ def test_engine_ct2_decodes_as_ours_in_a_process_without_torch_and_exports_once(
         changed = process.translate_lines(lines, **greedy)
     assert changed == ours(ckpt) != got
 
-    # An export cut short (no checkpoint.json, written last) is made again.
-    (folder / "checkpoint.json").unlink()
-    messages.clear()
-    ct2_export(ckpt, log=messages.append)
-    assert "exporting again" in messages[0] and (folder / "checkpoint.json").is_file()
+    # An export cut short (checkpoint.json, written last, missing or unreadable) is made again.
+    for cut_short in (lambda path: path.unlink(), lambda path: path.write_text('{"sha2')):
+        cut_short(folder / "checkpoint.json")
+        messages.clear()
+        ct2_export(ckpt, log=messages.append)
+        assert "exporting again" in messages[0] and (folder / "checkpoint.json").is_file()
 
 
 @pytest.mark.slow

@@ -149,3 +149,31 @@ def test_translate_ids_restores_input_order_across_batches():
     one_batch = translate_ids(model, sources, beam_size=2, max_len_b=8, tokens_per_batch=10_000)
     many_batches = translate_ids(model, sources, beam_size=2, max_len_b=8, tokens_per_batch=8)
     assert one_batch == many_batches and one_batch[:4] == one_batch[4:8]
+
+
+@pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
+def test_compiled_decoding_chooses_eagers_tokens_and_scores():
+    """compile=true (Transformer.compile_decoding): greedy, beam search and its n-best lists as eager gives
+    them, over batches whose shapes change (sentences finish and leave, caches grow, one sentence alone)."""
+    sources = SOURCES * 3 + [[5, 9, 11, 17, 6, 10, 12, 7]]
+    runs = []
+    for compiled in (False, True):
+        model = trained_like_model(3)
+        if compiled:
+            assert model.compile_decoding() is model and model.decode_step is not Transformer.decode_step
+        runs.append(
+            [
+                translate_ids(model, sources, beam_size=1, max_len_b=12),
+                translate_ids(model, sources, beam_size=4, alpha=0.6, max_len_b=12, tokens_per_batch=64),
+                translate_ids(model, sources[:1], beam_size=4, alpha=0.6, max_len_b=12),
+                translate_ids(model, sources, beam_size=4, alpha=0.6, max_len_b=12, n_best=3),
+            ]
+        )
+    eager, compiled = runs
+    assert compiled[:3] == eager[:3] and len({tuple(t) for t in eager[1]}) >= 4
+    for eager_list, compiled_list in zip(eager[3], compiled[3], strict=True):
+        assert [tokens for tokens, _ in compiled_list] == [tokens for tokens, _ in eager_list]
+        assert [score for _, score in compiled_list] == pytest.approx([score for _, score in eager_list], abs=1e-4)
+    weights = trained_like_model(3).state_dict()
+    model = trained_like_model(3).compile_decoding()
+    assert model.state_dict().keys() == weights.keys()  # checkpoints of a compiled model are eager's

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from transformer_mt.errors import InputError, UserError
+from transformer_mt.files import atomic_write
 
 ENGINES = ("torch", "ct2")
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
@@ -48,7 +49,7 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     folder = ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".ct2")
     digest = file_digest(ckpt)
     source = folder / SOURCE_FILE
-    if source.is_file() and json.loads(source.read_text(encoding="utf-8")).get("sha256") == digest:
+    if exported_from(source) == digest:
         return folder
     if folder.exists():
         log(f"engine=ct2: {folder} is not an export of {ckpt} as it is now (it changed, or an export was cut short): "
@@ -63,9 +64,17 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     except PermissionError as e:
         raise InputError(f"engine=ct2 exports beside the checkpoint, and {folder} cannot be written ({e})") from None
     info = {"checkpoint": str(ckpt), "sha256": digest, "max_source_tokens": max_positions - 1}
-    # written last: a folder without it (an export cut short) is exported again
-    source.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    with atomic_write(source) as tmp:  # written last: a folder without it (an export cut short) is made again
+        tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return folder
+
+
+def exported_from(source: Path) -> str | None:
+    """The SHA-256 of the checkpoint an export folder was made from (None: not a finished export)."""
+    try:
+        return json.loads(source.read_text(encoding="utf-8"))["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class CT2Process:
@@ -159,7 +168,7 @@ class CT2Process:
 
 @contextlib.contextmanager
 def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
-    """For conf/inference.yaml's keys (ckpt, engine, device, threads, ct2_compute_type): a function with
+    """For conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type): a function with
     search.translate_lines' contract less its model and tokenizer, and the checkpoint's training config."""
     from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
     from transformer_mt.errors import required  # noqa: PLC0415
@@ -171,8 +180,14 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
         from transformer_mt.search import translate_lines  # noqa: PLC0415
 
         model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
+        if cfg.compile:
+            model.compile_decoding()
         yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
         return
+    if cfg.compile:
+        raise InputError(
+            "compile=true compiles our decoder (engine=torch); CTranslate2 (engine=ct2) is compiled already"
+        )
     folder = ct2_export(ckpt, log=lambda message: print(message, file=sys.stderr, flush=True))
     config = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"].get("config", {})
     with CT2Process(folder, cfg.device, cfg.threads, cfg.ct2_compute_type) as process:

@@ -304,6 +304,16 @@ class DecoderState:
     layers: list[LayerCache]
     length: int = 0  # target positions decoded so far
 
+    def make_contiguous(self) -> None:
+        """Every tensor in a contiguous layout (copies only those that are not): for a compiled step."""
+        for layer in self.layers:
+            layer.self_kv = [t.contiguous() for t in layer.self_kv]
+            if layer.memory_kv is not None:
+                layer.memory_kv = tuple(t.contiguous() for t in layer.memory_kv)
+        self.src_mask = self.src_mask.contiguous()
+        if self.memory is not None:
+            self.memory = self.memory.contiguous()
+
     def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
         """Keep/reorder hypotheses in place (beam search): row i becomes the former row rows[i].
         When sentences leave, `sentences` names those kept, in order (and `rows` only their rows)."""
@@ -401,6 +411,24 @@ class Transformer(nn.Module):
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
         step, once per sentence (shared by its beam hypotheses), and keeps them."""
         return DecoderState(key_mask(src_pad), memory, [LayerCache() for _ in self.decoder_layers])
+
+    def compile_decoding(self) -> Transformer:
+        """encode and decode_step through torch.compile (dynamic shapes: the batch, the source length and the
+        cache grow and shrink), for this instance; its parameters and state_dict stay as they are. The first
+        batches compile (seconds to a minute); a few shapes more compile again, then it runs compiled."""
+        step = torch.compile(self.decode_step, dynamic=True)
+
+        def decode_step(prev: Tensor, state: DecoderState) -> Tensor:
+            # Strides are guarded like shapes: a view (the beam's last tokens) or a transposed projection
+            # would compile the step again; contiguous inputs keep it to a few graphs (first step, later
+            # steps, a batch of one).
+            state.make_contiguous()
+            return step(prev.contiguous(), state)
+
+        self.encode = torch.compile(self.encode, dynamic=True)  # instance attributes shadow the methods
+        self.decode_step = decode_step
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+        return self
 
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
         """prev (B * beam,) = the token at position state.length -> logits (B * beam, V) for the next one.

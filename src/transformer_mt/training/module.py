@@ -72,9 +72,11 @@ class TranslationModule(L.LightningModule):
     def compile_training(self) -> None:
         """trainer.compile: the training step's forward and loss (sequence_losses) through torch.compile, with
         dynamic shapes (token buckets vary the batch's sentences and lengths); the backward follows it
-        (AOTAutograd). The model itself is not wrapped: its parameters and checkpoint keys stay eager's (no
-        `_orig_mod.`), and validation, test and decoding run eager."""
+        (AOTAutograd). Validation's and the test's decoding go through Transformer.compile_decoding. The model
+        itself is not wrapped: its parameters and checkpoint keys stay eager's (no `_orig_mod.`); validation
+        and test losses run eager."""
         self._training_losses = torch.compile(sequence_losses, dynamic=True)
+        self.model.compile_decoding()
 
     def _losses(self, batch: dict[str, Tensor], losses=sequence_losses) -> tuple[Tensor, Tensor, Tensor]:
         src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
