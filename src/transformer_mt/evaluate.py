@@ -65,7 +65,9 @@ def evaluate(cfg: DictConfig) -> dict:
         "checkpoint": str(cfg.ckpt),
         "test_set": name,
         "decoding": decoding,
-        "engine": cfg.engine if cfg.engine == "torch" else f"{cfg.engine} {cfg.ct2_compute_type}",
+        "engine": f"ct2 {cfg.ct2_compute_type}"
+        if cfg.engine == "ct2"
+        else "torch" + (" compiled" if cfg.compile else ""),
         **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
         "seconds": round(seconds, 1),
         "sentences_per_second": round(len(hyps) / seconds, 2),
