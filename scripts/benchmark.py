@@ -165,8 +165,7 @@ class TorchPeer(torch.nn.Module):
 def train_round(model, loss_fn, batches, dtype, warmup: list) -> tuple[float, Usage]:
     """Seconds of the updates on `batches` (after warm-up updates on `warmup`) and their CPU usage.
     A compiled loss_fn warms up on every batch: dynamic shapes still guard on some sizes (a length of 1,
-    two lengths equal), and a batch that compiles again inside the timed loop made compiled training look
-    0.9x eager's; warmed up on every shape it was 1.16x (small, bf16, 2-core EPYC, torch.profiler)."""
+    two lengths equal), and a batch that compiled again inside the timed loop would be timed with it."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     model.train()
 
