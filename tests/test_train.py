@@ -475,10 +475,13 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     bleus = [value for _, value in read_metrics(tmp_path / "run")["val/bleu"]]
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
-    # the recipe's end: the 4 periodic checkpoints (every 100 updates) averaged, test2016 decoded with beam 4
+    # the recipe's end: the last 5 periodic checkpoints (every 50 updates: 200-400) averaged, test2016 decoded
+    # with beam 4
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert list(results["models"]) == ["average-last4"] and results["updates"] == 400
-    assert results["models"]["average-last4"]["test"]["bleu"] > 8.0 and results["decoding"]["beam_size"] == 4
+    assert list(results["models"]) == ["average-last5"] and results["updates"] == 400
+    assert results["models"]["average-last5"]["test"]["bleu"] > 8.0 and results["decoding"]["beam_size"] == 4
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    assert saved == [f"step{step:07d}.ckpt" for step in (200, 250, 300, 350, 400)]
 
 
 @pytest.mark.slow
