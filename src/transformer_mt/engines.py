@@ -24,10 +24,12 @@ from pathlib import Path
 
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write
+from transformer_mt.tools.export import HF_LENGTH_PENALTY
+
+PAPER_ALPHA = 0.6  # §6.1: the alpha at which HF_LENGTH_PENALTY was measured to pick our translations most often
 
 ENGINES = ("torch", "ct2")
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
-LENGTH_PENALTY_PER_ALPHA = 0.75  # tools/export.py's HF_LENGTH_PENALTY (0.45) / our alpha 0.6
 
 
 def file_digest(path: Path) -> str:
@@ -141,7 +143,7 @@ class CT2Process:
             dict(
                 lines=lines,
                 beam_size=beam_size,
-                length_penalty=LENGTH_PENALTY_PER_ALPHA * alpha,
+                length_penalty=HF_LENGTH_PENALTY / PAPER_ALPHA * alpha,  # 0.45 for 0.6
                 max_len_a=max_len_a,
                 max_len_b=max_len_b,
                 max_source_tokens=self.info["max_source_tokens"],

@@ -415,7 +415,8 @@ class Transformer(nn.Module):
     def compile_decoding(self) -> Transformer:
         """encode and decode_step through torch.compile (dynamic shapes: the batch, the source length and the
         cache grow and shrink), for this instance; its parameters and state_dict stay as they are. The first
-        batches compile (seconds to a minute); a few shapes more compile again, then it runs compiled."""
+        batches compile (seconds to a minute); a few shapes more compile again, then it runs compiled.
+        Raises dynamo's process-wide recompile_limit to at least 32 (its default 8 is per function)."""
         step = torch.compile(self.decode_step, dynamic=True)
 
         def decode_step(prev: Tensor, state: DecoderState) -> Tensor:
