@@ -86,8 +86,12 @@ def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key, value", [("max_tokens", -5), ("max_tokens", 0), ("vocab_size", 0), ("max_len", -1), ("tokens_per_update", 0)]
-)
+    "key, value",
+    [
+        ("max_tokens", -5), ("max_tokens", 0), ("max_tokens", "most"), ("max_tokens_fallback", 0),
+        ("max_tokens_fallback", "auto"), ("vocab_size", 0), ("max_len", -1), ("tokens_per_update", 0),
+    ],
+)  # fmt: skip
 def test_impossible_batch_settings_are_refused(tmp_path, key, value):
     with pytest.raises(InputError, match=rf"data\.{key}={value}: "):
         text_datamodule(tmp_path, **{key: value})
@@ -403,6 +407,18 @@ def test_datamodule_shards_train_batches_by_trainer_rank(tmp_path):
     batch = next(iter(loader))
     assert batch["src"].dtype == torch.long and batch["tgt_in"][:, 0].eq(BOS_ID).all()
     assert dm.update_shape(2) == (dm.max_tokens, 1)
+
+
+def test_an_unmeasured_auto_batches_with_the_fallback(tmp_path):
+    """data.max_tokens=auto before (or without) the probe, as in ddp_spawn's main process or the data tools:
+    data.max_tokens_fallback sizes the batches and the update."""
+    dm = text_datamodule(tmp_path, max_tokens="auto", max_tokens_fallback=40, tokens_per_update=100)
+    dm.build()
+    assert dm.known_max_tokens() == 40 and dm.update_shape(1) == (34, 3)  # 3 x 34 = 102 tokens
+    assert dm.sampler("train", shuffle=False).max_tokens == 34
+    assert dm.sampler("validation", shuffle=False).max_tokens == 40
+    dm.max_tokens = 64  # what the probe found
+    assert dm.known_max_tokens() == 64 and dm.update_shape(1) == (50, 2)
 
 
 # ---------------------------------------------------------------- local copies of Hub layouts

@@ -4,20 +4,23 @@ data.max_tokens=auto's probe (training/batch_fit.py) and trainer.compile."""
 import logging
 import math
 import re
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
 import torch._inductor.config as inductor
+from omegaconf import OmegaConf
 
 from conftest import train_in_process, write_corpus
 from device_waits import MODEL, micro_batches
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import compose as compose_config
+from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError
 from transformer_mt.train import check_config
 from transformer_mt.training import batch_fit
-from transformer_mt.training.batch_fit import MARGIN, fit_max_tokens, largest_fitting
+from transformer_mt.training.batch_fit import MARGIN, FitBatch, fit_max_tokens, largest_fitting
 from transformer_mt.training.module import TranslationModule
 
 GiB = 2**30
@@ -47,10 +50,14 @@ def test_an_out_of_memory_step_does_not_fit_and_no_fitting_sentence_is_zero():
     assert largest_fitting(memory_model(250), budget=1 * GiB, ceiling=1000) == 0  # the weights alone exceed it
 
 
-def test_auto_on_a_cpu_keeps_the_default_and_says_why(caplog):
+def test_auto_on_a_cpu_keeps_the_fallback_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
         assert fit_max_tokens(None, torch.device("cpu"), "32-true", longest=50) == 4096
-    assert "data.max_tokens=auto on cpu: 4096" in caplog.text
+        assert fit_max_tokens(None, torch.device("cpu"), "32-true", longest=50, fallback=2048) == 2048
+    assert (
+        "data.max_tokens=auto on cpu: 4,096 (data.max_tokens_fallback; the probe measures CUDA memory)" in caplog.text
+    )
+    assert "data.max_tokens=auto on cpu: 2,048" in caplog.text
 
 
 def test_a_run_with_auto_batches_trains_with_the_probes_batch_and_the_configured_update(tmp_path, monkeypatch, caplog):
@@ -58,7 +65,7 @@ def test_a_run_with_auto_batches_trains_with_the_probes_batch_and_the_configured
     and the update keeps data.tokens_per_update: the accumulation follows from the batch found."""
     probed = {}
 
-    def probe(module, device, precision, longest):
+    def probe(module, device, precision, longest, fallback):
         probed.update(longest=longest, device=device.type)
         return 3 * longest  # three sentences of the longest pair
 
@@ -78,6 +85,61 @@ def test_a_run_with_auto_batches_trains_with_the_probes_batch_and_the_configured
         in caplog.text
     )
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+def recipe_setup(experiment: str, device: str, devices: int, monkeypatch, longest: int = 251):
+    """experiment=base|big's data module and a Trainer's fields as FitBatch reads and sets them, on `devices`
+    devices of type `device`; the longest training pair stubbed (max_len 250 + EOS: no corpus is read)."""
+    cfg = compose_config("train", [f"experiment={experiment}"])
+    datamodule = TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    monkeypatch.setattr(datamodule, "longest_training_pair", lambda: longest)
+    trainer = SimpleNamespace(
+        datamodule=datamodule, strategy=SimpleNamespace(root_device=torch.device(device)), precision="bf16-mixed",
+        world_size=devices, is_global_zero=True, accumulate_grad_batches=1,
+        val_check_interval=cfg.trainer.val_check_interval,
+    )  # fmt: skip
+    return cfg, datamodule, trainer
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("gpu_gib", [16, 141])
+@pytest.mark.parametrize("experiment", ["base", "big"])
+def test_the_recipes_fit_their_batch_to_the_gpu_and_keep_the_update(experiment, gpu_gib, devices, monkeypatch, caplog):
+    """experiment=base|big on CUDA: data.max_tokens=auto takes the probe's batch (its memory stubbed: a model of
+    the step's bytes, big's activations twice base's per token), and the update's shape, accumulation x batch
+    tokens x devices, still holds data.tokens_per_update: one micro-batch where it fits, on 1 GPU as on 8."""
+    cfg, datamodule, trainer = recipe_setup(experiment, "cuda", devices, monkeypatch)
+    assert cfg.data.max_tokens == "auto" and cfg.data.tokens_per_update == 25_000
+    step = memory_model(251, per_token=200_000 * cfg.model.d_model // 512)
+    monkeypatch.setattr(batch_fit, "device_memory_budget", lambda device: gpu_gib * GiB)
+    monkeypatch.setattr(batch_fit, "measure_step_bytes", lambda module, device, precision, n, length: step(n))
+    monkeypatch.setattr(batch_fit, "least_over_ranks", lambda tokens, device: tokens)  # every rank found the same
+    with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
+        FitBatch().setup(trainer, mock.Mock(), "fit")
+    found = datamodule.max_tokens
+    assert found == largest_fitting(step, gpu_gib * GiB, ceiling=2**20 // 251) * 251  # the probe's batch
+    batch_tokens, accumulation = datamodule.update_shape(devices)
+    assert trainer.accumulate_grad_batches == accumulation == math.ceil(25_000 / (found * devices))
+    update = accumulation * batch_tokens * devices
+    assert batch_tokens <= found and 25_000 <= update < 25_000 + accumulation * devices
+    assert trainer.val_check_interval == 5_000 * accumulation  # still every 5,000 updates
+    assert (accumulation == 1) == (found * devices >= 25_000)  # one micro-batch per update where it fits
+    line = f"accumulation {accumulation} x {batch_tokens} tokens x {devices} device(s) = {update:,} padded tokens"
+    assert line in caplog.text
+
+
+@pytest.mark.parametrize(("experiment", "fallback"), [("base", 4096), ("big", 2048)])
+def test_the_recipes_on_a_cpu_keep_their_batch(experiment, fallback, monkeypatch, caplog):
+    """No CUDA memory to measure: base batches 4,096 tokens, big 2,048 (~2x base's memory per token), as
+    before the recipes took auto; the update holds data.tokens_per_update."""
+    _, datamodule, trainer = recipe_setup(experiment, "cpu", 1, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
+        FitBatch().setup(trainer, None, "fit")
+    assert datamodule.max_tokens == fallback
+    accumulation = math.ceil(25_000 / fallback)  # base 7, big 13
+    assert datamodule.update_shape(1) == (math.ceil(25_000 / accumulation), accumulation)
+    assert trainer.accumulate_grad_batches == accumulation
+    assert f"data.max_tokens=auto on cpu: {fallback:,} (data.max_tokens_fallback" in caplog.text
 
 
 # ---------------------------------------------------------------- trainer.compile

@@ -81,12 +81,15 @@ def test_base_and_big_carry_the_papers_values(tmp_path):
     assert base.label_smoothing == 0.1
     assert dict(base.optim) == dict(lr_factor=1.0, warmup_steps=4000, betas=[0.9, 0.98], eps=1e-9)
     assert base.trainer.max_steps == 100_000 and base.data.tokens_per_update == 25_000
+    # a GPU's batch is the most it fits (the update stays 25k tokens); a CPU's is 4,096 tokens, big's 2,048
+    assert (base.data.max_tokens, base.data.max_tokens_fallback) == ("auto", 4096)
     assert base.data.name == "wmt14" and base.data.vocab_size == 37_000
     assert base.checkpoint.train_time_interval_minutes == 10 and base.checkpoint.keep_last == 5
     assert base.logger._target_.endswith("WandbLogger")
     big = compose_train(["experiment=big"], tmp_path)
     assert (big.model.d_model, big.model.d_ff, big.model.n_heads, big.model.dropout) == (1024, 4096, 16, 0.3)
     assert big.trainer.max_steps == 300_000 and big.data.tokens_per_update == 25_000
+    assert (big.data.max_tokens, big.data.max_tokens_fallback) == ("auto", 2048)
     assert big.checkpoint.keep_last == 20 and big.optim.warmup_steps == 4000
     # both end with §6.1's protocol: the last 5 / 20 checkpoints averaged, the test split (newstest2014) beam-decoded
     assert (base.final.enabled, base.final.average_last, list(base.final.splits)) == (True, 5, ["test"])

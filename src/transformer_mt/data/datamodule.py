@@ -74,14 +74,18 @@ class TranslationDataModule(L.LightningDataModule):
         spm_max_sentences: int = 10_000_000,
         max_len: int = 250,
         max_len_ratio: float | None = None,
-        max_tokens: int = 4096,
+        max_tokens: int | str = 4096,
+        max_tokens_fallback: int = 4096,
         tokens_per_update: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
         cache_dir: str = "~/.cache/transformer_mt",
     ):
         super().__init__()
-        for key, value in {"max_tokens": max_tokens, "vocab_size": vocab_size, "max_len": max_len}.items():
+        numbers = dict(
+            max_tokens=max_tokens, max_tokens_fallback=max_tokens_fallback, vocab_size=vocab_size, max_len=max_len
+        )
+        for key, value in numbers.items():
             if (not isinstance(value, int) or value < 1) and not (key == "max_tokens" and value == "auto"):
                 raise InputError(f"data.{key}={value}: must be a positive whole number" + (
                     " or auto (the largest batch the device fits)" if key == "max_tokens" else ""))  # fmt: skip
@@ -91,6 +95,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.vocab_size, self.spm_max_sentences = vocab_size, spm_max_sentences
         self.max_len, self.max_len_ratio = max_len, max_len_ratio
         self.max_tokens, self.tokens_per_update = max_tokens, tokens_per_update
+        self.max_tokens_fallback = max_tokens_fallback
         self.num_workers, self.seed = num_workers, seed
         self.cache_dir = Path(os.path.expanduser(cache_dir))
         self.tokenizer: Tokenizer | None = None
@@ -348,9 +353,14 @@ class TranslationDataModule(L.LightningDataModule):
         split = self.splits["train"]
         return int(max(split.src_lens.max(), split.tgt_lens.max())) + 1
 
+    def known_max_tokens(self) -> int:
+        """max_tokens, or max_tokens_fallback while auto is unresolved: the probe (training/batch_fit.py) sets
+        max_tokens in the processes that train, not in ddp_spawn's main process nor in the data tools."""
+        return self.max_tokens_fallback if self.max_tokens == "auto" else self.max_tokens
+
     def update_shape(self, world_size: int) -> tuple[int, int]:
         """(training tokens per micro-batch and device, micro-batches per update): batching.update_shape."""
-        return update_shape(self.tokens_per_update, self.max_tokens, world_size)
+        return update_shape(self.tokens_per_update, self.known_max_tokens(), world_size)
 
     def sampler(self, split: str, shuffle: bool, whole: bool = False) -> TokenBucketSampler:
         """Token buckets of a split (this rank's share; `whole`: all of it). A training pair longer than
@@ -359,9 +369,7 @@ class TranslationDataModule(L.LightningDataModule):
         rank, world = (0, 1) if whole else self._rank_world()
         data = self.splits[split]
         # training: the per-device share of the update; validation and test: max_tokens
-        # (data.max_tokens=auto is resolved in the processes that train, not in ddp_spawn's main process)
-        evaluation_tokens = 4096 if self.max_tokens == "auto" else self.max_tokens
-        max_tokens = self.update_shape(world)[0] if split == "train" else evaluation_tokens
+        max_tokens = self.update_shape(world)[0] if split == "train" else self.known_max_tokens()
         fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= max_tokens
         indices = np.flatnonzero(fits) if split == "train" else None
         if not fits.all():

@@ -70,12 +70,17 @@ def measure_step_bytes(module, device: torch.device, precision: str, sentences: 
     return peak + moments
 
 
-def fit_max_tokens(module, device: torch.device, precision: str, longest: int, ceiling_tokens: int = 2**20) -> int:
+def fit_max_tokens(
+    module, device: torch.device, precision: str, longest: int, fallback: int = 4096, ceiling_tokens: int = 2**20
+) -> int:
     """data.max_tokens for this device: the sentences of `longest` tokens that fit, x longest. On a CPU
-    (memory is rarely what limits its batch) the default of conf/data, 4096, with a line saying so."""
+    (memory is rarely what limits its batch) `fallback` (data.max_tokens_fallback), with a line saying so."""
     if device.type != "cuda":
-        log.info("data.max_tokens=auto on %s: 4096 (the probe measures CUDA memory)", device.type)
-        return 4096
+        log.info(
+            "data.max_tokens=auto on %s: %s (data.max_tokens_fallback; the probe measures CUDA memory)",
+            device.type, f"{fallback:,}",
+        )  # fmt: skip
+        return fallback
     budget = device_memory_budget(device)
     module.to(device)
     sentences = largest_fitting(
@@ -100,11 +105,9 @@ class FitBatch(L.Callback):
             return
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         longest = datamodule.longest_training_pair()
-        tokens = fit_max_tokens(module, device, trainer.precision, longest)
+        tokens = fit_max_tokens(module, device, trainer.precision, longest, datamodule.max_tokens_fallback)
         if trainer.world_size > 1:
-            least = torch.tensor([tokens], device=device)
-            torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
-            tokens = int(least.item())
+            tokens = least_over_ranks(tokens, device)
         datamodule.max_tokens = tokens
         if trainer.is_global_zero:
             log.info(
@@ -113,6 +116,13 @@ class FitBatch(L.Callback):
                 f"{tokens:,}", tokens // longest, longest, device, round(100 * MARGIN),
             )  # fmt: skip
         shape_updates(trainer, datamodule)
+
+
+def least_over_ranks(tokens: int, device: torch.device) -> int:
+    """The smallest of every rank's `tokens`: ranks must agree on the update's shape."""
+    least = torch.tensor([tokens], device=device)
+    torch.distributed.all_reduce(least, op=torch.distributed.ReduceOp.MIN)
+    return int(least.item())
 
 
 def shape_updates(trainer: L.Trainer, datamodule) -> None:
