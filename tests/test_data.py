@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import datasets
 import lightning as L
@@ -398,6 +399,7 @@ def test_update_shape_by_hand():
 def test_datamodule_shards_train_batches_by_trainer_rank(tmp_path):
     class FakeTrainer:
         global_rank, world_size = 1, 2
+        strategy = SimpleNamespace(root_device=torch.device("cpu"))
 
     dm = text_datamodule(tmp_path)
     dm.build()
@@ -419,6 +421,21 @@ def test_an_unmeasured_auto_batches_with_the_fallback(tmp_path):
     assert dm.sampler("validation", shuffle=False).max_tokens == 40
     dm.max_tokens = 64  # what the probe found
     assert dm.known_max_tokens() == 64 and dm.update_shape(1) == (50, 2)
+
+
+@pytest.mark.parametrize(("device", "pinned"), [("cuda", True), ("cuda:3", True), ("cpu", False)])
+def test_loaders_pin_their_batches_for_a_gpu(tmp_path, device, pinned):
+    """On a GPU the loaders' batches come in page-locked memory (Lightning then copies them without blocking);
+    on a CPU, and without a Trainer (the tools), they are not pinned. The Trainer is a stand-in: its device
+    type is all the loaders read, and no batch is drawn (that would pin on a machine without CUDA)."""
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    assert not any(loader.pin_memory for loader in (dm.train_dataloader(), dm.val_dataloader()))
+    dm.trainer = SimpleNamespace(
+        global_rank=0, world_size=1, strategy=SimpleNamespace(root_device=torch.device(device))
+    )
+    loaders = [dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader(), dm.whole_split_loader("test")]
+    assert [loader.pin_memory for loader in loaders] == [pinned] * 4
 
 
 # ---------------------------------------------------------------- local copies of Hub layouts

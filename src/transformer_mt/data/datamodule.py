@@ -404,10 +404,16 @@ class TranslationDataModule(L.LightningDataModule):
             # a checkpoint and the next update, so a resumed run would not match. Collation draws nothing.
             generator=torch.Generator().manual_seed(self.seed),
             worker_init_fn=die_with_parent,
+            pin_memory=self._on_cuda(),
         )
         if split == "train":
             return ResumableLoader(data, batches_done=self._batches_done, **kwargs)
         return DataLoader(data, **kwargs)
+
+    def _on_cuda(self) -> bool:
+        """Whether the Trainer's device is a GPU: its loaders then pin their batches (page-locked host memory),
+        which Lightning copies to the GPU without blocking (non_blocking=True). On a CPU pinning only costs."""
+        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
 
     def _batches_done(self) -> int:
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
