@@ -1,8 +1,19 @@
-"""Does every GPU path work on this machine? The test suite's tests marked `cuda` (tests/test_cuda*.py), then one
-summary table of their results and key figures. At most ~8 minutes on one GPU.
+"""Does every GPU path work on this machine, and how fast does the base recipe train on it? The test suite's tests
+marked `cuda` (tests/test_cuda*.py), then one summary table of their results and key figures, and under it the base
+model's target tok/s and MFU three ways, side by side: the raw loop (tests/test_cuda_kernels.py: a bare PyTorch
+update, no Lightning, no loader, one wait per update: an upper bound), then `experiment=base` through the real entry
+point, `python -m transformer_mt.train`, 200 updates eager and 200 with trainer.compile=true (tests/
+test_cuda_trainer.py: the median of the run log's progress lines after the warm-up). The multi-rank tests run with
+2 ranks on any machine: on 2 or more GPUs over NCCL, on one GPU both ranks on it over gloo.
 
   make gpu-check                          # python scripts/gpu_check.py
   make gpu-check ARGS="--multi30k DIR"    # Multi30k's text files (default: ../shared/data/multi30k, else skipped)
+
+Estimated duration on one H200, ~8 minutes (not yet measured on a GPU; the table gives each test's seconds):
+tests/test_cuda.py and test_cuda_kernels.py ~1.5 min (small models, the base model's raw loop, SDPA kernels, the
+auto batch probe); test_cuda_runs.py ~3.5 min (Multi30k: data, 200 updates, beam search on the GPU and the CPU ~2
+min; DDP and FSDP on 2 ranks, each then translate, ~1.5 min); test_cuda_trainer.py ~3 min (a made-up corpus and its
+SentencePiece ~0.5 min, eager ~0.75 min, compiled ~1.75 min, most of it the compile).
 
 Without a CUDA GPU it says so in one line and exits 0. The exit status is 1 if a test failed (or pytest did).
 """
@@ -27,6 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 MULTI30K_ENV = "TRANSFORMER_MT_MULTI30K"  # read by tests/test_cuda_runs.py
 # -rA: the passing tests' printed details (the SDPA table, the training update's figures) after the run
 PYTEST = ["-m", "pytest", "-m", "cuda", "tests/", "-p", "no:cacheprovider", "-rA"]
+
+
+# The base model's speed three ways: JUnit's test name (with its parameter) -> its label in speed_block.
+SPEED_ROWS = {
+    "test_bf16_training_update_of_the_base_model": "raw loop, no Lightning",
+    "test_base_recipe_trains_through_the_trainer[eager]": "Trainer, eager",
+    "test_base_recipe_trains_through_the_trainer[compiled]": "Trainer, compiled",
+}
 
 
 class Row(NamedTuple):
@@ -74,7 +93,24 @@ def summary(rows: list[Row], seconds: float) -> str:
         lines.append(f"{row.test:{name_width}s}  {row.result:6s}  {row.figures:{figures_width}s}  {row.seconds:7.1f}")
     results = [row.result for row in rows]
     counts = f"{results.count('PASS')} passed, {results.count('FAIL')} failed, {results.count('SKIP')} skipped"
-    return "\n".join([*lines, "", f"gpu-check: {counts} in {seconds:.0f} s"])
+    return "\n".join([*lines, *speed_block(rows), "", f"gpu-check: {counts} in {seconds:.0f} s"])
+
+
+def speed_block(rows: list[Row]) -> list[str]:
+    """The base model's target tok/s and MFU, raw loop then Trainer eager and compiled, one under the other (a
+    failure's or skip's message in place of its figures); nothing unless at least two of them ran."""
+    found = {row.test: row for row in rows if row.test in SPEED_ROWS}
+    if len(found) < 2:
+        return []
+    width = max(len(label) for label in SPEED_ROWS.values())
+    lines = ["", "the base model's speed: a bare loop (vocabulary 37,000) beside real runs (8,000; MFU counts both):"]
+    for test, label in SPEED_ROWS.items():
+        if test in found:
+            row = found[test]
+            lines.append(
+                f"  {label:{width}s}  {row.figures if row.result == 'PASS' else f'{row.result}: {row.figures}'}"
+            )
+    return lines
 
 
 def exit_status(rows: list[Row], pytest_status: int) -> int:

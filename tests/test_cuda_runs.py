@@ -1,21 +1,24 @@
 """The GPU through the entry points, as a user runs them: Multi30k training (the loss falls, val BLEU), beam search
-on the GPU against the CPU (its checkpoint, and random weights), DDP and FSDP on two GPUs, then translate. Skipped
-without a CUDA GPU; `make gpu-check` runs them. Multi30k's text files: $TRANSFORMER_MT_MULTI30K, else
-../shared/data/multi30k beside the checkout (not the Hub: these machines are offline)."""
+on the GPU against the CPU (its checkpoint, and random weights), DDP and FSDP on two ranks (two GPUs over NCCL, or
+both ranks on a machine's one GPU over gloo), then translate. Skipped without a CUDA GPU; `make gpu-check` runs
+them. Multi30k's text files: $TRANSFORMER_MT_MULTI30K, else ../shared/data/multi30k beside the checkout (not the
+Hub: these machines are offline)."""
 
 import copy
 import csv
 import os
+import socket
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_process
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
 from transformer_mt.files import read_lines
@@ -34,9 +37,18 @@ SENTENCES = [  # the DDP and FSDP checkpoints translate these
     "A little girl climbs into a wooden playhouse.",
     "The woman is riding a bicycle down the street.",
 ]
-TWO_GPUS = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs >= 2 GPUs: on one GPU FSDP silently becomes NO_SHARD"
-)
+# Two ranks on one GPU: NCCL refuses two ranks on one device, so they talk over gloo, which takes CUDA tensors too
+# (through the host). Lightning takes the backend from the strategy's constructor (process_group_backend), which
+# the trainer configs do not set: this runs the training entry point with the default of both strategies it
+# builds (train.make_strategy: DDPStrategy, LayerFSDP) switched to gloo; a backend given explicitly still wins.
+GLOO_TRAIN = """\
+import runpy
+from functools import partialmethod
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+for strategy in (DDPStrategy, FSDPStrategy):
+    strategy.__init__ = partialmethod(strategy.__init__, process_group_backend="gloo")
+runpy.run_module("transformer_mt.train", run_name="__main__", alter_sys=True)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +99,9 @@ def run(command: list[str], timeout: float, cwd: Path, stdin: str | None = None)
     return proc
 
 
-def train(run_dir: Path, multi30k: Path, cache_dir: Path, *overrides: str, timeout: float) -> Path:
-    """The Multi30k recipe through the training entry point (overrides choose the trainer); its checkpoint."""
-    command = [
+def train_command(run_dir: Path, multi30k: Path, cache_dir: Path, *overrides: str) -> list[str]:
+    """The Multi30k recipe through the training entry point (overrides choose the trainer)."""
+    return [
         sys.executable,
         "-m",
         "transformer_mt.train",
@@ -102,8 +114,44 @@ def train(run_dir: Path, multi30k: Path, cache_dir: Path, *overrides: str, timeo
         f"hydra.run.dir={run_dir}",
         *overrides,
     ]
-    run(command, timeout, cwd=run_dir.parent)
+
+
+def train(run_dir: Path, multi30k: Path, cache_dir: Path, *overrides: str, timeout: float) -> Path:
+    """train_command run as a user runs it; its checkpoint."""
+    run(train_command(run_dir, multi30k, cache_dir, *overrides), timeout, cwd=run_dir.parent)
     return run_dir / "checkpoints" / "last.ckpt"
+
+
+def two_rank_launch(command: list[str], strategy: str, gpus: int, port: int) -> list[tuple[list[str], dict]]:
+    """The processes of a two-rank run of the training `command` (python -m transformer_mt.train ...): (command,
+    environment added) for each. With 2 or more GPUs, one process on every GPU: Lightning starts the other ranks
+    itself, over NCCL. With one GPU, two processes started at once as two one-GPU nodes of Lightning's own cluster
+    environment (LOCAL_RANK 0 on both: each rank's device is cuda:0; NODE_RANK and RANK its rank, which the entry
+    point reads too: rank 1 waits for rank 0's data caches), over gloo (GLOO_TRAIN)."""
+    if gpus >= 2:
+        return [([*command, f"trainer={strategy}", f"trainer.devices={gpus}"], {})]
+    entry = command.index("transformer_mt.train")
+    overrides = [*command[entry + 1 :], f"trainer={strategy}", "trainer.devices=1", "trainer.num_nodes=2"]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": "0"}
+    return [([command[0], "-c", GLOO_TRAIN, *overrides], {**env, "NODE_RANK": str(r), "RANK": str(r)}) for r in (0, 1)]
+
+
+def run_ranks(launch: list[tuple[list[str], dict]], cwd: Path, timeout: float) -> None:
+    """Every process of a launch at once (conftest.run_process: each in a session of its own, killed at the
+    timeout); a failure of any fails the test with the tail of its output."""
+    with ThreadPoolExecutor(len(launch)) as pool:
+        procs = list(pool.map(lambda process: run_process(process[0], cwd, process[1], timeout=timeout), launch))
+    for rank, proc in enumerate(procs):
+        if proc.returncode != 0:
+            print("\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-30:]))
+            last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "")
+            pytest.fail(f"process {rank} of {len(procs)}: exit status {proc.returncode}: {last.strip()[:160]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def logged(run_dir: Path, metric: str) -> list[float]:
@@ -175,22 +223,23 @@ def test_beam_search_on_the_gpu_gives_the_cpus_tokens(weights, request, highest_
     assert len(differ) <= 0.02 * len(sources), figures
 
 
-@TWO_GPUS
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_gpu_training_then_translate(strategy, multi30k, cache_dir, tmp_path, record_property):
-    updates = 20
-    checkpoint = train(
-        tmp_path / strategy,
+def test_two_rank_training_then_translate(strategy, multi30k, cache_dir, tmp_path, record_property):
+    updates, gpus = 20, torch.cuda.device_count()
+    run_dir = tmp_path / strategy
+    command = train_command(
+        run_dir,
         multi30k,
         cache_dir,
-        f"trainer={strategy}",
-        f"trainer.devices={torch.cuda.device_count()}",  # every visible GPU (at least 2)
         f"trainer.max_steps={updates}",
         f"trainer.val_check_interval={updates}",  # one validation (greedy decoding under the strategy), at the end
         "val_bleu_sentences=100",
-        timeout=300,
     )
+    launch = two_rank_launch(command, strategy, gpus, free_port())
+    print("$ " + " ".join(["python", *launch[0][0][1:]]).replace(GLOO_TRAIN, "<GLOO_TRAIN>"), flush=True)
+    run_ranks(launch, cwd=tmp_path, timeout=300)
+    checkpoint = run_dir / "checkpoints" / "last.ckpt"
     # Greedy: 20 updates leave a model close to its random start, whose outputs are long strings of pieces; beam
     # search may rank an immediate EOS first for some inputs (an empty line).
     translate = [
@@ -205,8 +254,9 @@ def test_two_gpu_training_then_translate(strategy, multi30k, cache_dir, tmp_path
     lines = proc.stdout.split("\n")[:-1]
     for source, line in zip(SENTENCES, lines):
         print(f"{source} -> {line[:100]}")
-    gpus, answered = torch.cuda.device_count(), sum(map(bool, lines))
-    figures = f"{updates} updates on {gpus} GPUs; {answered}/{len(SENTENCES)} lines non-empty"
+    answered = sum(map(bool, lines))
+    ranks = f"{gpus} GPUs over NCCL" if gpus >= 2 else "2 ranks on 1 GPU over gloo"
+    figures = f"{strategy}: {updates} updates on {ranks}; {answered}/{len(SENTENCES)} lines non-empty"
     record_property("figures", figures)
     # One output line per input line; after 20 updates a model may still answer some with an empty line.
     assert len(lines) == len(SENTENCES), f"{figures} ({len(lines)} lines)"
