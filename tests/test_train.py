@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 
 import transformer_mt.train
 from conftest import CONF, NOISE, ROOT, SHARED_DATA, hydra_task, run_train, train_in_process
+from transformer_mt import runtime
 from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
@@ -661,3 +663,25 @@ def test_a_cpus_peak_is_a_matrix_product_timed_in_trainings_format():
     assert found.flops > 1e9 and re.fullmatch(
         r"[\d.]+ GFLOP/s fp32, a 2048\^3 matrix product timed on this CPU", found.source
     )
+
+
+def clock(durations: list[float]):
+    """time.perf_counter as matmul_peak reads it: once when timing starts, then before and after each product,
+    the products taking `durations`; it runs out after the last (a product more would fail the test)."""
+    readings, now = [0.0], 0.0
+    for took in durations:
+        readings += [now, now + took]
+        now += took
+    return iter(readings).__next__
+
+
+@pytest.mark.parametrize(
+    "durations",
+    [
+        [0.5, 0.2, 0.3, 0.4, 0.6],  # slow products: 5 of them, although past the second
+        [0.1] * 8 + [0.04] + [0.1] * 2,  # a busy machine, quiet for one product: timing goes on until a second passed
+    ],
+)
+def test_a_cpus_peak_is_the_fastest_product_of_a_second_of_them(durations, monkeypatch):
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=clock(durations)))  # runtime's clock only
+    assert runtime.matmul_peak(torch.float32, n=16) == pytest.approx(2 * 16**3 / min(durations))
