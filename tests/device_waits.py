@@ -1,40 +1,94 @@
 """Counting the places where the host waits for the device, on a CPU: a GPU pays for each one (the queue of
 kernels drains before the host goes on), a CPU does not, so a CPU test has to count them.
 
-They are the reads of a tensor's values (item, float, bool, tolist, numpy) and the ops whose output size
-depends on values (nonzero, a boolean mask's index, masked_select, unique). The CUDA tier checks the same
-rule with torch.cuda.set_sync_debug_mode (tests/test_cuda.py)."""
+They are the reads of a tensor's values (item, float, bool, tolist, numpy), the ops whose output size
+depends on values (nonzero, a boolean mask's index, masked_select, unique), and device tensors built from
+Python values (torch.tensor(x, device=...): a pageable copy, then a synchronisation; Lightning's
+self.log(float) does it). The count covers a whole run, whatever part of the loop causes a wait: each wait
+is filed under the update in progress (from a micro-batch's start to the next one's), or under start-up,
+the end, a checkpoint write or a validation. The CUDA tier counts the same with
+torch.cuda.set_sync_debug_mode (CudaWaits)."""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader
 
+import transformer_mt.train as entry
 from transformer_mt.data.batching import collate
-from transformer_mt.runtime import end_process_group
-from transformer_mt.training.callbacks import ProgressLog, RunEnd, UpdateProgressBar
-from transformer_mt.training.module import TranslationModule
 
 MODEL = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.1)
 
+# A real run's whole cycle: accumulation (2 micro-batches per update), validations, periodic and time-based
+# checkpoints, the moving average, progress lines and bar, and the loggers written at every update (their worst case).
+WAITS_RUN = [
+    "data.tokens_per_update=600",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=true",
+    "checkpoint.every_n_train_steps=2",
+    "checkpoint.train_time_interval_minutes=1e-6",
+    "progress_every_n_updates=2",
+    "ema_decay=0.99",
+]
+
+
+CHECKPOINT_WRITES = {"save_checkpoint", "dump_checkpoint"}  # and everything ModelCheckpoint does to choose a file
 SIZE_FROM_VALUES = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "_unique2", "unique_dim"}
 
 
-class DeviceWaits(TorchDispatchMode):
-    """Inside the block: every wait, with the line of this project's code (src/ or tests/) that caused it."""
+class Waits:
+    """The waits seen inside the block, each as {phase, kind, what, where}: phase the update in progress
+    (1, 2, ...; set by UpdatePhases), "start-up" or "end"; kind "update", "checkpoint" (under a checkpoint
+    write), "validation" or "data loading" (a DataLoader's host tensors, at an epoch's start); where the last
+    line of this project's code (src/ or tests/) on the stack."""
 
     def __init__(self):
         super().__init__()
-        self.waits: list[str] = []
+        self.found: list[dict] = []
+        self.phase: int | str = "start-up"
+
+    def note(self, what: str) -> None:
+        stack = list(reversed(traceback.StackSummary.extract(traceback.walk_stack(None), lookup_lines=False)))[:-2]
+        if any(f.name in CHECKPOINT_WRITES or f.filename.endswith("model_checkpoint.py") for f in stack):
+            kind = "checkpoint"
+        elif any(f.filename.endswith("evaluation_loop.py") for f in stack):
+            kind = "validation"
+        elif any("/torch/utils/data/" in f.filename for f in stack):  # a new epoch's loader: its seed, on the host
+            kind = "data loading"
+        else:
+            kind = "update"
+        ours = [f for f in stack if "/transformer_mt/" in f.filename or "/tests/" in f.filename]
+        last = ours[-1] if ours else stack[-1]
+        inner = next((f for f in reversed(stack) if "/torch/" not in f.filename), stack[-1])
+        where = f"{last.filename.split('/')[-1]}:{last.lineno} ({last.name})"
+        if inner is not last:  # inside a library: its line too
+            where += f" -> {'/'.join(inner.filename.split('/')[-2:])}:{inner.lineno} ({inner.name})"
+        self.found.append({"phase": self.phase, "kind": kind, "what": what, "where": where})
+
+    def per_update(self) -> dict[int, list[str]]:
+        """The waits of each update that are not a checkpoint's or a validation's."""
+        updates: dict[int, list[str]] = {}
+        for wait in self.found:
+            if isinstance(wait["phase"], int):
+                updates.setdefault(wait["phase"], [])
+                if wait["kind"] == "update":
+                    updates[wait["phase"]].append(f"{wait['what']} at {wait['where']}")
+        return updates
+
+
+class DeviceWaits(Waits, TorchDispatchMode):
+    """Waits counted by the ops they dispatch, plus tolist/numpy (which read a CPU tensor's memory without
+    an op) and torch.tensor/as_tensor given a device (patched for the block)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__
@@ -45,41 +99,44 @@ class DeviceWaits(TorchDispatchMode):
             self.note(name)
         return func(*args, **(kwargs or {}))
 
-    def note(self, what: str) -> None:
-        ours = ("/transformer_mt/", "/tests/")
-        frames = [f for f in traceback.extract_stack()[:-2] if any(part in f.filename for part in ours)]
-        last = frames[-1] if frames else None
-        where = f"{last.filename.split('/')[-1]}:{last.lineno} ({last.name})" if last else "lightning/torch"
-        self.waits.append(f"{what} at {where}")
-
     def __enter__(self):
-        # tolist() and numpy() read a CPU tensor's memory without an op the mode sees: counted by hand.
-        self._patched = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-        for name, original in self._patched.items():
-            setattr(torch.Tensor, name, self._counting(name, original))
+        self._patched = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in ("tolist", "numpy")]
+        self._patched += [(torch, name, getattr(torch, name)) for name in ("tensor", "as_tensor")]
+        for owner, name, original in self._patched:
+            setattr(owner, name, self._counting(name, original, owner is torch))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, original in self._patched.items():
-            setattr(torch.Tensor, name, original)
+        for owner, name, original in self._patched:
+            setattr(owner, name, original)
         return super().__exit__(*exc)
 
-    def _counting(self, name, original):
-        def read(tensor, *args, **kwargs):
-            self.note(name)
-            return original(tensor, *args, **kwargs)
+    def _counting(self, name, original, built_on_device: bool):
+        def counted(*args, **kwargs):
+            if not built_on_device or kwargs.get("device") is not None:
+                self.note(f"torch.{name}(..., device=)" if built_on_device else name)
+            return original(*args, **kwargs)
 
-        return read
+        return counted
 
 
-class CudaWaits:
+class CudaWaits(Waits):
     """The same count on a GPU, from CUDA itself: torch.cuda.set_sync_debug_mode warns at every operation
-    that synchronises with the device; inside the block, `waits` lists them."""
+    that synchronises with the device; each warning is noted where it is raised."""
 
     def __enter__(self):
-        self._warnings = warnings.catch_warnings(record=True)
-        self._record = self._warnings.__enter__()
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
         warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if "synchroniz" in str(message):
+                self.note(str(message).splitlines()[0])
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         return self
 
@@ -87,23 +144,35 @@ class CudaWaits:
         torch.cuda.set_sync_debug_mode("default")
         return self._warnings.__exit__(*exc)
 
-    @property
-    def waits(self) -> list[str]:
-        return [str(w.message).splitlines()[0] for w in self._record if "synchroniz" in str(w.message)]
 
+class UpdatePhases(L.Callback):
+    """Files every wait under the update in progress: from a micro-batch's start to the next one's."""
 
-class WaitsPerMicroBatch(L.Callback):
-    """The waits of each training micro-batch (its step, backward and, for the last of an update, the
-    optimizer step and every callback's batch end), and whether it ended an update."""
-
-    def __init__(self, counter: DeviceWaits):
-        self.counter, self.batches = counter, []
+    def __init__(self, counter: Waits):
+        self.counter = counter
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self.start, self.step = len(self.counter.waits), trainer.global_step
+        self.counter.phase = trainer.global_step + 1
 
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.batches.append((trainer.global_step != self.step, self.counter.waits[self.start :]))
+    def on_train_end(self, trainer, module) -> None:
+        self.counter.phase = "end"
+
+
+def counted_run(counter: Waits, run, *args):
+    """run(*args) (a training through transformer_mt.train) with the counter on and UpdatePhases among its
+    callbacks."""
+    make_callbacks = entry.make_callbacks
+    entry.make_callbacks = lambda *a: [UpdatePhases(counter), *make_callbacks(*a)]
+    try:
+        with counter:
+            return run(*args)
+    finally:
+        entry.make_callbacks = make_callbacks
+
+
+def summary(counter: Waits) -> str:
+    kinds = Counter((w["phase"] if not isinstance(w["phase"], int) else "updates", w["kind"]) for w in counter.found)
+    return ", ".join(f"{phase}/{kind}: {n}" for (phase, kind), n in sorted(kinds.items(), key=str))
 
 
 def micro_batches(seed: int = 0) -> list[dict]:
@@ -119,34 +188,17 @@ def micro_batches(seed: int = 0) -> list[dict]:
     return batches
 
 
-def count_waits(
-    batches: list[dict], run_dir: Path, counter: DeviceWaits | CudaWaits | None = None, **trainer_args
-) -> tuple[TranslationModule, list]:
-    """Trains on the batches (2 updates) with the shipped callbacks: the module, and each micro-batch's
-    (ended an update, waits)."""
-    counter = counter or DeviceWaits()
-    waits = WaitsPerMicroBatch(counter)
-    callbacks = [RunEnd(run_dir, keep_last=1), ProgressLog(every=1000), UpdateProgressBar(), waits]
-    trainer = L.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-        **{"accelerator": "cpu", **trainer_args},
-    )
-    module = TranslationModule(MODEL, val_bleu_sentences=0)
-    with counter:
-        trainer.fit(module, DataLoader(batches, batch_size=None))
-    return module, waits.batches
+if (
+    __name__ == "__main__"
+):  # under torchrun: python device_waits.py OUT OVERRIDES...; each rank's waits -> OUT-<rank>.json
+    import os
 
+    from transformer_mt.train import main
 
-if __name__ == "__main__":  # under torchrun: Lightning's DDP; this rank's waits go to <out>-<rank>.json
-    out, rank = sys.argv[1], int(os.environ["RANK"])
-    devices = int(os.environ["WORLD_SIZE"])
-    module, found = count_waits(micro_batches(seed=rank), Path(out).parent, devices=devices, strategy="ddp")
-    Path(f"{out}-{rank}.json").write_text(json.dumps(found))
-    del module  # and the Trainer it holds: the process group goes with them (runtime.end_process_group)
-    assert not (still_running := end_process_group()), f"the process group outlived the Trainer: {still_running}"
+    out, overrides = sys.argv[1], sys.argv[2:]
+    sys.argv = [sys.argv[0], *overrides]
+    counter = DeviceWaits()
+    try:
+        counted_run(counter, main)
+    finally:
+        Path(f"{out}-{os.environ['RANK']}.json").write_text(json.dumps(counter.found))

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from device_waits import CudaWaits, count_waits, micro_batches
+from conftest import train_in_process
+from device_waits import WAITS_RUN, CudaWaits, counted_run, summary
 from transformer_mt.configs import model_preset
 from transformer_mt.data.batching import collate
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
@@ -104,13 +105,17 @@ def test_bf16_training_update_of_the_base_model(record_property):
     assert all(math.isfinite(x) and abs(x - math.log(vocab)) < 2 for x in losses), losses
 
 
-def test_a_training_update_on_the_gpu_waits_for_it_once(tmp_path):
-    """test_module's rule, checked by CUDA (set_sync_debug_mode): inside an accumulation window no
-    micro-batch synchronises with the GPU, and an update does once."""
-    _, found = count_waits(micro_batches(), tmp_path, counter=CudaWaits(), accelerator="gpu", devices=1)
-    assert [updated for updated, _ in found] == [False, False, True] * 2
-    for updated, waits in found:
-        assert len(waits) == (1 if updated else 0), waits
+def test_a_whole_training_run_on_the_gpu_waits_for_it_once_per_update(corpus, tmp_path, record_property):
+    """test_module's whole-run rule, checked by CUDA itself (set_sync_debug_mode) over a short run of
+    transformer_mt.train: validations, checkpoints, loggers at every update, 2 micro-batches per update."""
+    counter = CudaWaits()
+    args = [f"data.path={corpus}", "trainer=gpu", *WAITS_RUN]
+    counted_run(counter, train_in_process, args, tmp_path, tmp_path / "run")
+    updates = counter.per_update()
+    record_property("figures", f"waits per update {[len(w) for w in updates.values()]}; {summary(counter)}")
+    assert sorted(updates) == [1, 2, 3, 4, 5, 6], summary(counter)
+    for update, waits in updates.items():
+        assert len(waits) <= 1, (update, waits)
 
 
 @pytest.mark.timeout(300)

@@ -24,6 +24,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.data import DataLoader
 
 from conftest import ROOT, hydra_task, random_batch, run_process, run_train, tiny_config, train_overrides
+from device_waits import WAITS_RUN, Waits, summary
 from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.data.batching import collate
@@ -32,7 +33,8 @@ from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer, Transf
 from transformer_mt.objective import sequence_losses
 from transformer_mt.search import greedy, translate_lines
 from transformer_mt.tools.export import export
-from transformer_mt.training.module import TranslationModule, gradient_norm
+from transformer_mt.training.module import TranslationModule
+from transformer_mt.training.update import gradient_norm
 
 pytestmark = pytest.mark.slow  # processes
 
@@ -211,20 +213,27 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
     assert results["models"]["average-last2"]["test"]["sentences"] == 30
 
 
-def test_a_ddp_update_waits_for_the_device_once_on_every_rank(tmp_path):
-    """As test_module's rule, under Lightning's DDP on 2 processes: no rank waits inside an accumulation
-    window (Lightning's own per-batch SIGTERM broadcast, a device read, is off), and each waits once per
-    update, the stop decision riding on the gradient norm's read."""
+def test_a_ddp_run_waits_for_the_device_once_per_update_on_every_rank(corpus, tmp_path):
+    """test_module's whole-run rule under torchrun and Lightning's DDP on 2 processes: each update waits
+    once on every rank, its one all-reduce carrying the tokens, loss sums, stop signals and the clock of
+    time-based checkpoints (no broadcast of its own, no per-batch SIGTERM check)."""
+    _, overrides = train_overrides(
+        [f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"]
+        + [arg for arg in WAITS_RUN if not arg.startswith("data.tokens_per_update")]
+        + ["data.tokens_per_update=1200"],  # 2 micro-batches per update on each of the 2 ranks
+        tmp_path,
+    )
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    proc = run_process([*torchrun, str(ROOT / "tests" / "device_waits.py"), str(tmp_path / "waits")], tmp_path)
+    script = [str(ROOT / "tests" / "device_waits.py"), str(tmp_path / "waits"), *overrides]
+    proc = run_process([*torchrun, *script], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in range(2):
-        batches = json.loads((tmp_path / f"waits-{rank}.json").read_text())
-        assert [updated for updated, _ in batches] == [False, False, True] * 2
-        for updated, found in batches:
-            # The final update writes last.ckpt (RunEnd), whose totals are read then: not a training step's.
-            found = [wait for wait in found if "(training_totals)" not in wait]
-            assert len(found) == (1 if updated else 0), (rank, found)
+        counter = Waits()
+        counter.found = json.loads((tmp_path / f"waits-{rank}.json").read_text())
+        updates = counter.per_update()
+        assert sorted(updates) == [1, 2, 3, 4, 5, 6], (rank, summary(counter))
+        for update, waits in updates.items():
+            assert len(waits) == 1 and waits[0].startswith("tolist at update.py"), (rank, update, waits)
 
 
 # ---------------------------------------------------------------- DDP: the update's gradient over ranks
@@ -234,7 +243,7 @@ class SaveGradients(TranslationModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         super().on_before_optimizer_step(optimizer)  # normalises the update's gradient over micro-batches and ranks
         grads = {name: p.grad.clone() for name, p in self.named_parameters()}
-        grads["norm"] = self.trainer.callback_metrics["train/grad_norm"].clone()  # what this rank logged
+        grads["norm"] = self.updates.norm.clone()  # what this rank logs and decides on
         torch.save(grads, f"{self.trainer.default_root_dir}/grads-{self.global_rank}.pt")
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from device_waits import DeviceWaits, count_waits, micro_batches
+from conftest import train_in_process
+from device_waits import MODEL, WAITS_RUN, DeviceWaits, counted_run, micro_batches, summary
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, noam_lr, sequence_losses
@@ -168,21 +169,39 @@ def test_an_accumulated_update_has_the_gradient_of_one_batch_holding_its_sentenc
     assert not torch.allclose(sum(means), module.kept["model.embed.tokens.weight"], atol=1e-4)
 
 
-def test_a_training_update_waits_for_the_device_once_whatever_its_micro_batches(tmp_path):
-    """On a GPU every read of a device value drains the kernel queue. With the shipped callbacks, a
-    micro-batch inside an accumulation window never waits, and one that ends an update waits once (the
-    gradient norm's finiteness); the tokens/s and model FLOPs are counted on the host (collate)."""
-    batches = micro_batches()
-    module, found = count_waits(batches, tmp_path)
-    assert [updated for updated, _ in found] == [False, False, True] * 2
-    for updated, waits in found:
-        assert len(waits) == (1 if updated else 0), waits
+def test_a_whole_training_run_waits_for_the_device_once_per_update(corpus, tmp_path):
+    """On a GPU every read of a device value drains the kernel queue, and so does a device tensor built from
+    Python values. Over a whole run of transformer_mt.train, each update waits once (its gradient norm, loss
+    and counts, read together), wherever in Lightning's loop a wait would hide; checkpoint writes and
+    validations are counted apart (main before the update callback: 135 waits in these 6 updates)."""
+    counter = DeviceWaits()
+    counted_run(counter, train_in_process, [f"data.path={corpus}", *WAITS_RUN], tmp_path, tmp_path / "run")
+    updates = counter.per_update()
+    assert sorted(updates) == [1, 2, 3, 4, 5, 6], summary(counter)
+    for update, waits in updates.items():
+        assert len(waits) == 1 and waits[0].startswith("tolist at update.py"), (update, waits)
+    assert {w["kind"] for w in counter.found if isinstance(w["phase"], int)} >= {"update", "checkpoint", "validation"}
     # The host's counts are the padded tensors': target tokens, and model FLOPs of the real lengths.
-    cfg = module.model.cfg
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["totals"]["target_tokens"] > 0 and last["totals"]["model_flops"] > 0
+
+
+def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
+    batches = micro_batches()
+    module = TranslationModule(MODEL, val_bleu_sentences=0)
+    trainer = L.Trainer(
+        max_steps=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, accelerator="cpu", default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(batches, batch_size=None))
+    cfg, totals = module.model.cfg, module.updates.totals
     tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches)
     flops = sum(training_flops(cfg, b["src"].ne(PAD_ID).sum(1), b["tgt_out"].ne(PAD_ID).sum(1)) for b in batches)
-    assert module.totals["target_tokens"] == tokens and module.totals["model_flops"] == pytest.approx(flops, rel=1e-12)
+    assert totals["target_tokens"] == tokens and totals["model_flops"] == pytest.approx(flops, rel=1e-12)
+    assert module.updates.current.step == 2 and module.updates.current.tokens == sum(
+        int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches[3:]
+    )
     # Without collate's positions, the loss would find its rows on the device: the counter sees that.
     with DeviceWaits() as counter:
         sequence_losses(module.model, batches[0]["src"], batches[0]["tgt_in"], batches[0]["tgt_out"], 0.1)
-    assert [w.split()[0] for w in counter.waits] == ["nonzero"]
+    assert [w["what"] for w in counter.found] == ["nonzero"]

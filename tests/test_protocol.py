@@ -125,12 +125,24 @@ def test_export_refuses_what_marian_cannot_express_in_one_line(variant_run, tmp_
 # ---------------------------------------------------------------- the moving average
 
 
+class EndedUpdates:
+    """UpdateBookkeeping's answer to "did an update end with this micro-batch" (training/update.py), for a
+    stand-in trainer: whether its global_step moved since the previous micro-batch."""
+
+    def __init__(self, trainer):
+        self.seen = trainer.global_step
+
+    def finished(self, trainer):
+        ended, self.seen = trainer.global_step != self.seen, trainer.global_step
+        return ended or None
+
+
 def test_the_moving_average_is_the_formula_once_per_update():
     """ema_0 = the initial weights; after update t, ema_t = d ema_{t-1} + (1 - d) w_t; micro-batches inside
     an accumulation window (no new update) change nothing."""
     decay = 0.75
-    module = SimpleNamespace(model=nn.Linear(3, 2))
     trainer = SimpleNamespace(global_step=0)
+    module = SimpleNamespace(model=nn.Linear(3, 2), updates=EndedUpdates(trainer))
     ema = ExponentialMovingAverage(decay)
     ema.on_train_start(trainer, module)
     expected = {k: v.detach().clone() for k, v in module.model.named_parameters()}

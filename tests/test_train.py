@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 import transformer_mt.train
+import transformer_mt.training.update
 from conftest import CONF, NOISE, ROOT, SHARED_DATA, hydra_task, run_train, train_in_process
 from transformer_mt import runtime
 from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
@@ -33,8 +33,8 @@ from transformer_mt.tools.plot import read_metrics
 from transformer_mt.train import check_config, make_callbacks, make_strategy, trainer_arguments
 from transformer_mt.training.callbacks import StartupLog
 from transformer_mt.training.logs import make_logger
-from transformer_mt.training.module import TrainingDiverged
 from transformer_mt.training.sharding import LayerFSDP
+from transformer_mt.training.update import TrainingDiverged
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -201,23 +201,28 @@ def test_accumulated_runs_validate_and_checkpoint_every_n_updates(corpus, tmp_pa
     assert saved == ["step0000003.ckpt", "step0000006.ckpt"]
 
 
-class PauseAt(L.Callback):
-    """Sleeps before micro-batch `batch` (a slow batch), so that a time-based save comes due inside it."""
+class SlowBatch(L.Callback):
+    """Micro-batch `batch` takes `seconds` on the update's clock (training/update.py's, driven here)."""
 
     def __init__(self, batch: int, seconds: float):
-        self.batch, self.seconds = batch, seconds
+        self.batch, self.seconds, self.now = batch, seconds, 0.0
+
+    def clock(self) -> float:
+        return self.now
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if batch_idx == self.batch:
-            time.sleep(self.seconds)
+            self.now += self.seconds
 
 
 def test_a_time_based_checkpoint_that_comes_due_inside_an_update_waits_for_its_end(corpus, tmp_path, monkeypatch):
     # 2 micro-batches per update, a save every 2 s of training; micro-batch 2 (the first of update 2)
     # takes 2.5 s: the save comes due there, in the middle of update 2, whose accumulated gradient a
-    # checkpoint would not hold. It must wait for update 2's end (micro-batch 3).
+    # checkpoint would not hold. It must wait for update 2's end (micro-batch 3), and not come again at update 3.
+    slow = SlowBatch(2, 2.5)
+    monkeypatch.setattr(transformer_mt.training.update, "clock", slow.clock)
     make_callbacks = transformer_mt.train.make_callbacks
-    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [PauseAt(2, 2.5), *make_callbacks(*args)])
+    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
     args = [f"data.path={corpus}", "data.tokens_per_update=600", "trainer.max_steps=3"]
     train_in_process([*args, f"checkpoint.train_time_interval_minutes={2 / 60}"], tmp_path, tmp_path / "run")
     (saved,) = (tmp_path / "run" / "checkpoints").glob("time-step*.ckpt")

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -83,7 +83,8 @@ def trainer_arguments(cfg: DictConfig) -> dict:
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -> list:
     """Periodic checkpoints (by updates and/or time, the last N kept, for averaging), last.ckpt,
-    best.ckpt by a validation metric, optional early stopping on it, progress and learning rate."""
+    best.ckpt by a validation metric, optional early stopping on it, progress lines and bar (the
+    learning rate and training losses reach the loggers through training/update.py)."""
     periodic = []
     if cfg.checkpoint.every_n_train_steps:
         periodic.append(dict(every_n_train_steps=cfg.checkpoint.every_n_train_steps, filename="step{step:07d}"))
@@ -113,7 +114,6 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
     if cfg.data.max_tokens == "auto":
         callbacks.append(FitBatch())
     callbacks += [
-        LearningRateMonitor(logging_interval="step"),
         ProgressLog(cfg.progress_every_n_updates),
         startup,
         RandomState(),

@@ -27,7 +27,8 @@ def duration(seconds: float) -> str:
     return str(timedelta(seconds=int(max(seconds, 0))))  # past a time limit, an ETA is 0:00:00, not "-1 day"
 
 
-WINDOW_LOSS = "train/loss_window"  # the mean loss per target token of each progress line's window (rank 0's)
+WINDOW_LOSS = "train/loss_window"  # the mean loss per target token of each progress line's window (every rank's)
+THROUGHPUT = "train/tgt_tok_per_s"  # target tokens per second of training over each progress line's window
 
 
 class ProgressLog(L.Callback):
@@ -37,7 +38,7 @@ class ProgressLog(L.Callback):
     start), elapsed and ETA.
 
     A finite divergence (the loss of a line RISE times its best so far) is warned about once, with the
-    update and the likely causes; training goes on (a non-finite gradient stops it, module.py)."""
+    update and the likely causes; training goes on (a non-finite gradient stops it, update.py)."""
 
     RISE = 3.0
 
@@ -55,13 +56,13 @@ class ProgressLog(L.Callback):
         self.loss_sum, self.tokens, self.flops, self.paused = 0.0, 0, 0.0, 0.0
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        # The loss sum stays on the device until a line is written (no synchronisation per batch); the loss
-        # is per target token since the last line. Tokens (without padding) and FLOPs are host numbers.
-        self.loss_sum += outputs["loss_sum"]
-        self.tokens += outputs["tokens"]
-        self.flops += outputs["flops"]
-        step = trainer.global_step
-        if self.every and step != self.since_step and step % self.every == 0:
+        update = module.updates.finished(trainer)  # host numbers of every rank, read at the update's one wait
+        if update is None:
+            return
+        self.loss_sum += update.loss_sum
+        self.tokens += update.tokens
+        self.flops += update.flops
+        if self.every and update.step % self.every == 0:
             self.report(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -82,18 +83,22 @@ class ProgressLog(L.Callback):
             f"update {step:,}"
             + (f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else "")
         ]
+        seconds = max(now - self.since - self.paused, 1e-9)
+        metrics = {}
         if self.tokens:
-            loss = float(self.loss_sum) / self.tokens
+            loss = self.loss_sum / self.tokens
             parts.append(f"loss {loss:.3f}")
             self.check_divergence(loss, step)
-            for logger in trainer.loggers:  # make plot's training curve: this mean, not one micro-batch's loss
-                logger.log_metrics({WINDOW_LOSS: loss}, step=step - 1)  # Lightning's step: updates before this one
+            metrics[WINDOW_LOSS] = loss  # make plot's training curve: this mean, not one micro-batch's loss
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
-        # rank 0's tokens and FLOPs x ranks: every rank's batches hold about as many tokens (token buckets)
-        seconds = max(now - self.since - self.paused, 1e-9)
-        parts.append(f"{self.tokens * trainer.world_size / seconds:,.0f} target tok/s")
-        mfu = self.peak.utilisation(self.flops / seconds) if self.peak else None
-        parts.append(flops_text(self.flops * trainer.world_size / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
+        metrics[THROUGHPUT] = self.tokens / seconds  # every rank's tokens
+        parts.append(f"{metrics[THROUGHPUT]:,.0f} target tok/s")
+        mfu = self.peak.utilisation(self.flops / trainer.world_size / seconds) if self.peak else None
+        parts.append(flops_text(self.flops / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
+        if mfu:
+            metrics["train/mfu"] = mfu
+        for logger in trainer.loggers:  # throughput reaches the loggers here only, at the lines' pace
+            logger.log_metrics(metrics, step=step - 1)  # Lightning's step: updates before this one
         parts.append(f"elapsed {duration(elapsed)}")
         eta = eta_seconds(trainer, step, rate)
         if eta is not None:
@@ -173,9 +178,12 @@ class UpdateProgressBar(TQDMProgressBar):
         self.train_progress_bar.set_description(f"training (epoch {trainer.current_epoch})")
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if self._should_update(trainer.global_step, self.train_progress_bar.total or 0):
-            self.train_progress_bar.n = trainer.global_step
-            self.train_progress_bar.set_postfix(self.get_metrics(trainer, module))
+        update = module.updates.finished(trainer)
+        if update is not None and self._should_update(update.step, self.train_progress_bar.total or 0):
+            self.train_progress_bar.n = update.step
+            rate = update.tokens / max(update.seconds, 1e-9)  # host numbers: no metric of Lightning's is converted
+            self.train_progress_bar.set_postfix({**self.get_metrics(trainer, module), "loss": f"{update.loss:.3f}",
+                                                 "tok/s": f"{rate:,.0f}"})  # fmt: skip
 
     def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         pass  # the bar spans epochs
@@ -183,7 +191,7 @@ class UpdateProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: L.Trainer, module: L.LightningModule) -> dict:
         metrics = super().get_metrics(trainer, module)
         metrics.pop("v_num", None)
-        return {k.removeprefix("train/").replace("tgt_tok_per_s", "tok/s"): v for k, v in metrics.items()}
+        return metrics  # validation's (val/loss, val/bleu)
 
 
 def shown(path: Path) -> str:
@@ -204,9 +212,9 @@ class RunEnd(L.Callback):
     that update boundary, the log says how to continue, and the signal goes to train() through
     callback_metrics["stopped_by_signal"] (which ddp_spawn's workers hand back too), so that it exits
     with 128 + its number (143, 130), never 0. All ranks stop at the same update: with several processes,
-    the module reduces the signal with the update's token count and reads it at the update's one sync
-    (module.py), so a signal noted after that is acted on an update later (or at the end of training). A
-    second Ctrl+C stops at once."""
+    the signal is reduced with the update's token count and read at the update's one wait (update.py), so a
+    signal noted after that is acted on an update later (or at the end of training). A second Ctrl+C stops
+    at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -225,7 +233,6 @@ class RunEnd(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         # Replaces Lightning's own SIGTERM/SIGUSR1 handlers (registered when fit starts), which stop inside
         # an accumulation window and exit 0, or save mid-update: one handler that only takes note.
-        self.updates_seen = trainer.global_step
         self.module = module
         self._handlers = {signum: signal.signal(signum, self._note) for signum in self.SIGNALS}
         # Lightning's own check (a broadcast and a device sync before every micro-batch under DDP) looks for
@@ -245,17 +252,17 @@ class RunEnd(L.Callback):
                 "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else "",
             )
         self.received = signum
-        self.module.signal_received = signum
+        self.module.updates.signal = signum
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        updated, self.updates_seen = trainer.global_step != self.updates_seen, trainer.global_step
-        if not updated:  # inside an accumulation window: nothing to save, no signal to act on yet
+        update = module.updates.finished(trainer)
+        if update is None:  # inside an accumulation window: nothing to save, no signal to act on yet
             return
         validated = validation_follows(trainer)  # then last.ckpt waits for the validation's end (UpdateCheckpoint)
         # Right after the final update, like a periodic checkpoint: resumed with a larger max_steps, it
         # continues the epoch. Saved at on_train_end, the loops would already count the epoch as done.
         final = 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step
-        if self._stop_signal(trainer, module):
+        if self._stop_signal(trainer, module, update.signal):
             final = self.saved_step != trainer.global_step
             trainer.should_stop = True
             if not validated:  # Lightning would validate when told to stop: not an update that is due one
@@ -271,16 +278,15 @@ class RunEnd(L.Callback):
             self.save_after_validation = False
             self.save_last(trainer)
 
-    def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule, reduce: bool = False) -> bool:
-        """Whether any rank received a stop signal; every rank gets the same answer: the module's of this
-        update with several ranks (no sync of its own), or with reduce=True an all-reduce of its own."""
-        received = self.received
-        if trainer.world_size > 1 and reduce:
-            flag = torch.tensor([received], device=module.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            received = int(flag.item())
-        elif trainer.world_size > 1:
-            received = module.update_signal
+    def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule, received: int | None = None) -> bool:
+        """Whether any rank received a stop signal; every rank gets the same answer: the update's (its one
+        wait carries it), or with received=None this rank's, all-reduced once more (at the end of training)."""
+        if received is None:
+            received = self.received
+            if trainer.world_size > 1:
+                flag = torch.tensor([received], device=module.device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                received = int(flag.item())
         if received:
             self.stopped_by = signal.Signals(received)
             # for train(), also when this runs in ddp_spawn's workers (their callback_metrics come back)
@@ -290,7 +296,7 @@ class RunEnd(L.Callback):
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.teardown(trainer, module, "fit")  # the handlers from before the run
         if self.stopped_by is None:  # a signal noted after the last update's decision
-            self._stop_signal(trainer, module, reduce=True)
+            self._stop_signal(trainer, module)
         if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
             self.save_last(trainer)
         if not trainer.is_global_zero:

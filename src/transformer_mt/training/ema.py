@@ -46,7 +46,7 @@ class ExponentialMovingAverage(L.Callback):
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if trainer.global_step == self.updates:  # inside an accumulation window: no update yet
+        if module.updates.finished(trainer) is None:  # inside an accumulation window: no update yet
             return
         self.updates = trainer.global_step
         for name, p in module.model.named_parameters():

@@ -61,7 +61,7 @@ def wandb_has_credentials() -> bool:
 
 def make_loggers(cfg: DictConfig | None, run_dir: Path) -> list:
     """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
-    what `make plot` reads; LearningRateMonitor needs a logger too)."""
+    what `make plot` reads)."""
     configured = [make_logger(cfg)] if cfg is not None else []
     if any(isinstance(logger, CSVLogger) for logger in configured):
         return configured

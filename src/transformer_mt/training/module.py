@@ -4,26 +4,21 @@ greedy BLEU and chrF; test-split beam search."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import lightning as L
 import torch
 from torch import Tensor
 
-from transformer_mt.errors import UserError
-from transformer_mt.model import Transformer, TransformerConfig, training_flops
+from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import beam_search, greedy
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.sharding import full_copy, is_sharded
+from transformer_mt.training.update import UpdateBookkeeping
 
 log = logging.getLogger(__name__)
-
-
-class TrainingDiverged(UserError):
-    """A non-finite loss or gradient: the run stops with one line instead of training on NaN."""
 
 
 class TranslationModule(L.LightningModule):
@@ -50,21 +45,12 @@ class TranslationModule(L.LightningModule):
         self.save_hyperparameters(ignore=["tokenizer"])  # plain values only: no nn.Module, no DictConfig
         self.model = Transformer(TransformerConfig(**model))
         self.tokenizer = tokenizer
+        self.updates = UpdateBookkeeping()  # tokens, FLOPs, the gradient's normalisation and norm, totals
         self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
         self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
-        self._last_batch_end: float | None = None
-        self._update = [0, 0.0]  # target tokens and model FLOPs of the update being accumulated, this rank (host)
-        self.signal_received = 0  # a stop signal's number, noted by RunEnd; decided on at the update's one sync
-        self.update_signal = 0  # ... the largest over the ranks, known from the update's one sync
         self._decoder: Transformer | None = None  # what validation and test decode with (sharding.py)
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
         self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
-        # Training's target tokens and model FLOPs (every rank's) and seconds over every attempt of the run, kept
-        # in checkpoints for results.json's tokens/s and MFU. Several ranks' sums stay on the device until a
-        # checkpoint is written: no sync of their own.
-        self.totals = {"target_tokens": 0, "model_flops": 0.0, "train_seconds": 0.0}
-        self._new_totals: Tensor | None = None
-        self._clock: float | None = None
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
@@ -84,94 +70,26 @@ class TranslationModule(L.LightningModule):
 
     # -- training
 
-    def on_train_start(self) -> None:
-        self._clock = time.monotonic()
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [self.updates]  # the update's bookkeeping trains with the module, whoever builds the Trainer
 
-    def training_totals(self) -> dict:
-        """self.totals brought up to now: the tokens and FLOPs of the updates since the last call, and the time."""
-        if self._new_totals is not None:
-            tokens, flops = self._new_totals.tolist()
-            self.totals["target_tokens"] += int(tokens)
-            self.totals["model_flops"] += flops
-            self._new_totals = None
-        if self._clock is not None:
-            now = time.monotonic()
-            self.totals["train_seconds"] += now - self._clock
-            self._clock = now
-        return dict(self.totals)
+    # Nothing here waits for the device: the update's one wait is UpdateBookkeeping's (training/update.py).
 
-    # No step below waits for the device, but one per update (the gradient norm's finiteness, and the stop
-    # decision with it): the counts come from collate, on the host (tests/test_module.py guards this).
-
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> dict[str, Tensor]:
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         if self._training_losses is not sequence_losses and self._compile_clock is None:
             self._compile_clock = time.perf_counter()  # the first compiled micro-batch starts
-        loss_sum, nll_sum, n_tokens = self._losses(batch, self._training_losses)
-        self.log("train/loss", loss_sum / n_tokens, prog_bar=True)  # per target token of this micro-batch
-        self.log("train/nll", nll_sum / n_tokens)
-        self.log("train/ppl", torch.exp(nll_sum / n_tokens))
-        tokens = sum(batch["tgt_lengths"])  # = n_tokens, known on the host
-        flops = training_flops(self.model.cfg, batch["src_lengths"], batch["tgt_lengths"])
-        self._update = [self._update[0] + tokens, self._update[1] + flops]
+        loss_sum, nll_sum, _ = self._losses(batch, self._training_losses)
+        self.updates.add(self, batch, loss_sum, nll_sum)
         # The sum, not the mean: every target token of an update weighs the same, whichever micro-batch
-        # or rank it is in (as fairseq). on_before_optimizer_step divides by the update's tokens.
-        return {"loss": loss_sum, "loss_sum": loss_sum.detach(), "tokens": tokens, "flops": flops}
+        # or rank it is in (as fairseq). UpdateBookkeeping divides the gradient by the update's tokens.
+        return loss_sum
 
     def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
-        now = time.perf_counter()
         if self._compile_clock and self.trainer.is_global_zero:  # forward and backward compiled by now
             log.info("trainer.compile: the first training micro-batch took %.1f s, compilation included",
-                     now - self._compile_clock)  # fmt: skip
+                     time.perf_counter() - self._compile_clock)  # fmt: skip
         if self._compile_clock:
             self._compile_clock = 0.0
-        if self._last_batch_end is not None:  # data loading + step time of this batch
-            seconds = now - self._last_batch_end
-            self.log("train/src_tok_per_s", sum(batch["src_lengths"]) / seconds)
-            self.log("train/tgt_tok_per_s", sum(batch["tgt_lengths"]) / seconds, prog_bar=True)
-        self._last_batch_end = now
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        signal_flag = self._normalise_gradients()
-        grad_norm = gradient_norm(self.parameters(), is_sharded(self.trainer.strategy))
-        self.log("train/grad_norm", grad_norm)
-        # The update's one sync: the norm, and with several ranks whether any received a stop signal (RunEnd).
-        if signal_flag is None:
-            norm, self.update_signal = grad_norm.item(), self.signal_received
-        else:
-            norm, received = torch.stack([grad_norm.float(), signal_flag.float()]).tolist()
-            self.update_signal = int(received)
-        # Stop before a non-finite gradient reaches the weights, so no checkpoint ever holds NaN or inf.
-        # (fp16's loss scaler skips such steps itself; one check per update, not per micro-batch.)
-        if self.trainer.precision != "16-mixed" and not math.isfinite(norm):
-            raise TrainingDiverged(
-                f"training diverged at update {self.global_step + 1}: the gradient norm is {norm}. "
-                "Likely causes: a learning rate too high (optim.lr_factor, optim.warmup_steps), fp16 overflow "
-                "(use trainer.precision=bf16-mixed or 32-true), or corrupt data. The weights were not updated; "
-                "the checkpoints written so far are finite"
-            )
-
-    def _normalise_gradients(self) -> Tensor | None:
-        """Gradient of the update's summed loss / its target tokens over every micro-batch and rank.
-        Lightning divided each micro-batch's loss by the accumulation factor and DDP/FSDP average the
-        ranks' gradients: undo both, then divide by the tokens. With several ranks, one all-reduce sums
-        the tokens and FLOPs and another finds the largest stop signal any rank noted (both stay on the
-        device); returned for the update's one sync."""
-        (tokens, flops), self._update = self._update, [0, 0.0]
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if self.trainer.world_size == 1:  # all on the host
-            self.totals["target_tokens"] += tokens
-            self.totals["model_flops"] += flops
-            torch._foreach_mul_(grads, self.trainer.accumulate_grad_batches / tokens)
-            return None
-        # float64: exact far past float32's 2^24 tokens between checkpoints
-        sums = torch.tensor([tokens, flops], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(sums)
-        self._new_totals = sums if self._new_totals is None else self._new_totals + sums
-        scale = (self.trainer.accumulate_grad_batches * self.trainer.world_size / sums[0]).float()
-        torch._foreach_mul_(grads, scale)  # on the gradients' device
-        signal_flag = torch.tensor([self.signal_received], device=self.device)
-        torch.distributed.all_reduce(signal_flag, op=torch.distributed.ReduceOp.MAX)
-        return signal_flag[0]
 
     def configure_optimizers(self):
         h = self.hparams
@@ -281,10 +199,8 @@ class TranslationModule(L.LightningModule):
             logger.save()
         if self.tokenizer is not None:
             checkpoint["sentencepiece"] = self.tokenizer.proto
-        checkpoint["totals"] = self.training_totals()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.totals = {**self.totals, **checkpoint.get("totals", {})}  # older checkpoints lack model_flops
         if self.tokenizer is None and "sentencepiece" in checkpoint:
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
 
@@ -296,17 +212,3 @@ def decoding_options(decoding: dict | None) -> dict:
     """conf/decoding as beam_search's arguments (its defaults are §6.1's), without the batching keys that
     checkpoints written before they moved to conf/inference.yaml carry in their hyper-parameters."""
     return {k: v for k, v in (decoding or {}).items() if k not in BATCHING_KEYS}
-
-
-def gradient_norm(parameters, sharded: bool) -> Tensor:
-    """The L2 norm of the whole gradient. Sharded (FSDP), each rank holds a part of it: the squares are
-    summed across ranks, so that every rank logs and decides on the same norm (a NaN in one shard
-    stops every rank alike, instead of one rank while the others wait). DDP's gradients are already
-    the same on every rank."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None and p.grad.numel()]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
-    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
-        squares = norm.float().square()
-        torch.distributed.all_reduce(squares)
-        return squares.sqrt()
-    return norm.float()

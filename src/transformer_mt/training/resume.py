@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -40,7 +41,9 @@ class UpdateCheckpoint(ModelCheckpoint):
     """Lightning's ModelCheckpoint, saving only right after an optimizer update. A time-based save
     (train_time_interval) could otherwise fall inside an accumulation window, whose partial gradients a
     checkpoint does not hold: the resumed update would use fewer micro-batches than the uninterrupted one.
-    A save that comes due mid-window waits for the window's end.
+    A save that comes due mid-window waits for the window's end. It comes due on the update's clock (rank
+    0's, the same on every rank: training/update.py), not on Lightning's broadcast of a Python object at
+    every update, a wait of its own.
 
     At an update that is also validated, the save waits for the validation's end: Lightning resumes a
     checkpoint of that update as validated, so one written before the validation (then killed in it)
@@ -48,16 +51,28 @@ class UpdateCheckpoint(ModelCheckpoint):
 
     _after_validation: tuple | None = None  # the arguments of a save waiting for the validation's end
 
+    def __init__(self, train_time_interval: timedelta | None = None, **kwargs):
+        self.interval = train_time_interval.total_seconds() if train_time_interval else None
+        if self.interval is not None:  # Lightning saves every update this callback lets through
+            kwargs["every_n_train_steps"] = 1
+        super().__init__(**kwargs)
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_train_start(trainer, module)
-        self._updates_seen = trainer.global_step
         self._after_validation = None
+        self._saved_at = 0.0  # the update clock's seconds at the last time-based save of this attempt
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        updated, self._updates_seen = trainer.global_step != self._updates_seen, trainer.global_step
-        if updated and validation_follows(trainer):
+        update = module.updates.finished(trainer)
+        if update is None:
+            return
+        if self.interval is not None:
+            if update.clock - self._saved_at < self.interval:
+                return
+            self._saved_at = update.clock
+        if validation_follows(trainer):
             self._after_validation = (outputs, batch, batch_idx)
-        elif updated:
+        else:
             super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
 
     def after_validation(self, trainer: L.Trainer, module: L.LightningModule) -> None:
