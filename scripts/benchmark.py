@@ -46,6 +46,7 @@ import numpy as np
 import sacrebleu
 import torch
 
+import host_overhead
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
 from transformer_mt.data.batching import collate
@@ -430,7 +431,7 @@ def bench_exports(args) -> None:
                 print(f"{system:<18} {beam:>4} {alpha:>5.2f} {versus:>12} {same:>8.1f}% {bleu:>6.2f}")
 
 
-PARTS = ("training", "decoding", "exports")
+PARTS = ("training", "decoding", "exports", "host")
 
 
 def main() -> None:
@@ -449,7 +450,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="decode the first N sentences of --src only")
     parser.add_argument("--latency", type=int, default=10, help="sentences timed one at a time")
     parser.add_argument(
-        "--parts", default="training,decoding", help=f"what to measure, comma-separated, of {', '.join(PARTS)}"
+        "--parts", default="training,decoding,host", help=f"what to measure, comma-separated, of {', '.join(PARTS)}"
     )
     parser.add_argument(
         "--alphas", default="0,0.6,0.45", help="exports: their length penalties (|Y|^alpha) to try at beam 4"
@@ -477,6 +478,8 @@ def main() -> None:
             print("\nexports: skipped (give --ckpt, --src and --ref: make bench CKPT=... SRC=... REF=...)")
         else:
             bench_exports(args)
+    if "host" in parts:
+        host_overhead.run(["base", "big"], updates=12, compiled=args.compile)
     print(
         f"\npeak resident memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
     )

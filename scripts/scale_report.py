@@ -99,6 +99,13 @@ def run_pass(name: str) -> tuple[dict, float]:
     return figures, figures["first_batch_at"] - launched
 
 
+def batch_tokens(data: DictConfig) -> str:
+    """data.max_tokens for a person; auto (measured on a GPU when training starts) as its CPU fallback."""
+    if data.max_tokens == "auto":
+        return f"{data.max_tokens_fallback:,} (max_tokens=auto's fallback)"
+    return f"{data.max_tokens:,}"
+
+
 def report(cfg: DictConfig) -> None:
     passes = {name: run_pass(name) for name in ("first", "second")}
     first = passes["first"][0]
@@ -106,7 +113,7 @@ def report(cfg: DictConfig) -> None:
         f"\ndata: {cfg.data.name} from {cfg.data.path or cfg.data.hub_name}: "
         + ", ".join(f"{split} {n:,}" for split, n in first["pairs"].items())
         + f" pairs kept; {first['tokens']:,} training tokens (both sides); vocabulary {first['vocabulary']:,}; "
-        f"{first['batches']:,} batches of <= {cfg.data.max_tokens:,} tokens per epoch; "
+        f"{first['batches']:,} batches of <= {batch_tokens(cfg.data)} tokens per epoch; "
         f"cache {first['cache_gib']:.2f} GiB; {os.cpu_count()} CPU cores\n"
     )
     for name, (figures, to_first_batch) in passes.items():

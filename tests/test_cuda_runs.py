@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,7 @@ from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.runtime import use_tf32
 from transformer_mt.search import translate_ids
 
 pytestmark = pytest.mark.cuda
@@ -221,6 +223,31 @@ def test_beam_search_on_the_gpu_gives_the_cpus_tokens(weights, request, highest_
     record_property("figures", figures)
     # fp32 sums run in another order on the GPU: a near-tie between two hypotheses may rarely flip
     assert len(differ) <= 0.02 * len(sources), figures
+
+
+def test_decoding_in_tf32_gives_the_fp32_translations(multi30k_run, multi30k, highest_fp32_matmuls, record_property):
+    """make evaluate / translate and the end of a run decode on a GPU with TF32 products (use_tf32): the
+    trained model's beam-4 translations of Multi30k's test sentences are fp32's on at least 98% of them."""
+    model, tokenizer, _ = load_for_inference(multi30k_run / "checkpoints" / "last.ckpt")
+    sources = [
+        ids[: model.cfg.max_positions - 1] for ids in tokenizer.encode(read_lines(multi30k / "test_2016_flickr.en"))
+    ]
+    decode = partial(translate_ids, sources=sources, beam_size=4, alpha=0.6)
+    model.cuda()
+    start = time.perf_counter()
+    fp32 = decode(model)
+    fp32_seconds = time.perf_counter() - start
+    use_tf32()
+    start = time.perf_counter()
+    tf32 = decode(model)
+    tf32_seconds = time.perf_counter() - start
+    same = sum(a == b for a, b in zip(fp32, tf32))
+    figures = (
+        f"{same}/{len(sources)} identical (beam 4, TF32 vs fp32); {len(sources) / tf32_seconds:.0f} vs "
+        f"{len(sources) / fp32_seconds:.0f} sent/s"
+    )
+    record_property("figures", figures)
+    assert same >= 0.98 * len(sources), figures
 
 
 @pytest.mark.timeout(600)

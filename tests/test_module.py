@@ -16,6 +16,7 @@ from transformer_mt.objective import label_smoothed_nll, noam_lr, sequence_losse
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import duration
 from transformer_mt.training.module import TranslationModule
+from transformer_mt.training.update import TrainingDiverged
 
 
 def random_logits(shape, seed=0):
@@ -205,3 +206,35 @@ def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
     with DeviceWaits() as counter:
         sequence_losses(module.model, batches[0]["src"], batches[0]["tgt_in"], batches[0]["tgt_out"], 0.1)
     assert [w["what"] for w in counter.found] == ["nonzero"]
+
+
+class NaNAtUpdate2(TranslationModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == 4 else loss  # inside update 2's window
+
+
+class KeepState(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 2:  # update 1 done
+            self.weights = {k: v.clone() for k, v in module.state_dict().items()}
+            self.moments = {k: v.clone() for k, v in trainer.optimizers[0].state_dict()["state"][0].items()}
+
+
+def test_a_non_finite_update_stops_the_run_with_weights_and_adam_as_the_update_before_left_them(tmp_path):
+    """The update's one wait comes after its step, so the device skips a non-finite step itself (fused Adam's
+    found_inf): the run stops with TrainingDiverged, and weights and Adam's moments and step count are those of
+    the last finite update."""
+    keep = KeepState()
+    trainer = L.Trainer(
+        max_steps=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, accelerator="cpu", callbacks=[keep],
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    module = NaNAtUpdate2(MODEL, val_bleu_sentences=0)
+    with pytest.raises(TrainingDiverged, match="training diverged at update 2: the gradient norm is nan"):
+        trainer.fit(module, DataLoader(micro_batches(), batch_size=None))
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, keep.weights[name]), name
+    state = trainer.optimizers[0].state_dict()["state"][0]
+    assert state["step"].item() == 1 and all(torch.equal(state[k], v) for k, v in keep.moments.items())

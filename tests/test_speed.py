@@ -4,6 +4,8 @@ data.max_tokens=auto's probe (training/batch_fit.py) and trainer.compile."""
 import logging
 import math
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 from unittest import mock
 
@@ -12,7 +14,7 @@ import torch
 import torch._inductor.config as inductor
 from omegaconf import OmegaConf
 
-from conftest import train_in_process, write_corpus
+from conftest import ROOT, train_in_process, write_corpus
 from device_waits import MODEL, micro_batches
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import compose as compose_config
@@ -193,3 +195,20 @@ def test_compile_is_a_switch_and_not_with_fsdp(tmp_path):
         check_config(compose_config("train", ["trainer.compile=yes"]))
     with pytest.raises(InputError, match="trainer.compile with trainer=fsdp is not supported"):
         check_config(compose_config("train", ["trainer=fsdp", "trainer.compile=true"]))
+
+
+@pytest.mark.slow
+def test_the_host_overhead_table_puts_our_trainer_beside_the_bare_loop():
+    """make bench's host part (scripts/host_overhead.py): the operations of our Trainer's micro-batch are the
+    bare loop's model, loss and backward plus the update's few host-side additions; per update it adds only
+    what its bookkeeping launches (normalisation, norm, the one read), not an operation per parameter."""
+    command = [sys.executable, "scripts/host_overhead.py", "--shapes", "base", "--updates", "3", "--no-compile"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = {line[7:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("base ")}
+    assert set(rows) == {"bare loop", "Trainer eager"}, out
+    (bare_mb, bare_update), (ours_mb, ours_update) = (
+        [int(rows[s][i].replace(",", "")) for i in (0, 1)] for s in ("bare loop", "Trainer eager")
+    )
+    assert 2_000 < bare_mb <= ours_mb <= bare_mb + 20, out  # the model's ~2,450 at base's depth, plus `add`'s few
+    assert ours_update <= bare_update + 30, out  # the parameters number 253: one op each would show
+    assert rows["bare loop"][-1] == "1.00x" and rows["Trainer eager"][-1].endswith("x"), out

@@ -22,7 +22,7 @@ from transformer_mt.errors import MissingInputError
 from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
-from transformer_mt.runtime import Peak, flops_text
+from transformer_mt.runtime import Peak, flops_text, use_tf32
 from transformer_mt.scoring import score
 from transformer_mt.search import beam_search
 from transformer_mt.tokenizer import Tokenizer
@@ -139,6 +139,8 @@ def finish_run(
         **(extra or {}),
         "models": {},
     }
+    if device.type == "cuda":
+        use_tf32()  # fp32 decoding on tensor cores, as make evaluate (checkpoint.start_inference)
     for name, path in chosen.items():
         model, tokenizer, _ = load_for_inference(path)
         model.to(device)

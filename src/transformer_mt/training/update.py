@@ -195,7 +195,7 @@ def gradient_norm(parameters, sharded: bool) -> Tensor:
     summed across ranks, so that every rank logs and decides on the same norm (a NaN in one shard
     stops every rank alike, instead of one rank while the others wait). DDP's gradients are already
     the same on every rank."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None and p.grad.numel()]
+    grads = [p.grad for p in parameters if p.grad is not None and p.grad.numel()]  # leaves: no detach to launch
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
     if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
         squares = norm.float().square()
