@@ -4,7 +4,8 @@ model's target tok/s and MFU three ways, side by side: the raw loop (tests/test_
 update, no Lightning, no loader, one wait per update: an upper bound), then `experiment=base` through the real entry
 point, `python -m transformer_mt.train`, 200 updates eager and 200 with trainer.compile=true (tests/
 test_cuda_trainer.py: the median of the run log's progress lines after the warm-up). The multi-rank tests run with
-2 ranks on any machine: on 2 or more GPUs over NCCL, on one GPU both ranks on it over gloo.
+2 ranks on any machine: on 2 or more GPUs over NCCL, on one GPU both ranks on it over gloo. Under them, the waits
+for the device of each update of a short real run, counted by CUDA (torch.cuda.set_sync_debug_mode): one each.
 
   make gpu-check                          # python scripts/gpu_check.py
   make gpu-check ARGS="--multi30k DIR"    # Multi30k's text files (default: ../shared/data/multi30k, else skipped)
@@ -45,6 +46,7 @@ SPEED_ROWS = {
     "test_bf16_training_update_of_the_base_model": "raw loop, no Lightning",
     "test_base_recipe_trains_through_the_trainer[eager]": "Trainer, eager",
     "test_base_recipe_trains_through_the_trainer[compiled]": "Trainer, compiled",
+    "test_a_whole_training_run_on_the_gpu_waits_for_it_once_per_update": "Trainer, host waits",
 }
 
 

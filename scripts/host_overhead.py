@@ -86,8 +86,9 @@ class Marks:
             self.ops.counts.append(0)
 
     def split(self, values: list[float], skip: int) -> tuple[float, float]:
-        """(median over window micro-batches, median extra of an update-ending one), the first `skip` left out."""
-        pairs = list(zip(values, self.ended))[skip:]
+        """(median over window micro-batches, median extra of an update-ending one), the first `skip` left out and
+        the last (the end of training: the Trainer writes last.ckpt there)."""
+        pairs = list(zip(values, self.ended))[skip:-1]
         window = [v for v, ended in pairs if not ended]
         ending = [v for v, ended in pairs if ended]
         inside = statistics.median(window)

@@ -100,10 +100,9 @@ def run_pass(name: str) -> tuple[dict, float]:
 
 
 def batch_tokens(data: DictConfig) -> str:
-    """data.max_tokens for a person; auto (measured on a GPU when training starts) as its CPU fallback."""
-    if data.max_tokens == "auto":
-        return f"{data.max_tokens_fallback:,} (max_tokens=auto's fallback)"
-    return f"{data.max_tokens:,}"
+    """data.max_tokens for a person; auto (measured on a GPU when training starts) as its CPU fallback, which
+    this report's batches use."""
+    return f"{data.max_tokens_fallback if data.max_tokens == 'auto' else data.max_tokens:,}"
 
 
 def report(cfg: DictConfig) -> None:

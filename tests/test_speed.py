@@ -202,7 +202,7 @@ def test_the_host_overhead_table_puts_our_trainer_beside_the_bare_loop():
     """make bench's host part (scripts/host_overhead.py): the operations of our Trainer's micro-batch are the
     bare loop's model, loss and backward plus the update's few host-side additions; per update it adds only
     what its bookkeeping launches (normalisation, norm, the one read), not an operation per parameter."""
-    command = [sys.executable, "scripts/host_overhead.py", "--shapes", "base", "--updates", "3", "--no-compile"]
+    command = [sys.executable, "scripts/host_overhead.py", "--shapes", "base", "--updates", "4", "--no-compile"]
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     rows = {line[7:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("base ")}
     assert set(rows) == {"bare loop", "Trainer eager"}, out

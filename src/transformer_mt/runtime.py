@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import platform
@@ -217,8 +218,15 @@ def device_peak(device: torch.device, precision: str) -> Peak:
         return Peak(peaks[fmt] * 1e12, f"{peaks[fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
     if device.type != "cpu":
         return Peak(None, f"no peak known for {device.type} devices: no MFU")
-    flops = matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
+    flops = cpu_peak(fmt)
     return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU")
+
+
+@functools.cache
+def cpu_peak(fmt: str) -> float:
+    """matmul_peak in format `fmt` (bf16 or fp32), timed once per process: a second training in the same
+    process (a sweep's job, a test) reuses it instead of spending another second."""
+    return matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
 
 
 def flops_text(flops_per_second: float) -> str:
