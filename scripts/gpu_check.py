@@ -14,7 +14,8 @@ Estimated duration on one H200, ~8 minutes (not yet measured on a GPU; the table
 tests/test_cuda.py and test_cuda_kernels.py ~1.5 min (small models, the base model's raw loop, SDPA kernels, the
 auto batch probe); test_cuda_runs.py ~3.5 min (Multi30k: data, 200 updates, beam search on the GPU and the CPU ~2
 min; DDP and FSDP on 2 ranks, each then translate, ~1.5 min); test_cuda_trainer.py ~3 min (a made-up corpus and its
-SentencePiece ~0.5 min, eager ~0.75 min, compiled ~1.75 min, most of it the compile).
+SentencePiece ~0.5 min, eager ~0.75 min, compiled ~1.75 min, most of it the compile); the whole-run waits and
+TF32 decoding tests ~0.5 min more (~8.5 min in all: an estimate).
 
 Without a CUDA GPU it says so in one line and exits 0. The exit status is 1 if a test failed (or pytest did).
 """
