@@ -10,7 +10,7 @@ for the device of each update of a short real run, counted by CUDA (torch.cuda.s
   make gpu-check                          # python scripts/gpu_check.py
   make gpu-check ARGS="--multi30k DIR"    # Multi30k's text files (default: ../shared/data/multi30k, else skipped)
 
-Estimated duration on one H200, ~8 minutes (not yet measured on a GPU; the table gives each test's seconds):
+Estimated duration on one H200, ~8.5 minutes (not yet measured on a GPU; the table gives each test's seconds):
 tests/test_cuda.py and test_cuda_kernels.py ~1.5 min (small models, the base model's raw loop, SDPA kernels, the
 auto batch probe); test_cuda_runs.py ~3.5 min (Multi30k: data, 200 updates, beam search on the GPU and the CPU ~2
 min; DDP and FSDP on 2 ranks, each then translate, ~1.5 min); test_cuda_trainer.py ~3 min (a made-up corpus and its
