@@ -98,7 +98,7 @@ table3:  ## Table 3 of a sweep, ours beside the paper's: make table3 RUNS=multir
 	$(PY) -m transformer_mt.tools.table3 $(RUNS)  # RUNS="<dir> <dir>": several sweeps in one table
 
 .PHONY: bench
-bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2): make bench [CKPT=... SRC=... REF=...] [ARGS=...]
+bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2) and host overhead beside a bare loop: make bench [CKPT=... SRC=... REF=...] [ARGS=...]
 	$(PY) scripts/benchmark.py $(if $(CKPT),--ckpt $(CKPT)) $(if $(SRC),--src $(SRC)) $(if $(REF),--ref $(REF)) $(ARGS)
 
 .PHONY: gpu-check
