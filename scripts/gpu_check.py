@@ -10,12 +10,15 @@ for the device of each update of a short real run, counted by CUDA (torch.cuda.s
   make gpu-check                          # python scripts/gpu_check.py
   make gpu-check ARGS="--multi30k DIR"    # Multi30k's text files (default: ../shared/data/multi30k, else skipped)
 
-Estimated duration on one H200, ~8.5 minutes (not yet measured on a GPU; the table gives each test's seconds):
-tests/test_cuda.py and test_cuda_kernels.py ~1.5 min (small models, the base model's raw loop, SDPA kernels, the
-auto batch probe); test_cuda_runs.py ~3.5 min (Multi30k: data, 200 updates, beam search on the GPU and the CPU ~2
-min; DDP and FSDP on 2 ranks, each then translate, ~1.5 min); test_cuda_trainer.py ~3 min (a made-up corpus and its
-SentencePiece ~0.5 min, eager ~0.75 min, compiled ~1.75 min, most of it the compile); the whole-run waits and
-TF32 decoding tests ~0.5 min more (~8.5 min in all: an estimate).
+Estimated duration on one H200, ~7.5 minutes (not yet measured on a GPU; the table gives each test's seconds; the
+host-side pieces were timed on 2 cores of an AMD EPYC, the GPU machine has 16): tests/test_cuda.py and
+test_cuda_kernels.py ~1.5 min (small models, the base model's raw loop, SDPA kernels, the auto batch probe, the
+whole-run waits test); test_cuda_runs.py ~3 min (Multi30k: data and 200 updates with a validation ~0.75 min, beam
+search on the GPU and the CPU and TF32 decoding ~0.5 min (100 sentences of beam 4 take 5 s on 2 CPU cores); DDP
+and FSDP on 2 ranks, each then translate, ~1.5 min); test_cuda_trainer.py ~2.5 min (the made-up corpus, its
+SentencePiece and tokenization 6 s on 2 cores; a process's start to its first update ~10 s plus CUDA's context;
+eager ~0.6 min; compiled ~1.75 min, most of it the compile: the base model's first compiled update took 115 s on
+2 CPU cores with inductor's C++ backend).
 
 Without a CUDA GPU it says so in one line and exits 0. The exit status is 1 if a test failed (or pytest did).
 """

@@ -3,16 +3,17 @@
 made-up corpus; the progress lines' target tok/s and MFU, for `make gpu-check`'s table beside the raw loop's
 (tests/test_cuda_kernels.py::test_bf16_training_update_of_the_base_model: no Lightning, no loader).
 
-Budget on one H200, both tests, ~3 min (estimated, not yet measured on a GPU):
-- data, once (the compiled run reads the eager run's cache): the corpus written ~5 s; SentencePiece (vocab 8,000,
-  100,000 sampled sentences; 3 s on 2 CPU cores) and the text converted to Arrow and tokenized (8 s per 100,000
-  sentences on 2 cores) ~15 s;
-- each run's start and end: imports, Hydra and the CUDA context ~15 s, data.max_tokens=auto's probe (a forward and
-  backward of the longest pair, ~20 sizes) ~10 s, last.ckpt (~750 MB) ~5 s;
+Budget on one H200, both tests, ~2.5 min (estimated, not yet measured on a GPU; host-side pieces timed on 2 cores of
+an AMD EPYC):
+- data, once (the compiled run reads the eager run's cache): the corpus written 1.2 s; SentencePiece (vocab 8,000,
+  100,000 sampled sentences) and the text converted to Arrow and tokenized ~4 s;
+- each run's start and end: imports and Hydra to the training loop ~6 s, CUDA's context ~5 s, data.max_tokens=auto's
+  probe (a forward and backward of the longest pair, ~20 sizes) ~10 s, last.ckpt (~750 MB) ~5 s;
 - eager: 200 updates of 25,000 padded tokens per side (~21,000 real target tokens) at a projected 300,000-1M
-  target tok/s, 5-15 s: ~0.75 min with its start;
+  target tok/s, 5-15 s: ~0.6 min with its start;
 - compiled: the compile of the loss and its backward (dynamic shapes), with a recompile or two as batch shapes
-  vary, ~1-1.5 min (the warm-up lines, left out of the median), then the same updates: ~1.75 min with its start.
+  vary, ~1-1.5 min (the warm-up lines, left out of the median; on 2 CPU cores with inductor's C++ backend the
+  first compiled update of the base model took 115 s), then the same updates: ~1.75 min with its start.
 """
 
 from __future__ import annotations
