@@ -302,14 +302,11 @@ def weights(path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
-def test_trainer_fsdp_on_two_processes_trains_validates_resumes_tests_and_its_checkpoints_serve_every_tool(
-    corpus, tmp_path
-):
+def test_trainer_fsdp_on_two_processes_trains_validates_resumes_and_its_checkpoints_serve_every_tool(corpus, tmp_path):
     """trainer=fsdp's strategy (Lightning's FSDP, one unit per layer) on 2 CPU processes: training with two
     validations that decode greedily on each rank (through the sharded layers this hung: ranks decode
     different numbers of steps, each a collective), a resume, the same losses and weights as DDP, and
-    checkpoints that average, evaluate, translate and export like any other; then trainer.test's beam
-    search under FSDP gives the BLEU of one process."""
+    checkpoints that average, evaluate, translate and export like any other."""
     common = [
         f"data.path={corpus}",
         "trainer.devices=2",
@@ -351,15 +348,3 @@ def test_trainer_fsdp_on_two_processes_trains_validates_resumes_tests_and_its_ch
     assert len(translate_lines(model, tokenizer, ["ein test .", "zwei"], beam_size=4)) == 2
     export(str(fsdp / "checkpoints" / "last.ckpt"), "hf", str(tmp_path / "hf"))
     assert (tmp_path / "hf" / "config.json").is_file()
-    # trainer.test (beam search on the test split) under FSDP on 2 processes = one process.
-    results = {}
-    for strategy, world in (("fsdp", 2), ("none", 1)):
-        out = tmp_path / f"test-{strategy}.json"
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-        script = [str(ROOT / "tests" / "lightning_test_split.py"), str(fsdp / "checkpoints" / "last.ckpt")]
-        proc = run_process([*torchrun, *script, strategy, str(out)], tmp_path, timeout=200)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        results[strategy] = json.loads(out.read_text())
-    assert (results["fsdp"]["world_size"], results["fsdp"]["strategy"]) == (2, "LayerFSDP")
-    assert results["fsdp"]["test/bleu"] == pytest.approx(results["none"]["test/bleu"], abs=1e-6)
-    assert results["fsdp"]["test/loss"] == pytest.approx(results["none"]["test/loss"], abs=1e-5)

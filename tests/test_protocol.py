@@ -86,7 +86,8 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
 
 
 def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, capsys):
-    """An independent path to the same numbers: evaluate.py reads the text split and batches its own way."""
+    """One way to score a split (scoring.evaluate_translations): make evaluate reads the split's text files
+    through the data config, the end of the run the tokenized cache's text; the numbers are the same."""
     results = json.loads((variant_run / "results.json").read_text())
     ckpt = variant_run / "checkpoints" / "average-last3.ckpt"
     overrides = [f"ckpt={ckpt}", "split=test", "decoding.max_len_b=10"]

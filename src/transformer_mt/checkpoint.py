@@ -1,8 +1,10 @@
-"""Checkpoint files: atomic writes, safe reads, and a model ready for inference (device, threads, allocator)."""
+"""Checkpoint files: atomic writes, safe reads, a run's periodic checkpoints and their average (§6.1), and a
+model ready for inference (device, threads, allocator)."""
 
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -104,3 +106,53 @@ def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) ->
         use_tf32()
     set_threads(threads)
     return model, tokenizer, checkpoint
+
+
+STEP = re.compile(r"step(\d+)")
+
+
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Periodic checkpoints of a run, oldest first, one per update step (last.ckpt and averages excluded)."""
+    folder = Path(run_dir) / "checkpoints" if (Path(run_dir) / "checkpoints").is_dir() else Path(run_dir)
+    by_step: dict[int, Path] = {}
+    for path in folder.glob("*.ckpt"):
+        match = STEP.search(path.stem)
+        if match and not path.stem.startswith("average"):
+            by_step.setdefault(int(match.group(1)), path)  # time- and step-triggered saves can coincide
+    if not by_step:
+        raise MissingInputError(f"no periodic checkpoints (*step<N>.ckpt) in {folder}")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def average_checkpoints(paths: list[str | Path]) -> dict:
+    """Mean of the weights; everything else (config, SentencePiece) from the newest checkpoint."""
+    if not paths:
+        raise InputError("no checkpoints to average")
+    first_path = Path(paths[0])
+    total: dict[str, torch.Tensor] = {}
+    reference: dict | None = None
+    for path in map(Path, paths):
+        checkpoint = read_checkpoint(path)
+        state = checkpoint["state_dict"]
+        if reference is None:
+            reference = checkpoint
+            total = {k: v.double() if v.is_floating_point() else v.clone() for k, v in state.items()}
+            continue
+        if state.keys() != total.keys():
+            diff = sorted(state.keys() ^ total.keys())[:5]
+            raise InputError(
+                f"{path} and {first_path} hold different parameters (e.g. {diff}); average checkpoints of one run only"
+            )
+        for key, value in state.items():
+            if value.shape != total[key].shape:
+                raise InputError(
+                    f"{path}: {key} has shape {tuple(value.shape)}, {first_path} has "
+                    f"{tuple(total[key].shape)}; average checkpoints of one run only"
+                )
+            if value.is_floating_point():
+                total[key] += value.double()
+        reference = checkpoint  # the newest one's metadata
+    dtypes = {k: v.dtype for k, v in reference["state_dict"].items()}
+    averaged = {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in total.items()}
+    keep = {k: reference[k] for k in ("hyper_parameters", "sentencepiece", "global_step", "epoch") if k in reference}
+    return {**keep, "state_dict": averaged, "averaged_from": [str(p) for p in paths]}

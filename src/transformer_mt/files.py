@@ -1,4 +1,5 @@
-"""Files: atomic writes (a crash never leaves a half-written file), stale temporaries, reading UTF-8 lines."""
+"""Files: atomic writes (a crash never leaves a half-written file), stale temporaries, reading UTF-8 lines, and a
+run folder's lock and results file."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from transformer_mt.errors import InputError, MissingInputError
 
+RESULTS = "results.json"  # in a run folder: the end-of-run protocol's scores (training/final.py)
 TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
 

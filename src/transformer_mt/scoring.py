@@ -4,6 +4,8 @@ tokenized BLEU with compound splitting (tensor2tensor's get_ende_bleu.sh), label
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 from sacremoses import MosesTokenizer
@@ -33,10 +35,10 @@ def tokenized_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
 
 
 def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) -> dict:
-    """sacreBLEU's BLEU and chrF of detokenized hypotheses: what validation, test and evaluate report.
+    """sacreBLEU's BLEU and chrF of detokenized hypotheses: what validation and every scored split report.
 
     Keys are the metric names ("bleu", "chrf"); with `signatures`, also "<name>_signature" and
-    "<name>_detail". A new metric added here appears in all three.
+    "<name>_detail". A new metric added here appears in validation, make evaluate and results.json.
     """
     if len(hyps) != len(refs):
         raise InputError(f"{len(hyps)} hypotheses but {len(refs)} references")
@@ -62,3 +64,18 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
         "the paper's metric, not comparable with sacreBLEU",
         "sentences": len(hyps),
     }
+
+
+def evaluate_translations(
+    translate: Callable[[list[str]], list], sources: Sequence[str], references: Sequence[str], tgt_lang: str
+) -> tuple[list, dict]:
+    """The one way a split is scored, by `make evaluate` and at the end of a run (training/final.py):
+    `translate` (search.translate_lines with the decoding settings, or CTranslate2's) turns the source lines
+    into translations, scored against the references by `score`, and timed. Returns the translations as
+    `translate` gave them (with n_best, each line's list of (text, score)) and the scores."""
+    start = time.perf_counter()
+    outputs = translate(list(sources))
+    seconds = time.perf_counter() - start
+    best = [out[0][0] if isinstance(out, list) else out for out in outputs]  # n-best lists: their best
+    result = score(best, [ref.strip() for ref in references], tgt_lang)
+    return outputs, {**result, "seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)}

@@ -10,7 +10,6 @@ import time
 import traceback
 import warnings
 from dataclasses import fields
-from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -18,7 +17,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,17 +38,12 @@ from transformer_mt.runtime import (
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
+from transformer_mt.training.checkpoints import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.final import final_metrics, finish_run
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.resume import (
-    AtomicCheckpointIO,
-    RandomState,
-    UpdateCheckpoint,
-    check_resume,
-    resume_checkpoint,
-)
+from transformer_mt.training.resume import RandomState, check_resume, resume_checkpoint
 from transformer_mt.training.sharding import LayerFSDP
 
 log = logging.getLogger(__name__)
@@ -82,31 +76,10 @@ def trainer_arguments(cfg: DictConfig) -> dict:
 
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -> list:
-    """Periodic checkpoints (by updates and/or time, the last N kept, for averaging), last.ckpt,
-    best.ckpt by a validation metric, optional early stopping on it, progress lines and bar (the
-    learning rate and training losses reach the loggers through training/update.py)."""
-    periodic = []
-    if cfg.checkpoint.every_n_train_steps:
-        periodic.append(dict(every_n_train_steps=cfg.checkpoint.every_n_train_steps, filename="step{step:07d}"))
-    if cfg.checkpoint.train_time_interval_minutes:
-        periodic.append(
-            dict(
-                train_time_interval=timedelta(minutes=cfg.checkpoint.train_time_interval_minutes),
-                filename="time-step{step:07d}",
-            )
-        )
-    # No "-v1" copies: a run resumed in place rewrites a killed attempt's file of the same name with the same content.
-    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False, enable_version_counter=False)
-    # save_on_train_epoch_end: saved right after update N, never deferred to a later validation
-    # (which Lightning does at an epoch's last batch for checkpoints with a monitor such as "step").
-    on_time = dict(save_last=True, save_on_train_epoch_end=True, **common)
-    callbacks = [
-        UpdateCheckpoint(save_top_k=cfg.checkpoint.keep_last, monitor="step", mode="max", **on_time, **kw)
-        for kw in periodic
-    ] or [UpdateCheckpoint(save_top_k=0, **on_time)]
+    """The checkpoints (training/checkpoints.py), optional early stopping on best.ckpt's metric, progress
+    lines and bar (the learning rate and training losses reach the loggers through training/update.py)."""
+    callbacks = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
     best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
-    if best["monitor"]:
-        callbacks.append(ModelCheckpoint(filename="best", save_top_k=1, **best, **common))
     if cfg.early_stopping_patience:
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
     if cfg.ema_decay:
@@ -252,7 +225,6 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         label_smoothing=cfg.label_smoothing,
         **plain(cfg.optim),
         val_bleu_sentences=cfg.val_bleu_sentences,
-        decoding=plain(cfg.decoding),
         config=plain(cfg),
         tokenizer=datamodule.tokenizer,
     )

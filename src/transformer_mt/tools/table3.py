@@ -20,8 +20,7 @@ import re
 from pathlib import Path
 
 from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
-from transformer_mt.files import atomic_write
-from transformer_mt.training.final import RESULTS
+from transformer_mt.files import RESULTS, atomic_write
 
 GROUPS = ["base", "(A)", "(B)", "(C)", "(D)", "(E)", "big"]  # Table 3's order of rows
 

@@ -1,5 +1,5 @@
 """What a training run tells a person and how it ends: progress lines, the start-up line, the update bar,
-and last.ckpt with a summary of what to do next, or, stopped by a signal, with how to continue."""
+and a summary of what to do next, or, stopped by a signal, how to continue."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.runtime import Peak, device_peak, flops_text
-from transformer_mt.training.resume import validation_follows
+from transformer_mt.training.checkpoints import validation_follows
 
 log = logging.getLogger(__name__)
 
@@ -203,9 +203,8 @@ def shown(path: Path) -> str:
 
 
 class RunEnd(L.Callback):
-    """At the end of training, in every process that trained (also ddp_spawn's workers): the final
-    state as last.ckpt, whatever the schedule (optimizer and loops too, for resuming), and on rank 0
-    a summary of the checkpoints with the commands that use them.
+    """How a run ends, in every process that trained (also ddp_spawn's workers): on rank 0 a summary of the
+    checkpoints with the commands that use them (last.ckpt, the final state, is checkpoints.py's).
 
     A stop signal (SIGTERM from a scheduler, `timeout` or `kill`; SIGINT from Ctrl+C; under SLURM the
     requeue signal, SIGUSR1) ends the run at the end of the update in progress: last.ckpt is written at
@@ -220,15 +219,9 @@ class RunEnd(L.Callback):
 
     def __init__(self, checkpoint_dir: Path, keep_last: int):
         self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
-        self.saved_step: int | None = None
         self.received: int = 0  # the stop signal's number, on this rank
         self.stopped_by: signal.Signals | None = None  # the signal every rank stopped for
-        self.save_after_validation = False  # last.ckpt of an update that is validated: after the validation
         self._handlers: dict = {}
-
-    def save_last(self, trainer: L.Trainer) -> None:
-        trainer.save_checkpoint(self.checkpoint_dir / "last.ckpt", weights_only=False)
-        self.saved_step = trainer.global_step
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         # Replaces Lightning's own SIGTERM/SIGUSR1 handlers (registered when fit starts), which stop inside
@@ -256,27 +249,12 @@ class RunEnd(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         update = module.updates.finished(trainer)
-        if update is None:  # inside an accumulation window: nothing to save, no signal to act on yet
+        if update is None:  # inside an accumulation window: no signal to act on yet
             return
-        validated = validation_follows(trainer)  # then last.ckpt waits for the validation's end (UpdateCheckpoint)
-        # Right after the final update, like a periodic checkpoint: resumed with a larger max_steps, it
-        # continues the epoch. Saved at on_train_end, the loops would already count the epoch as done.
-        final = 0 < trainer.max_steps <= trainer.global_step and self.saved_step != trainer.global_step
         if self._stop_signal(trainer, module, update.signal):
-            final = self.saved_step != trainer.global_step
-            trainer.should_stop = True
-            if not validated:  # Lightning would validate when told to stop: not an update that is due one
-                trainer.fit_loop.epoch_loop._skip_next_val = True
-        if final and validated:
-            self.save_after_validation = True
-        elif final:
-            self.save_last(trainer)
-
-    def after_validation(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        """Called by the module's on_validation_end, after every callback's (see UpdateCheckpoint)."""
-        if self.save_after_validation and not trainer.sanity_checking:
-            self.save_after_validation = False
-            self.save_last(trainer)
+            trainer.should_stop = True  # last.ckpt is written at this update (checkpoints.LastCheckpoint)
+            if not validation_follows(trainer):  # Lightning would validate when told to stop: not an update
+                trainer.fit_loop.epoch_loop._skip_next_val = True  # that is due one
 
     def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule, received: int | None = None) -> bool:
         """Whether any rank received a stop signal; every rank gets the same answer: the update's (its one
@@ -297,8 +275,6 @@ class RunEnd(L.Callback):
         self.teardown(trainer, module, "fit")  # the handlers from before the run
         if self.stopped_by is None:  # a signal noted after the last update's decision
             self._stop_signal(trainer, module)
-        if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
-            self.save_last(trainer)
         if not trainer.is_global_zero:
             return
         if self.stopped_by is not None:
@@ -311,7 +287,7 @@ class RunEnd(L.Callback):
             )
             return
         # best.ckpt of this run only: a resumed run restores the best path of the run it came from
-        best = next((c for c in trainer.checkpoint_callbacks if c.filename == "best"), None)
+        best = next((c for c in trainer.checkpoint_callbacks if getattr(c, "filename", None) == "best"), None)
         if best is None or best.best_model_score is None or Path(best.best_model_path).parent != self.checkpoint_dir:
             best = None
         summary = next_steps(

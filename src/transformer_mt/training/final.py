@@ -12,26 +12,29 @@ import json
 import logging
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from transformer_mt.averaging import average_checkpoints, run_checkpoints
-from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
+from transformer_mt.checkpoint import (
+    average_checkpoints,
+    load_for_inference,
+    read_checkpoint,
+    run_checkpoints,
+    write_checkpoint,
+)
 from transformer_mt.errors import MissingInputError
-from transformer_mt.files import atomic_write
+from transformer_mt.files import RESULTS, atomic_write
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import Peak, flops_text, use_tf32
-from transformer_mt.scoring import score
-from transformer_mt.search import beam_search
+from transformer_mt.scoring import evaluate_translations
+from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.callbacks import duration
-from transformer_mt.training.module import decoding_options
 
 log = logging.getLogger(__name__)
-
-RESULTS = "results.json"
 
 
 def final_checkpoints(checkpoint_dir: Path, average_last: int, ema: bool) -> dict[str, Path]:
@@ -78,28 +81,27 @@ def write_ema_checkpoint(last: Path, path: Path) -> Path:
     return path
 
 
-@torch.no_grad()
 def evaluate_split(
-    model: Transformer, tokenizer: Tokenizer, loader, decoding: dict, tgt_lang: str, label_smoothing: float
+    model: Transformer, tokenizer: Tokenizer, datamodule, split: str, decoding: dict, label_smoothing: float
 ) -> dict:
-    """Teacher-forced loss and perplexity (per target token, EOS included) and the scores of the
-    configured search's translations, over every batch of a split."""
+    """A split scored as `make evaluate` scores it (scoring.evaluate_translations: its source lines through
+    search.translate_lines), and its teacher-forced loss and perplexity."""
+    texts = datamodule.splits[split].texts
+    translate = partial(translate_lines, model, tokenizer, **decoding)
+    _, scores = evaluate_translations(translate, texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang)
+    return {**scores, **perplexity(model, datamodule.whole_split_loader(split), label_smoothing)}
+
+
+@torch.no_grad()
+def perplexity(model: Transformer, loader, label_smoothing: float) -> dict:
+    """Teacher-forced loss and perplexity per target token (EOS included) over every batch of a split."""
     device = next(model.parameters()).device
     sums = torch.zeros(3, dtype=torch.float64)
-    hyps: dict[int, tuple[list[int], str]] = {}
     for batch in loader:
-        src = batch["src"].to(device)
-        loss, nll, n = sequence_losses(
-            model, src, batch["tgt_in"].to(device), batch["tgt_out"].to(device), label_smoothing
-        )
-        sums += torch.stack([loss.double(), nll.double(), n.double()]).cpu()
-        ids = beam_search(model, src, **decoding_options(decoding))[0]  # as trainer.test (module.test_step)
-        hyps.update(zip(batch["index"].tolist(), zip(ids, batch["reference"])))
-    order = sorted(hyps)
-    texts = tokenizer.decode([hyps[i][0] for i in order])
-    result = score(texts, [hyps[i][1] for i in order], tgt_lang)
+        tensors = (batch[key].to(device) for key in ("src", "tgt_in", "tgt_out"))
+        sums += torch.stack([value.double() for value in sequence_losses(model, *tensors, label_smoothing)]).cpu()
     loss_sum, nll_sum, tokens = sums.tolist()
-    return {**result, "loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
+    return {"loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
 
 
 def finish_run(
@@ -147,15 +149,9 @@ def finish_run(
         results["parameters"] = sum(p.numel() for p in model.parameters())
         results["models"][name] = {"checkpoint": str(path)}
         for split in final["splits"]:
-            scores = evaluate_split(
-                model,
-                tokenizer,
-                datamodule.whole_split_loader(split),
-                decoding,
-                datamodule.corpus.tgt_lang,
-                label_smoothing,
+            results["models"][name][split] = evaluate_split(
+                model, tokenizer, datamodule, split, decoding, label_smoothing
             )
-            results["models"][name][split] = scores
     results["evaluation_seconds"] = round(time.monotonic() - start, 1)
     with atomic_write(run_dir / RESULTS) as tmp:
         tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

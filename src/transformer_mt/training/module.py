@@ -1,5 +1,6 @@
 """The LightningModule: trains with objective.py's loss and Noam schedule (Adam, §5.3); validation loss,
-greedy BLEU and chrF; test-split beam search."""
+greedy BLEU and chrF. A split is scored with beam search in one place, scoring.evaluate_translations (the
+end-of-run protocol, make evaluate)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import Tensor
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
-from transformer_mt.search import beam_search, greedy
+from transformer_mt.search import greedy
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.sharding import full_copy, is_sharded
 from transformer_mt.training.update import UpdateBookkeeping
@@ -22,10 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class TranslationModule(L.LightningModule):
-    """Trains a Transformer; validation and test score translations of their own batches.
+    """Trains a Transformer; validation scores greedy translations of its own batches.
 
     Everything it needs comes in through the constructor: the tokenizer decodes hypotheses
-    (and travels inside every checkpoint), batches of validation/test carry their references.
+    (and travels inside every checkpoint), validation batches carry their references.
     """
 
     def __init__(
@@ -37,7 +38,6 @@ class TranslationModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         eps: float = 1e-9,
         val_bleu_sentences: int = 500,
-        decoding: dict | None = None,  # beam search for test_step (conf/decoding)
         config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
         tokenizer: Tokenizer | None = None,  # None when restored from a checkpoint: it carries its own
     ):
@@ -48,7 +48,7 @@ class TranslationModule(L.LightningModule):
         self.updates = UpdateBookkeeping()  # tokens, FLOPs, the gradient's normalisation and norm, totals
         self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
         self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
-        self._decoder: Transformer | None = None  # what validation and test decode with (sharding.py)
+        self._decoder: Transformer | None = None  # what validation decodes with (sharding.py)
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
         self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
 
@@ -58,9 +58,9 @@ class TranslationModule(L.LightningModule):
     def compile_training(self) -> None:
         """trainer.compile: the training step's forward and loss (sequence_losses) through torch.compile, with
         dynamic shapes (token buckets vary the batch's sentences and lengths); the backward follows it
-        (AOTAutograd). Validation's and the test's decoding go through Transformer.compile_decoding. The model
+        (AOTAutograd). Validation's decoding goes through Transformer.compile_decoding. The model
         itself is not wrapped: its parameters and checkpoint keys stay eager's (no `_orig_mod.`); validation
-        and test losses run eager."""
+        losses run eager."""
         self._training_losses = torch.compile(sequence_losses, dynamic=True)
         self.model.compile_decoding()
 
@@ -140,31 +140,7 @@ class TranslationModule(L.LightningModule):
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 
-    def on_validation_end(self) -> None:
-        # After every callback's on_validation_end (Lightning calls the module's last): the checkpoints that
-        # waited for this validation are written now, holding best.ckpt's score of this validation.
-        for callback in self.trainer.callbacks:
-            if hasattr(callback, "after_validation"):
-                callback.after_validation(self.trainer, self)
-
-    # -- test: beam search on the whole test split
-
-    def on_test_epoch_start(self) -> None:
-        self.on_validation_epoch_start()
-
-    def test_step(self, batch: dict, batch_idx: int) -> None:
-        self._add_losses(batch)
-        hyps, _ = beam_search(self._decoder, batch["src"], **decoding_options(self.hparams.decoding))
-        self._keep_hypotheses(batch, torch.ones_like(batch["index"], dtype=torch.bool), hyps)
-
-    def on_test_epoch_end(self) -> None:
-        self._decoder = None
-        loss, nll = self._mean_losses()
-        metrics = {"test/loss": loss, "test/ppl": torch.exp(nll)}
-        metrics.update({f"test/{name}": value for name, value in self._score_hypotheses().items()})
-        self.log_dict(metrics, sync_dist=True)
-
-    # -- shared by validation and test
+    # -- validation's parts
 
     def _add_losses(self, batch: dict) -> None:
         loss_sum, nll_sum, n_tokens = self._losses(batch)
@@ -203,12 +179,3 @@ class TranslationModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is None and "sentencepiece" in checkpoint:
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
-
-
-BATCHING_KEYS = {"max_tokens", "tokens_per_batch"}  # in conf/decoding of older checkpoints; test batches are given
-
-
-def decoding_options(decoding: dict | None) -> dict:
-    """conf/decoding as beam_search's arguments (its defaults are §6.1's), without the batching keys that
-    checkpoints written before they moved to conf/inference.yaml carry in their hyper-parameters."""
-    return {k: v for k, v in (decoding or {}).items() if k not in BATCHING_KEYS}

@@ -1,86 +1,23 @@
-"""Checkpoints during training and resuming from them exactly: atomic writes, every rank's random state,
-and which checkpoint a run continues from."""
+"""Resuming a run exactly: every rank's random state in its checkpoints, which checkpoint a run continues
+from, and whether the configured run can continue it. What is written when: checkpoints.py."""
 
 from __future__ import annotations
 
 import logging
 import random
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
-from transformer_mt.checkpoint import check_finite, read_checkpoint, write_checkpoint
+from transformer_mt.checkpoint import check_finite, read_checkpoint
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.model import TransformerConfig
 
 log = logging.getLogger(__name__)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, made atomic (write_checkpoint: temporary file + rename)."""
-
-    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        write_checkpoint(checkpoint, path)
-
-
-def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after the current training batch: its own decision (a private
-    method of its loop, tested through the kill tests of tests/test_resume.py)."""
-    loop = trainer.fit_loop.epoch_loop
-    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
-
-
-class UpdateCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint, saving only right after an optimizer update. A time-based save
-    (train_time_interval) could otherwise fall inside an accumulation window, whose partial gradients a
-    checkpoint does not hold: the resumed update would use fewer micro-batches than the uninterrupted one.
-    A save that comes due mid-window waits for the window's end. It comes due on the update's clock (rank
-    0's, the same on every rank: training/update.py), not on Lightning's broadcast of a Python object at
-    every update, a wait of its own.
-
-    At an update that is also validated, the save waits for the validation's end: Lightning resumes a
-    checkpoint of that update as validated, so one written before the validation (then killed in it)
-    would lose that validation for good, from the CSV, the log and the choice of best.ckpt."""
-
-    _after_validation: tuple | None = None  # the arguments of a save waiting for the validation's end
-
-    def __init__(self, train_time_interval: timedelta | None = None, **kwargs):
-        self.interval = train_time_interval.total_seconds() if train_time_interval else None
-        if self.interval is not None:  # Lightning saves every update this callback lets through
-            kwargs["every_n_train_steps"] = 1
-        super().__init__(**kwargs)
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        super().on_train_start(trainer, module)
-        self._after_validation = None
-        self._saved_at = 0.0  # the update clock's seconds at the last time-based save of this attempt
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        update = module.updates.finished(trainer)
-        if update is None:
-            return
-        if self.interval is not None:
-            if update.clock - self._saved_at < self.interval:
-                return
-            self._saved_at = update.clock
-        if validation_follows(trainer):
-            self._after_validation = (outputs, batch, batch_idx)
-        else:
-            super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-
-    def after_validation(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        """Called by the module's on_validation_end, after every callback's (best.ckpt's included, so that
-        the checkpoint holds the best score of this validation)."""
-        if self._after_validation is not None and not trainer.sanity_checking:
-            args, self._after_validation = self._after_validation, None
-            super().on_train_batch_end(trainer, module, *args)
 
 
 def random_state() -> dict:

@@ -1,0 +1,160 @@
+"""Every checkpoint a training run writes, and when: the periodic ones (every N updates and/or every N
+minutes, the last `keep_last` of each kept, for averaging), best.ckpt (the best validation value of a
+metric), and last.ckpt, the run's newest state (at each periodic save, after the final update, at a stop
+signal, at the end of training). All are written atomically (temporary file + rename).
+
+Two rules keep a resume exact:
+- A save happens only right after an optimizer update, never inside an accumulation window, whose partial
+  gradients a checkpoint does not hold. "An update just ended" is training/update.py's answer.
+- At an update that is also validated, the save waits for the validation's end: Lightning resumes a
+  checkpoint of that update as validated, so one written before the validation (then killed in it) would
+  lose that validation for good, from the CSV, the log and the choice of best.ckpt. Lightning calls
+  checkpoint callbacks after the others, in the order given: best.ckpt's comes first, so the saves that
+  waited hold this validation's best score.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from transformer_mt.checkpoint import write_checkpoint
+from transformer_mt.training.update import Update
+
+LAST = "last.ckpt"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, made atomic (write_checkpoint: temporary file + rename)."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        write_checkpoint(checkpoint, path)
+
+
+def checkpoint_callbacks(
+    checkpoint_dir: Path,
+    every_n_train_steps: int | None,
+    train_time_interval_minutes: float | None,
+    keep_last: int,
+    best_monitor: str | None,
+    best_mode: str,
+) -> list[Checkpoint]:
+    """conf/train.yaml's `checkpoint` block as callbacks, in the order their saves must happen."""
+    # No "-v1" copies: a run resumed in place rewrites a killed attempt's file of the same name with the same content.
+    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False, enable_version_counter=False)
+    best = []
+    if best_monitor:
+        best.append(ModelCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common))
+    periodic = [
+        UpdateCheckpoint(filename=name, save_top_k=keep_last, every=every, minutes=minutes, **common)
+        for name, every, minutes in (
+            ("step{step:07d}", every_n_train_steps, None),
+            ("time-step{step:07d}", None, train_time_interval_minutes),
+        )
+        if every or minutes
+    ]
+    return [*best, *periodic, LastCheckpoint(checkpoint_dir / LAST, periodic)]
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after the current training batch: its own decision (a private
+    method of its loop, tested through the kill tests of tests/test_resume.py)."""
+    loop = trainer.fit_loop.epoch_loop
+    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+
+
+class AfterUpdate:
+    """A save decided when an update ends (`due`), written then (`write`) or, at an update that is also
+    validated, after the validation's end."""
+
+    due_step: int | None = None  # the update of the newest save decided in this attempt
+    _waiting: tuple | None = None  # the arguments of a save waiting for the validation's end
+
+    def due(self, trainer: L.Trainer, update: Update) -> bool:
+        raise NotImplementedError
+
+    def write(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        raise NotImplementedError
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_train_start(trainer, module)
+        self.due_step, self._waiting = None, None
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        update = module.updates.finished(trainer)
+        if update is None or not self.due(trainer, update):  # inside an accumulation window, or not due
+            return
+        self.due_step = trainer.global_step
+        if validation_follows(trainer):
+            self._waiting = (outputs, batch, batch_idx)
+        else:
+            self.write(trainer, module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, module)
+        if self._waiting is not None and not trainer.sanity_checking:
+            args, self._waiting = self._waiting, None
+            self.write(trainer, module, *args)
+
+
+class UpdateCheckpoint(AfterUpdate, ModelCheckpoint):
+    """Lightning's ModelCheckpoint (which keeps the newest `save_top_k` by the update count), saving every
+    `every` updates or every `minutes` of training, right after an update. A time-based save comes due on
+    the update's clock (rank 0's, the same on every rank: training/update.py), not on Lightning's broadcast
+    of a Python object at every update, a wait of its own."""
+
+    def __init__(self, every: int | None = None, minutes: float | None = None, **kwargs):
+        self.every, self.interval = every, timedelta(minutes=minutes).total_seconds() if minutes else None
+        # Lightning saves every update this callback lets through (`every` also names its state in checkpoints);
+        # save_on_train_epoch_end: right after update N, never deferred to a later validation (which Lightning
+        # does at an epoch's last batch for a checkpoint with a monitor).
+        kwargs.update(every_n_train_steps=every or 1, monitor="step", mode="max", save_on_train_epoch_end=True)
+        super().__init__(**kwargs)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        super().on_train_start(trainer, module)
+        self._saved_at = 0.0  # the update clock's seconds at the last time-based save of this attempt
+
+    def due(self, trainer: L.Trainer, update: Update) -> bool:
+        if self.every:
+            return update.step % self.every == 0
+        if update.clock - self._saved_at < self.interval:
+            return False
+        self._saved_at = update.clock
+        return True
+
+    def write(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        ModelCheckpoint.on_train_batch_end(self, trainer, module, outputs, batch, batch_idx)
+
+
+class LastCheckpoint(AfterUpdate, Checkpoint):
+    """The one writer of last.ckpt, the state a run continues from (optimizer and loops included): with each
+    periodic save, right after the final update (resumed with a larger max_steps, it continues the epoch;
+    saved at on_train_end, the loops would already count the epoch as done), at the update where a stop
+    signal or a time limit ends the run (callbacks.RunEnd sets trainer.should_stop first), at the end of
+    training if not yet, and at each epoch's end when no periodic checkpoints are kept."""
+
+    def __init__(self, path: Path, periodic: list[UpdateCheckpoint]):
+        self.path, self.periodic = path, periodic
+        self.saved_step: int | None = None
+
+    def due(self, trainer: L.Trainer, update: Update) -> bool:
+        step = trainer.global_step
+        final = 0 < trainer.max_steps <= step or trainer.should_stop
+        return self.saved_step != step and (final or any(p.due_step == step for p in self.periodic))
+
+    def write(self, trainer: L.Trainer, *_) -> None:
+        trainer.save_checkpoint(self.path, weights_only=False)
+        self.saved_step = trainer.global_step
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not self.periodic and self.saved_step != trainer.global_step:
+            self.write(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
+            self.write(trainer)
