@@ -30,10 +30,53 @@ def test_where_things_are_lists_every_folder_module_and_script():
     for path in python_files():
         if path.name != "__init__.py":
             assert f"`{path.name}`" in section, f"{path.relative_to(ROOT)} is not in README.md's Where things are"
-    package_map = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8")))
+
+
+def test_every_module_is_named_in_its_package_map():
+    """Each package's __init__.py docstring is its map: it names every module beside it by file name."""
     for path in PACKAGE.rglob("*.py"):
         if path.name != "__init__.py":
-            assert path.name in package_map or f"{path.parent.name}/" in package_map, path.name
+            package_map = ast.get_docstring(ast.parse((path.parent / "__init__.py").read_text(encoding="utf-8")))
+            assert f"{path.name}" in package_map, f"{path.relative_to(ROOT)} is not named in its package's map"
+
+
+def test_no_module_over_420_lines_no_function_over_70_and_the_lightning_module_within_180():
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT)
+        assert len(text.splitlines()) <= 420, f"{where}: {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert size <= 70, f"{where}: {node.name} is {size} lines"
+            if isinstance(node, ast.ClassDef) and node.name == "TranslationModule":
+                assert size <= 180, f"{where}: {node.name} is {size} lines"
+
+
+IMPORT_RULES = {  # module -> packages it must not import: the core never reaches into a wing or a front door
+    "search.py": ("transformer_mt.data", "transformer_mt.training", "transformer_mt.tools"),
+    "model.py": ("transformer_mt.data", "transformer_mt.training", "transformer_mt.tools"),
+    "tools/table3.py": ("transformer_mt.training",),
+    "engines.py": ("transformer_mt.tools", "transformer_mt.training", "transformer_mt.data"),
+}
+
+
+def imported_modules(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_imports_go_from_the_wings_and_front_doors_to_the_core_not_back():
+    for name, forbidden in IMPORT_RULES.items():
+        wrong = sorted(m for m in imported_modules(PACKAGE / name) if m.startswith(forbidden))
+        assert not wrong, f"{name} imports {wrong}"
+    for path in (PACKAGE / "training").glob("*.py"):  # the averaging command is a front door; its core: checkpoint.py
+        assert "transformer_mt.averaging" not in imported_modules(path), path.name
 
 
 def test_make_install_passes_a_torch_with_pip_options_as_separate_arguments():

@@ -1,2 +1,7 @@
-"""Tools for looking at and shipping a trained model: export to transformers and CTranslate2 (export.py),
-attention pictures of a checkpoint (attention_maps.py), learning curves from a run's metrics (plot.py)."""
+"""Tools for looking at and shipping a trained model, and at a sweep's results. A map of the wing:
+
+export.py           export to transformers (MarianMT) and CTranslate2, each checked against ours
+attention_maps.py   attention pictures of a checkpoint for one sentence
+plot.py             learning curves from a run's metrics
+table3.py           a Table 3 sweep's results.json files as one table, beside the paper's
+"""

@@ -1,4 +1,14 @@
-"""Training with Lightning: the LightningModule (module.py), the optimizer update's bookkeeping and its one
-wait for the device (update.py), what a run tells a person and how it ends (callbacks.py), where its lines
-and metrics go (logs.py), checkpoints and exact resume (resume.py), FSDP (sharding.py), the end-of-run
-protocol (final.py), the moving average of the weights (ema.py) and data.max_tokens=auto (batch_fit.py)."""
+"""Training with Lightning. A map of the wing:
+
+module.py       the LightningModule: the loss, Adam with the Noam schedule, validation (loss, greedy BLEU/chrF)
+update.py       the optimizer update's bookkeeping (tokens, gradient normalisation and norm, stop signals) and
+                its one wait for the device; every callback asks it whether an update just ended
+checkpoints.py  every checkpoint written during training (periodic, best, last.ckpt), atomically, at update ends
+resume.py       resuming exactly: every rank's random state, which checkpoint a run continues from
+callbacks.py    what a run tells a person (progress lines, start-up line, update bar) and how it ends (signals)
+logs.py         where a run's lines and metrics go: the log file, CSV, TensorBoard, Weights & Biases
+final.py        the end-of-run protocol (§6.1): average, beam-decode and score the splits, results.json
+ema.py          an exponential moving average of the weights, beside them
+batch_fit.py    data.max_tokens=auto: the largest micro-batch the device's memory holds
+sharding.py     FSDP, one unit per layer, and a whole copy of the model for decoding
+"""
