@@ -21,9 +21,10 @@ import sentencepiece as spm
 import torch
 from omegaconf import OmegaConf
 
+import transformer_mt.data.cache as cache_module
 import transformer_mt.data.datamodule as datamodule_module
 from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, tiny_config, write_corpus, write_pair
-from transformer_mt.configs import run_folder
+from transformer_mt.configs import compose, run_folder
 from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
@@ -96,6 +97,25 @@ def test_a_byte_order_mark_is_not_part_of_the_first_line(tmp_path):
 def test_impossible_batch_settings_are_refused(tmp_path, key, value):
     with pytest.raises(InputError, match=rf"data\.{key}={value}: "):
         text_datamodule(tmp_path, **{key: value})
+
+
+def test_a_corpus_takes_its_fields_from_a_data_config_and_leaves_the_rest(tmp_path):
+    """Corpus.from_config picks the Corpus fields of a composed data config (conf/data/multi30k.yaml on
+    default.yaml); the config's other keys (vocabulary, batching, cache) are the DataModule's and are passed
+    over. An override wins; one that is no field is refused, as the DataModule refuses an unknown setting."""
+    data = OmegaConf.to_container(compose("train", ["data=multi30k"]).data, resolve=True)
+    assert {"vocab_size", "max_tokens", "cache_dir"} <= set(data)  # not Corpus fields
+    corpus = Corpus.from_config(data)
+    assert corpus == Corpus(
+        "multi30k", "en", "de", hub_name="bentrevett/multi30k",
+        text_files={"train": "train", "validation": "val", "test": "test_2016_flickr"},
+    )  # fmt: skip
+    assert Corpus.from_config(data, path=str(tmp_path)).path == str(tmp_path)
+    assert Corpus.from_config({"name": "text", "text_files": None}).text_files == {}  # default.yaml's null
+    with pytest.raises(TypeError, match="pth"):
+        Corpus.from_config(data, pth=str(tmp_path))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_tokenz'"):
+        TranslationDataModule(**data, max_tokenz=4096)
 
 
 def test_missing_split_names_what_was_looked_for(tmp_path):
@@ -270,7 +290,7 @@ def test_the_cache_written_in_chunks_holds_each_kept_pair_as_the_tokenizer_encod
         lines[100] = lines[301] = " ".join(["word"] * 80)
         (corpus / f"train.{side}").write_text("\n".join(lines), encoding="utf-8")
     dm = text_datamodule(tmp_path)
-    dm.chunk_size = 37  # 11 chunks of the 400 training pairs
+    dm.cache.chunk_size = 37  # 11 chunks of the 400 training pairs
     dm.build()
     train = dm.splits["train"]
     assert len(train.src_chunks) == 11
@@ -411,16 +431,22 @@ def test_datamodule_shards_train_batches_by_trainer_rank(tmp_path):
     assert dm.update_shape(2) == (dm.max_tokens, 1)
 
 
-def test_an_unmeasured_auto_batches_with_the_fallback(tmp_path):
+def test_an_unmeasured_auto_batches_with_the_fallback(tmp_path, monkeypatch):
     """data.max_tokens=auto before (or without) the probe, as in ddp_spawn's main process or the data tools:
-    data.max_tokens_fallback sizes the batches and the update."""
+    data.max_tokens_fallback sizes the batches and the update. The update's shape is worked out once and
+    kept for the training sampler, and again when the probe sets max_tokens."""
+    worked_out = []
+    monkeypatch.setattr(datamodule_module, "update_shape", lambda *a: worked_out.append(a) or update_shape(*a))
     dm = text_datamodule(tmp_path, max_tokens="auto", max_tokens_fallback=40, tokens_per_update=100)
     dm.build()
     assert dm.known_max_tokens() == 40 and dm.update_shape(1) == (34, 3)  # 3 x 34 = 102 tokens
     assert dm.sampler("train", shuffle=False).max_tokens == 34
     assert dm.sampler("validation", shuffle=False).max_tokens == 40
+    assert worked_out == [(100, 40, 1)]
     dm.max_tokens = 64  # what the probe found
     assert dm.known_max_tokens() == 64 and dm.update_shape(1) == (50, 2)
+    assert dm.sampler("train", shuffle=False).max_tokens == 50
+    assert worked_out == [(100, 40, 1), (100, 64, 1)]
 
 
 @pytest.mark.parametrize(("device", "pinned"), [("cuda", True), ("cuda:3", True), ("cpu", False)])
@@ -690,13 +716,13 @@ def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypat
     rank_0 = threading.Thread(target=build_later)
     rank_0.start()
     trained = []
-    real_train = datamodule_module.train_tokenizer
+    real_train = cache_module.train_tokenizer
 
     def record(*args, **kwargs):
         trained.append(threading.current_thread() is rank_0)
         return real_train(*args, **kwargs)
 
-    monkeypatch.setattr(datamodule_module, "train_tokenizer", record)
+    monkeypatch.setattr(cache_module, "train_tokenizer", record)
     started.set()
     waiter.build_when_cached(poll_seconds=0.05, timeout_seconds=60)
     rank_0.join()
@@ -779,11 +805,11 @@ def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_p
 def test_a_damaged_cache_is_noticed_when_opened_and_built_again_with_a_warning(tmp_path, caplog):
     first = text_datamodule(tmp_path)
     first.build()
-    train_cache = first.split_directory(first.raw["train"])
+    train_cache = first.cache.split_directory(first.raw["train"], first.tokenizer)
     arrow = train_cache / "pairs.arrow"
     expected = [list(first.splits["train"][i][0]) for i in range(5)]
     os.truncate(arrow, arrow.stat().st_size // 2)  # cut short after it was written
-    model = first.tokenizer_directory(first.raw["train"]) / "sentencepiece.model"
+    model = first.cache.tokenizer_directory(first.raw["train"]) / "sentencepiece.model"
     model.write_bytes(b"garbage")
     again = text_datamodule(tmp_path)
     with caplog.at_level("WARNING"):
@@ -800,7 +826,7 @@ def test_a_read_only_cache_ends_in_one_line_naming_the_folder_and_the_fix(tmp_pa
     def read_only(target):
         raise OSError(errno.EROFS, "Read-only file system", str(target))
 
-    monkeypatch.setattr(datamodule_module, "atomic_write", read_only)
+    monkeypatch.setattr(cache_module, "atomic_write", read_only)
     dm = text_datamodule(tmp_path)
     with pytest.raises(InputError, match=r"data.cache_dir=\S+: the data cache cannot be written there \(Read-only"):
         dm.build()

@@ -35,14 +35,9 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
         langpair = cfg.langpair or f"{data_cfg['src_lang']}-{data_cfg['tgt_lang']}"
         src, refs = read_lines(get_source_file(cfg.testset, langpair)), get_reference_files(cfg.testset, langpair)
         return f"{cfg.testset} ({langpair})", src, read_lines(refs[0])
-    fields = {
-        k: data_cfg.get(k) for k in ("name", "src_lang", "tgt_lang", "path", "hub_name", "hub_config", "text_files")
-    }
-    fields["text_files"] = fields["text_files"] or {}
-    if cfg.data_path:
-        fields["path"] = cfg.data_path
-    src, ref = Corpus(**fields).load(cfg.split).pairs()
-    return f"{fields['name']} {cfg.split}", src, ref
+    corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
+    src, ref = corpus.load(cfg.split).pairs()
+    return f"{corpus.name} {cfg.split}", src, ref
 
 
 def evaluate(cfg: DictConfig) -> dict:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import datasets
@@ -79,6 +79,16 @@ class Corpus:
     hub_name: str | None = None  # e.g. "wmt14"
     hub_config: str | None = None  # e.g. "de-en"
     text_files: dict[str, str] = field(default_factory=dict)  # split -> prefix of {prefix}.{lang}
+
+    @classmethod
+    def from_config(cls, data_cfg: Mapping, **overrides) -> Corpus:
+        """The corpus a data config (conf/data/*.yaml) names: its fields picked by name, a field the config
+        lacks at its default. The config's other keys (vocabulary, batching, cache) are the DataModule's and
+        are passed over; `overrides` win, and each must be a field (an unknown one is a TypeError)."""
+        names = {f.name for f in fields(cls)}
+        picked = {key: value for key, value in data_cfg.items() if key in names} | overrides
+        picked["text_files"] = dict(picked.get("text_files") or {})  # null in conf/data/default.yaml
+        return cls(**picked)
 
     def text_paths(self, split: str) -> tuple[Path, Path] | None:
         if self.path is None or split not in self.text_files:
