@@ -53,12 +53,13 @@ from transformer_mt.data.batching import collate
 from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
+from transformer_mt.length_penalties import HF_LENGTH_PENALTY
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
 from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory, matmul_peak, usable_cores
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
-from transformer_mt.tools.export import HF_LENGTH_PENALTY, export, marian_model, optional
+from transformer_mt.tools.export import export, marian_model, optional
 
 OUR_ALPHA = 0.6  # §6.1
 

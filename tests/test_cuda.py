@@ -8,10 +8,9 @@ import torch
 
 from conftest import random_batch, tiny_config
 from transformer_mt.configs import compose
-from transformer_mt.data.batching import source_batch
 from transformer_mt.model import Transformer
 from transformer_mt.objective import label_smoothed_nll
-from transformer_mt.search import beam_search, greedy
+from transformer_mt.search import beam_search, greedy, source_batch
 from transformer_mt.tokenizer import EOS_ID
 
 pytestmark = pytest.mark.cuda

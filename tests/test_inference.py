@@ -355,3 +355,13 @@ def test_a_killed_writers_temporaries_are_removed_by_the_next_average(trained_ru
     average_run(tmp_path / "run", 2)
     assert not stale.exists() and not other.exists() and alive.exists()
     assert (checkpoints / "average-last2.ckpt").is_file()
+
+
+# ---------------------------------------------------------------- engines (engine=ct2's own tests: test_export.py)
+
+
+def test_engines_imports_without_torch_as_the_ct2_path_needs():
+    """engines.py defers every torch import: engine=ct2 decodes without torch (two OpenMP runtimes slow both)."""
+    check = "import sys, transformer_mt.engines; assert 'torch' not in sys.modules, 'engines.py imported torch'"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -9,15 +9,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import random_batch, tiny_config
+from transformer_mt.attention_recording import explicit_attention, record_attention
 from transformer_mt.configs import model_preset
-from transformer_mt.model import (
-    Transformer,
-    TransformerConfig,
-    explicit_attention,
-    record_attention,
-    sinusoidal_positions,
-    training_flops,
-)
+from transformer_mt.model import Transformer, TransformerConfig, sinusoidal_positions, training_flops
 from transformer_mt.objective import sequence_losses
 
 # ---------------------------------------------------------------- oracle: torch.nn.Transformer

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from transformer_mt.data.batching import source_batch
 from transformer_mt.model import Transformer
-from transformer_mt.search import beam_search, greedy, length_penalty, translate_ids
+from transformer_mt.search import beam_search, greedy, length_penalty, source_batch, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 SOURCES = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]

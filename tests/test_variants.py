@@ -11,8 +11,9 @@ from torch import nn
 
 from conftest import random_batch, tiny_config
 from test_model import reference_transformer
+from transformer_mt.attention_recording import record_attention
 from transformer_mt.configs import CONF_DIR, compose
-from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig, record_attention
+from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.training.resume import flatten
 

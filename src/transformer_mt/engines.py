@@ -24,9 +24,7 @@ from pathlib import Path
 
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write
-from transformer_mt.tools.export import HF_LENGTH_PENALTY
-
-PAPER_ALPHA = 0.6  # §6.1: the alpha at which HF_LENGTH_PENALTY was measured to pick our translations most often
+from transformer_mt.length_penalties import HF_LENGTH_PENALTY, PAPER_ALPHA
 
 ENGINES = ("torch", "ct2")
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from

@@ -1,7 +1,8 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in plain PyTorch.
 
 Read top to bottom: positions -> embeddings -> attention -> feed-forward -> layers ->
-encoder/decoder -> the model. Section numbers (§) refer to the paper.
+encoder/decoder -> the model. Section numbers (§) refer to the paper. Beside it: decoding_state.py (the
+incremental-decoding cache) and attention_recording.py (attention weights made visible, record_attention).
 
 Shapes: B batch, S source length, T target length, d d_model, H heads, dk / dv the query-key / value
 size per head (d / H by default, §3.2.2), V vocab.
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from transformer_mt.attention_recording import explicit_attention
+from transformer_mt.decoding_state import DecoderState, LayerCache
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
 FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
@@ -132,23 +136,6 @@ def key_mask(src_pad: Tensor) -> Tensor:
     not NaN, for a row whose keys are all padding (tested in test_model.py).
     """
     return ~src_pad[:, None, None, :]
-
-
-def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> tuple[Tensor, Tensor]:
-    """§3.2.1 written out, softmax(Q K^T / sqrt(d_k)) V, also returning the weights (B, H, Lq, Lk).
-
-    Only for looking inside the model (record_attention): SDPA computes the same without keeping
-    the weights. A row whose keys are all masked gets zero weights and a zero output, as in SDPA.
-    """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, Lq, Lk)
-    allowed = mask
-    if causal:
-        below = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
-        allowed = below if allowed is None else allowed & below
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, -torch.inf)
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all -inf row: NaN -> 0
-    return weights @ v, weights
 
 
 class MultiHeadAttention(nn.Module):
@@ -286,47 +273,6 @@ class DecoderLayer(nn.Module):
         return self.ffn_res(x, self.ffn)
 
 
-@dataclass
-class LayerCache:
-    """One decoder layer's incremental-decoding state."""
-
-    self_kv: list[Tensor] = field(default_factory=list)  # [keys, values], (B * beam, H, t, dk or dv); grows
-    memory_kv: tuple[Tensor, Tensor] | None = None  # the memory's (keys, values), (B, H, S, dk or dv); step 1 on
-
-
-@dataclass
-class DecoderState:
-    """What incremental decoding carries between steps. With beam hypotheses per sentence (B * beam
-    rows, B = memory rows), rows are grouped by sentence: sentence i owns rows i * beam ... (i + 1) * beam - 1."""
-
-    src_mask: Tensor  # (B, 1, 1, S) bool
-    memory: Tensor | None  # (B, S, d), the encoder's output: projected by each layer at the first step, then None
-    layers: list[LayerCache]
-    length: int = 0  # target positions decoded so far
-
-    def make_contiguous(self) -> None:
-        """Every tensor in a contiguous layout (copies only those that are not): for a compiled step."""
-        for layer in self.layers:
-            layer.self_kv = [t.contiguous() for t in layer.self_kv]
-            if layer.memory_kv is not None:
-                layer.memory_kv = tuple(t.contiguous() for t in layer.memory_kv)
-        self.src_mask = self.src_mask.contiguous()
-        if self.memory is not None:
-            self.memory = self.memory.contiguous()
-
-    def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
-        """Keep/reorder hypotheses in place (beam search): row i becomes the former row rows[i].
-        When sentences leave, `sentences` names those kept, in order (and `rows` only their rows)."""
-        for layer in self.layers:
-            layer.self_kv = [t.index_select(0, rows) for t in layer.self_kv]
-            if sentences is not None and layer.memory_kv is not None:
-                layer.memory_kv = tuple(t.index_select(0, sentences) for t in layer.memory_kv)
-        if sentences is not None:
-            self.src_mask = self.src_mask.index_select(0, sentences)
-            if self.memory is not None:
-                self.memory = self.memory.index_select(0, sentences)
-
-
 class Transformer(nn.Module):
     """§3: encoder-decoder with one embedding matrix shared by both inputs and the output (§3.4).
 
@@ -441,26 +387,6 @@ class Transformer(nn.Module):
             x = layer(x, state.memory, state.src_mask, cache=cache)
         state.length, state.memory = state.length + 1, None  # every layer holds its projection now
         return self.project(self.final_norm(x[:, 0], "decoder"))
-
-
-@contextlib.contextmanager
-def record_attention(model: Transformer) -> Iterator[dict[str, list[MultiHeadAttention]]]:
-    """Inside the block, every attention layer computes its weights explicitly and keeps those of
-    its last call in `.weights`. Yields the layers by kind, each list in layer order:
-    "encoder" (self-attention), "decoder" (masked self-attention), "cross" (encoder-decoder)."""
-    kinds = {
-        "encoder": [layer.self_attn for layer in model.encoder_layers],
-        "decoder": [layer.self_attn for layer in model.decoder_layers],
-        "cross": [layer.cross_attn for layer in model.decoder_layers],
-    }
-    layers = [attn for group in kinds.values() for attn in group]
-    for attn in layers:
-        attn.recording = True
-    try:
-        yield kinds
-    finally:
-        for attn in layers:
-            attn.recording, attn.weights = False, None
 
 
 def training_flops(cfg: TransformerConfig, src_lens: Sequence[int] | Tensor, tgt_lens: Sequence[int] | Tensor) -> float:

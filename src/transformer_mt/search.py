@@ -3,21 +3,40 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from transformer_mt.data.batching import source_batch
+from transformer_mt.decoding_state import DecoderState
 from transformer_mt.errors import InputError
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 
+def padded(rows: Sequence[Sequence[int]], prefix: Sequence[int] = (), suffix: Sequence[int] = ()) -> Tensor:
+    """(B, longest + extras) int64 ids: each row as prefix + row + suffix, right-padded with PAD_ID."""
+    width = max(map(len, rows)) + len(prefix) + len(suffix)
+    out = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(prefix)] = prefix
+        out[i, len(prefix) : len(prefix) + len(row)] = row
+        out[i, len(prefix) + len(row) : len(prefix) + len(row) + len(suffix)] = suffix
+    return torch.from_numpy(out)
+
+
+def source_batch(sources: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Tensor:
+    """Source ids -> (B, S) ids + EOS, right-padded: the encoder's input in training and decoding alike."""
+    return padded(sources, suffix=[EOS_ID]).to(device)
+
+
 def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
     """§6.1: at most a * input length + b output tokens before EOS (paper: a = 1, b = 50).
 
-    src rows are ids + EOS + padding (data.batching's layout); the EOS is not counted.
+    src rows are ids + EOS + padding (source_batch's layout); the EOS is not counted.
     """
     return (a * (src.ne(PAD_ID).sum(1) - 1) + b).long()
 
@@ -47,8 +66,76 @@ def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: i
 
 
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
-    """GNMT (Wu et al., 2016) length penalty ((5 + |Y|) / 6)^alpha; |Y| counts the EOS."""
+    """GNMT (Wu et al., 2016) length penalty ((5 + |Y|) / 6)^alpha; |Y| counts the EOS (theirs: length_penalties.py)."""
     return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+
+
+def next_token_logits(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor) -> tuple[Tensor, Tensor]:
+    """One decoding step: float32 logits (n*K, V) that exclude PAD, and allow only EOS where `at_limit` (n*K,)
+    is True; and their log-normaliser log_z (n*K, 1), taken before any exclusion: log P(token) = logit - log_z."""
+    logits = model.decode_step(prev, state).float()
+    log_z = logits.logsumexp(-1, keepdim=True)  # over the whole vocabulary
+    logits[:, PAD_ID] = -torch.inf
+    eos = torch.arange(logits.size(1), device=logits.device) == EOS_ID
+    logits[at_limit] = torch.where(eos, logits[at_limit], -torch.inf)
+    return logits, log_z
+
+
+def gather_hypotheses(tokens: Tensor, index: Tensor) -> Tensor:
+    """(n, K, width) tokens, (n, k) hypothesis numbers -> the (n, k, width) tokens of those hypotheses, a copy."""
+    return tokens.gather(1, index[..., None].expand(-1, -1, tokens.size(2)))
+
+
+def best_candidates(logits: Tensor, log_z: Tensor, alive_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The best 2K continuations of each sentence's K live hypotheses: (scores, beam, token), each (n, 2K), best first.
+
+    logits (n*K, V), log_z (n*K, 1) its log-normaliser; alive_scores (n, K) log P of each hypothesis.
+    The best 2K of all K * V candidates are among each hypothesis' own best 2K tokens: rank those
+    (K * 2K per sentence), not the whole (K * V) table.
+    """
+    n, K = alive_scores.shape
+    C = min(2 * K, logits.size(1))  # 2K: at most K of them end in EOS
+    row_logits, row_tokens = logits.topk(C, dim=1)  # (n*K, C)
+    cand = (alive_scores.view(-1, 1) + row_logits - log_z).view(n, K * C)
+    top_scores, top_idx = cand.topk(C, dim=1)
+    return top_scores, top_idx // C, row_tokens.view(n, K * C).gather(1, top_idx)
+
+
+@dataclass
+class Finished:
+    """The best K finished hypotheses of every sentence, best first: normalised scores (-inf: none) and tokens."""
+
+    scores: Tensor  # (B, K)
+    tokens: Tensor  # (B, K, width), EOS included, PAD after it
+
+    @classmethod
+    def empty(cls, B: int, K: int, width: int, device: torch.device) -> Finished:
+        return cls(
+            torch.full((B, K), -torch.inf, device=device),
+            torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device),
+        )
+
+    def add(self, sentences: Tensor, scores: Tensor, tokens: Tensor) -> Tensor:
+        """Merge candidates (n, C), (n, C, width) of the original sentences `sentences` (n,) into their best K;
+        returns those sentences' new scores (n, K)."""
+        merged_scores = torch.cat([self.scores[sentences], scores], dim=1)
+        merged_tokens = torch.cat([self.tokens[sentences], tokens], dim=1)
+        best, pick = merged_scores.topk(self.scores.size(1), dim=1)
+        self.scores[sentences] = best
+        self.tokens[sentences] = gather_hypotheses(merged_tokens, pick)
+        return best
+
+    def nbest(self, n_best: int) -> list[list[tuple[list[int], float]]]:
+        """Each sentence's n_best (tokens without EOS/PAD, score), best first."""
+        lists = []
+        for scores, tokens in zip(self.scores.tolist(), self.tokens.tolist()):
+            hyps = [
+                ([i for i in seq if i not in (EOS_ID, PAD_ID)], sc)
+                for seq, sc in zip(tokens, scores)
+                if sc > -torch.inf
+            ]
+            lists.append(hyps[:n_best])
+        return lists
 
 
 @torch.no_grad()
@@ -83,41 +170,26 @@ def beam_search(
     alive_scores[:, 0] = 0.0  # all beams start equal: expand only the first at step 0
     alive_tokens = torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device)
     prev = torch.full((B * K,), BOS_ID, dtype=torch.long, device=device)
-    fin_scores = torch.full((B, K), -torch.inf, device=device)  # normalised scores, per original sentence
-    fin_tokens = torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device)
+    finished = Finished.empty(B, K, width, device)  # per original sentence
 
     for t in range(width):
         n = alive_ids.numel()
-        logits = model.decode_step(prev, state).float()  # (n*K, V)
-        log_z = logits.logsumexp(-1, keepdim=True)  # log P(token) = logit - log_z, over the whole vocabulary
-        logits[:, PAD_ID] = -torch.inf
-        at_limit = (t >= limits[alive_ids]).repeat_interleave(K)
-        eos = torch.arange(logits.size(1), device=device) == EOS_ID
-        logits[at_limit] = torch.where(eos, logits[at_limit], -torch.inf)
-        # The best 2K of all K * V candidates are among each hypothesis' own best 2K tokens: rank
-        # those (K * 2K per sentence), not the whole (K * V) table.
-        C = min(2 * K, logits.size(1))  # 2K: at most K of them end in EOS
-        row_logits, row_tokens = logits.topk(C, dim=1)  # (n*K, C)
-        cand = (alive_scores.view(-1, 1) + row_logits - log_z).view(n, K * C)
-        top_scores, top_idx = cand.topk(C, dim=1)
-        beam, token = top_idx // C, row_tokens.view(n, K * C).gather(1, top_idx)
-        history = alive_tokens.gather(1, beam[..., None].expand(-1, -1, width))  # (n, 2K, width), a copy
+        at_limit = (t >= limits[alive_ids]).repeat_interleave(K)  # EOS is forced at the maximum length
+        logits, log_z = next_token_logits(model, prev, state, at_limit)  # (n*K, V), (n*K, 1)
+        top_scores, beam, token = best_candidates(logits, log_z, alive_scores)
+        history = gather_hypotheses(alive_tokens, beam)  # (n, 2K, width)
         history[:, :, t] = token
         ends = token.eq(EOS_ID)
 
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is
         # greedy), merged with those kept so far; keep the best K.
-        in_beam = torch.arange(top_idx.size(1), device=device) < K
+        in_beam = torch.arange(top_scores.size(1), device=device) < K
         new_fin = torch.where(ends & in_beam, top_scores / length_penalty(t + 1, alpha), -torch.inf)
-        merged_scores = torch.cat([fin_scores[alive_ids], new_fin], dim=1)
-        merged_tokens = torch.cat([fin_tokens[alive_ids], history], dim=1)
-        best_fin, pick = merged_scores.topk(K, dim=1)
-        fin_scores[alive_ids] = best_fin
-        fin_tokens[alive_ids] = merged_tokens.gather(1, pick[..., None].expand(-1, -1, width))
+        best_fin = finished.add(alive_ids, new_fin, history)
 
         # Alive: the best K candidates that did not end.
         alive_scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
-        alive_tokens = history.gather(1, pick[..., None].expand(-1, -1, width))
+        alive_tokens = gather_hypotheses(history, pick)
         rows = (torch.arange(n, device=device)[:, None] * K + beam.gather(1, pick)).view(-1)
         prev = alive_tokens[:, :, t].reshape(-1)
 
@@ -134,12 +206,7 @@ def beam_search(
         else:  # rows only permute beams of the same sentence: encoder states stay as they are
             state.select(rows)
 
-    nbest = []
-    for scores, tokens in zip(fin_scores.tolist(), fin_tokens.tolist()):
-        hyps = [
-            ([i for i in seq if i not in (EOS_ID, PAD_ID)], sc) for seq, sc in zip(tokens, scores) if sc > -torch.inf
-        ]
-        nbest.append(hyps[:n_best])
+    nbest = finished.nbest(n_best)
     return [h[0][0] for h in nbest], nbest
 
 

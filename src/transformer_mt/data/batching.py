@@ -1,5 +1,5 @@
 """Token ids of a split -> padded batches of at most `max_tokens` tokens per side, in the one layout
-every model input has (collate, source_batch)."""
+every model input has (collate; its source side is search.source_batch, as in decoding)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
 from transformer_mt.errors import InputError
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer_mt.search import padded, source_batch
+from transformer_mt.tokenizer import BOS_ID, EOS_ID
 
 if TYPE_CHECKING:
     import datasets
@@ -46,22 +46,6 @@ class TokenizedSplit(Dataset):
     def texts(self, column: str) -> list[str]:
         """Raw text of the validation/test split ('src_text' or 'tgt_text'), for BLEU."""
         return self.dataset[column]
-
-
-def padded(rows: Sequence[Sequence[int]], prefix: Sequence[int] = (), suffix: Sequence[int] = ()) -> Tensor:
-    """(B, longest + extras) int64 ids: each row as prefix + row + suffix, right-padded with PAD_ID."""
-    width = max(map(len, rows)) + len(prefix) + len(suffix)
-    out = np.full((len(rows), width), PAD_ID, dtype=np.int64)
-    for i, row in enumerate(rows):
-        out[i, : len(prefix)] = prefix
-        out[i, len(prefix) : len(prefix) + len(row)] = row
-        out[i, len(prefix) + len(row) : len(prefix) + len(row) + len(suffix)] = suffix
-    return torch.from_numpy(out)
-
-
-def source_batch(sources: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> Tensor:
-    """Source ids -> (B, S) ids + EOS, right-padded: the encoder's input in training and decoding alike."""
-    return padded(sources, suffix=[EOS_ID]).to(device)
 
 
 def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: list[str] | None = None) -> dict:

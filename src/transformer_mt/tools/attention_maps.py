@@ -22,13 +22,13 @@ import torch
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
 from omegaconf import OmegaConf
 
+from transformer_mt.attention_recording import record_attention
 from transformer_mt.checkpoint import start_inference
 from transformer_mt.configs import compose
-from transformer_mt.data.batching import padded, source_batch
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
-from transformer_mt.model import Transformer, record_attention
-from transformer_mt.search import translate_ids
+from transformer_mt.model import Transformer
+from transformer_mt.search import padded, source_batch, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer
 
 PICTURES = {

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.errors import InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
+from transformer_mt.length_penalties import HF_LENGTH_PENALTY
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
@@ -131,11 +132,6 @@ def marian_config(model: Transformer):
     )
 
 
-# transformers divides by |Y|^alpha, not GNMT's ((5 + |Y|) / 6)^alpha (§6.1). On Multi30k test2016, 0.45 with
-# early_stopping="never" picked our alpha-0.6 translation for 99.2% of the sentences (0.6: 96.7%): docs/inference.md.
-HF_LENGTH_PENALTY = 0.45
-
-
 def generation_config(model: Transformer):
     """Beam 4 (§6.1) with the length penalty closest to ours, pad never generated, EOS forced at the
     maximum length, and a search that stops only when no live hypothesis can win, as ours."""
@@ -148,7 +144,7 @@ def generation_config(model: Transformer):
         forced_eos_token_id=EOS_ID,
         bad_words_ids=[[PAD_ID]],
         num_beams=4,
-        length_penalty=HF_LENGTH_PENALTY,
+        length_penalty=HF_LENGTH_PENALTY,  # transformers divides by |Y|^a, not GNMT's ((5 + |Y|) / 6)^alpha
         early_stopping="never",
         max_length=model.cfg.max_positions,
     )
