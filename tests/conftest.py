@@ -226,3 +226,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(no_gpu)
         if item.get_closest_marker("real_data") and not SHARED_DATA.is_dir():
             item.add_marker(no_data)
+
+
+def load(path: Path) -> dict:
+    """A checkpoint as torch.load(weights_only=True) reads it: plain values only, on the CPU."""
+    return torch.load(path, map_location="cpu", weights_only=True)

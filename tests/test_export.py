@@ -1,4 +1,5 @@
-"""make export (transformers' MarianMTModel, CTranslate2), make attention and make plot, on tiny models."""
+"""make export (transformers' MarianMTModel, CTranslate2), make attention, make plot, and make bench's tables
+(scripts/benchmark.py, scripts/host_overhead.py), on tiny models."""
 
 import csv
 import json
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_train, synthetic_corpus, tiny_config, write_corpus
+from conftest import ROOT, run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
 from transformer_mt.engines import CT2Process, ct2_export
 from transformer_mt.errors import InputError, UserError
@@ -391,3 +392,20 @@ def test_make_translate_and_evaluate_with_engine_ct2(sharp_checkpoint, tmp_path)
     assert proc.returncode == 0, proc.stderr
     scores = json.loads((tmp_path / "eval" / "scores.json").read_text())
     assert scores["engine"] == "ct2 float32" and scores["bleu"] == pytest.approx(100.0)
+
+
+@pytest.mark.slow
+def test_the_host_overhead_table_puts_our_trainer_beside_the_bare_loop():
+    """make bench's host part (scripts/host_overhead.py): the operations of our Trainer's micro-batch are the
+    bare loop's model, loss and backward plus the update's few host-side additions; per update it adds only
+    what its bookkeeping launches (normalisation, norm, the one read), not an operation per parameter."""
+    command = [sys.executable, "scripts/host_overhead.py", "--shapes", "base", "--updates", "4", "--no-compile"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    rows = {line[7:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("base ")}
+    assert set(rows) == {"bare loop", "Trainer eager"}, out
+    (bare_mb, bare_update), (ours_mb, ours_update) = (
+        [int(rows[s][i].replace(",", "")) for i in (0, 1)] for s in ("bare loop", "Trainer eager")
+    )
+    assert 2_000 < bare_mb <= ours_mb <= bare_mb + 20, out  # the model's ~2,450 at base's depth, plus `add`'s few
+    assert ours_update <= bare_update + 30, out  # the parameters number 253: one op each would show
+    assert rows["bare loop"][-1] == "1.00x" and rows["Trainer eager"][-1].endswith("x"), out

@@ -1,83 +1,25 @@
-"""Loss (§5.4) and learning-rate schedule (§5.3) against independent references."""
+"""training/module.py: the learning rate of update n follows Noam under accumulation, and trainer.compile's
+compiled training step gives eager's loss and gradients and eager checkpoints."""
 
-import math
+import logging
+import re
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
+import torch._inductor.config as inductor
 from torch.utils.data import DataLoader
 
-from conftest import train_in_process
-from device_waits import MODEL, WAITS_RUN, DeviceWaits, counted_run, micro_batches, summary
+from conftest import train_in_process, write_corpus
+from device_waits import MODEL, micro_batches
+from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.batching import TokenBucketSampler, collate
-from transformer_mt.model import Transformer, TransformerConfig, training_flops
-from transformer_mt.objective import label_smoothed_nll, noam_lr, sequence_losses
-from transformer_mt.tokenizer import PAD_ID
-from transformer_mt.training.callbacks import duration
+from transformer_mt.errors import InputError
+from transformer_mt.objective import noam_lr
+from transformer_mt.train import check_config
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.update import TrainingDiverged
-
-
-def random_logits(shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
-
-
-def test_loss_equals_torch_cross_entropy_with_label_smoothing():
-    logits = random_logits((3, 5, 11))
-    target = torch.randint(1, 11, (3, 5), generator=torch.Generator().manual_seed(1))
-    target[0, 3:] = 0  # padding
-    target[2, 1:] = 0
-    for eps in [0.0, 0.1, 0.3]:
-        loss, nll, n = label_smoothed_nll(logits, target, eps, pad_id=0)
-        ref = F.cross_entropy(
-            logits.view(-1, 11), target.view(-1), ignore_index=0, label_smoothing=eps, reduction="sum"
-        )
-        torch.testing.assert_close(loss, ref)
-        torch.testing.assert_close(
-            nll, F.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum")
-        )
-        assert n.item() == 3 + 5 + 1
-
-
-def test_loss_with_zero_smoothing_is_the_nll():
-    logits, target = random_logits((4, 7)), torch.tensor([1, 2, 3, 6])
-    loss, nll, _ = label_smoothed_nll(logits, target, 0.0, pad_id=0)
-    expected = -torch.log_softmax(logits, -1)[torch.arange(4), target].sum()
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(nll, expected)
-
-
-def test_padded_batch_equals_the_sum_of_its_items():
-    items = [
-        (random_logits((n, 9), seed=n), torch.randint(1, 9, (n,), generator=torch.Generator().manual_seed(n)))
-        for n in (2, 5, 3)
-    ]
-    logits = torch.full((3, 5, 9), 7.0)  # whatever stands at padded positions must not count
-    target = torch.zeros(3, 5, dtype=torch.long)
-    for row, (lg, tg) in enumerate(items):
-        logits[row, : len(tg)], target[row, : len(tg)] = lg, tg
-    batch = label_smoothed_nll(logits, target, 0.1, pad_id=0)
-    singles = [label_smoothed_nll(lg, tg, 0.1, pad_id=0) for lg, tg in items]
-    for got, parts in zip(batch, zip(*singles)):
-        torch.testing.assert_close(got, sum(parts))
-
-
-def test_loss_hand_computed():
-    # p = softmax([0, 0, ln 2]) = [1/4, 1/4, 1/2]; target 2, eps = 0.3, V = 3:
-    # q = [0.1, 0.1, 0.8]; loss = -(0.1 ln 1/4 + 0.1 ln 1/4 + 0.8 ln 1/2) = 1.2 ln 2
-    logits = torch.tensor([[0.0, 0.0, math.log(2.0)]])
-    loss, nll, n = label_smoothed_nll(logits, torch.tensor([2]), 0.3, pad_id=0)
-    assert loss.item() == pytest.approx(1.2 * math.log(2.0), abs=1e-6)
-    assert nll.item() == pytest.approx(math.log(2.0), abs=1e-6) and n.item() == 1
-
-
-def test_noam_peaks_at_warmup_with_the_papers_values():
-    assert noam_lr(4000, 512, 4000) == pytest.approx(6.99e-4, rel=1e-3)  # base
-    assert noam_lr(4000, 1024, 4000) == pytest.approx(4.94e-4, rel=1e-3)  # big
-    assert noam_lr(100, 512, 4000) == pytest.approx(512**-0.5 * 100 * 4000**-1.5)  # linear warmup
-    assert noam_lr(40000, 512, 4000) == pytest.approx(512**-0.5 * 40000**-0.5)  # inverse square root
-    assert noam_lr(1000, 512, 4000, factor=2.0) == pytest.approx(2 * noam_lr(1000, 512, 4000))
 
 
 class RecordLR(L.Callback):
@@ -120,121 +62,51 @@ def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation)
     assert record.lrs == pytest.approx(expected, rel=1e-9)
 
 
-def test_progress_durations_never_go_negative():
-    assert duration(3725.9) == "1:02:05"
-    assert duration(-6.0) == "0:00:00"  # the run went past its time limit: ETA 0, not "-1 day, 23:59:54"
+@pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
+def test_the_compiled_training_step_gives_eagers_loss_and_gradients_with_dropout():
+    """torch.compile of the training forward and loss, dynamic shapes: two batches of different shapes
+    (one graph for both), dropout 0.1. Inductor draws dropout's masks with its own generator; with
+    fallback_random it draws eager's, so both paths can be compared value for value."""
+    batches = micro_batches()[:2]  # 2 and 3 sentences of different lengths
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)  # the same weights
+        module = TranslationModule(MODEL, val_bleu_sentences=0)
+        if compiled:
+            module.compile_training()
+        step = []
+        for i, batch in enumerate(batches):
+            torch.manual_seed(100 + i)
+            with mock.patch.object(inductor, "fallback_random", True):
+                loss, nll, n = module._losses(batch, module._training_losses)
+            module.zero_grad()
+            loss.backward()
+            step.append((loss.detach(), nll.detach(), {k: p.grad.clone() for k, p in module.named_parameters()}))
+        results.append(step)
+    for (eager_loss, eager_nll, eager_grads), (loss, nll, grads) in zip(*results, strict=True):
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(nll, eager_nll, rtol=1e-5, atol=1e-5)
+        for name in eager_grads:
+            torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-class KeepGradients(TranslationModule):
-    def on_before_optimizer_step(self, optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)  # normalises the update's gradient
-        self.kept = {name: p.grad.clone() for name, p in self.named_parameters()}
-
-
-def test_an_accumulated_update_has_the_gradient_of_one_batch_holding_its_sentences():
-    """Every target token of an update weighs the same (fairseq's normalisation): 3 micro-batches of
-    1, 2 and 5 sentences give the gradient of one batch of all 8, not the mean of 3 per-batch means."""
-    model_cfg = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    items = [
-        (torch.randint(4, 20, (n,), generator=g).numpy(), torch.randint(4, 20, (n + 3,), generator=g).numpy(), i)
-        for i, n in enumerate([9, 2, 3, 4, 2, 5, 1, 6])
-    ]
-    micro_batches = [collate(items[:1]), collate(items[1:3]), collate(items[3:])]
-    torch.manual_seed(0)
-    module = KeepGradients(model_cfg, val_bleu_sentences=0)
-    torch.manual_seed(0)
-    reference = Transformer(TransformerConfig(**model_cfg))
-    trainer = L.Trainer(
-        max_steps=1,
-        accumulate_grad_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
+@pytest.mark.slow  # compiles
+def test_a_compiled_run_trains_logs_its_compile_time_and_writes_eager_checkpoints(tmp_path, caplog):
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [f"data.path={corpus}", "trainer.compile=true", "trainer.max_steps=3", "checkpoint.every_n_train_steps=3"]
+    with caplog.at_level(logging.INFO):
+        train_in_process(args, tmp_path, tmp_path / "run")
+    assert re.search(
+        r"trainer.compile: the first training micro-batch took [\d.]+ s, compilation included", caplog.text
     )
-    trainer.fit(module, DataLoader(micro_batches, batch_size=None))
-    whole = collate(items)
-    loss_sum, _, n_tokens = sequence_losses(reference, whole["src"], whole["tgt_in"], whole["tgt_out"], 0.1)
-    (loss_sum / n_tokens).backward()
-    for name, param in reference.named_parameters():
-        torch.testing.assert_close(module.kept[f"model.{name}"], param.grad, atol=1e-6, rtol=1e-5, msg=name)
-    # ... and not what per-micro-batch means averaged by Lightning would give (the defect this replaces)
-    means = []
-    for batch in micro_batches:
-        reference.zero_grad()
-        loss_sum, _, n_tokens = sequence_losses(reference, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1)
-        (loss_sum / n_tokens / 3).backward()
-        means.append(reference.embed.tokens.weight.grad.clone())
-    assert not torch.allclose(sum(means), module.kept["model.embed.tokens.weight"], atol=1e-4)
+    weights = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert weights and not [key for key in weights if "_orig_mod" in key]  # the keys of an eager run
+    model, _, _ = load_for_inference(tmp_path / "run" / "checkpoints" / "step0000003.ckpt")  # every tool reads it
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
-def test_a_whole_training_run_waits_for_the_device_once_per_update(corpus, tmp_path):
-    """On a GPU every read of a device value drains the kernel queue, and so does a device tensor built from
-    Python values. Over a whole run of transformer_mt.train, each update waits once (its gradient norm, loss
-    and counts, read together), wherever in Lightning's loop a wait would hide; checkpoint writes and
-    validations are counted apart (main before the update callback: 135 waits in these 6 updates)."""
-    counter = DeviceWaits()
-    counted_run(counter, train_in_process, [f"data.path={corpus}", *WAITS_RUN], tmp_path, tmp_path / "run")
-    updates = counter.per_update()
-    assert sorted(updates) == [1, 2, 3, 4, 5, 6], summary(counter)
-    for update, waits in updates.items():
-        assert len(waits) == 1 and waits[0].startswith("tolist at update.py"), (update, waits)
-    assert {w["kind"] for w in counter.found if isinstance(w["phase"], int)} >= {"update", "checkpoint", "validation"}
-    # The host's counts are the padded tensors': target tokens, and model FLOPs of the real lengths.
-    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert last["totals"]["target_tokens"] > 0 and last["totals"]["model_flops"] > 0
-
-
-def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
-    batches = micro_batches()
-    module = TranslationModule(MODEL, val_bleu_sentences=0)
-    trainer = L.Trainer(
-        max_steps=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, accelerator="cpu", default_root_dir=tmp_path,
-    )  # fmt: skip
-    trainer.fit(module, DataLoader(batches, batch_size=None))
-    cfg, totals = module.model.cfg, module.updates.totals
-    tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches)
-    flops = sum(training_flops(cfg, b["src"].ne(PAD_ID).sum(1), b["tgt_out"].ne(PAD_ID).sum(1)) for b in batches)
-    assert totals["target_tokens"] == tokens and totals["model_flops"] == pytest.approx(flops, rel=1e-12)
-    assert module.updates.current.step == 2 and module.updates.current.tokens == sum(
-        int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches[3:]
-    )
-    # Without collate's positions, the loss would find its rows on the device: the counter sees that.
-    with DeviceWaits() as counter:
-        sequence_losses(module.model, batches[0]["src"], batches[0]["tgt_in"], batches[0]["tgt_out"], 0.1)
-    assert [w["what"] for w in counter.found] == ["nonzero"]
-
-
-class NaNAtUpdate2(TranslationModule):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if batch_idx == 4 else loss  # inside update 2's window
-
-
-class KeepState(L.Callback):
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if batch_idx == 2:  # update 1 done
-            self.weights = {k: v.clone() for k, v in module.state_dict().items()}
-            self.moments = {k: v.clone() for k, v in trainer.optimizers[0].state_dict()["state"][0].items()}
-
-
-def test_a_non_finite_update_stops_the_run_with_weights_and_adam_as_the_update_before_left_them(tmp_path):
-    """The update's one wait comes after its step, so the device skips a non-finite step itself (fused Adam's
-    found_inf): the run stops with TrainingDiverged, and weights and Adam's moments and step count are those of
-    the last finite update."""
-    keep = KeepState()
-    trainer = L.Trainer(
-        max_steps=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, accelerator="cpu", callbacks=[keep],
-        default_root_dir=tmp_path,
-    )  # fmt: skip
-    module = NaNAtUpdate2(MODEL, val_bleu_sentences=0)
-    with pytest.raises(TrainingDiverged, match="training diverged at update 2: the gradient norm is nan"):
-        trainer.fit(module, DataLoader(micro_batches(), batch_size=None))
-    for name, value in module.state_dict().items():
-        assert torch.equal(value, keep.weights[name]), name
-    state = trainer.optimizers[0].state_dict()["state"][0]
-    assert state["step"].item() == 1 and all(torch.equal(state[k], v) for k, v in keep.moments.items())
+def test_compile_is_a_switch_and_not_with_fsdp(tmp_path):
+    with pytest.raises(InputError, match=r"trainer.compile='yes': must be true or false"):
+        check_config(compose_config("train", ["trainer.compile=yes"]))
+    with pytest.raises(InputError, match="trainer.compile with trainer=fsdp is not supported"):
+        check_config(compose_config("train", ["trainer=fsdp", "trainer.compile=true"]))

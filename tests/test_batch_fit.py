@@ -1,29 +1,20 @@
-"""What makes training fast, checked for correctness (not speed; scripts/benchmark.py measures that):
-data.max_tokens=auto's probe (training/batch_fit.py) and trainer.compile."""
+"""training/batch_fit.py: data.max_tokens=auto's probe finds the largest micro-batch that fits, the recipes
+fit their batch to the GPU and keep the update, and a CPU keeps the fallback."""
 
 import logging
 import math
-import re
-import subprocess
-import sys
 from types import SimpleNamespace
 from unittest import mock
 
 import pytest
 import torch
-import torch._inductor.config as inductor
 from omegaconf import OmegaConf
 
-from conftest import ROOT, train_in_process, write_corpus
-from device_waits import MODEL, micro_batches
-from transformer_mt.checkpoint import load_for_inference
+from conftest import train_in_process, write_corpus
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError
-from transformer_mt.train import check_config
 from transformer_mt.training import batch_fit
 from transformer_mt.training.batch_fit import MARGIN, FitBatch, fit_max_tokens, largest_fitting
-from transformer_mt.training.module import TranslationModule
 
 GiB = 2**30
 
@@ -145,70 +136,3 @@ def test_the_recipes_on_a_cpu_keep_their_batch(experiment, fallback, monkeypatch
 
 
 # ---------------------------------------------------------------- trainer.compile
-
-
-@pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
-def test_the_compiled_training_step_gives_eagers_loss_and_gradients_with_dropout():
-    """torch.compile of the training forward and loss, dynamic shapes: two batches of different shapes
-    (one graph for both), dropout 0.1. Inductor draws dropout's masks with its own generator; with
-    fallback_random it draws eager's, so both paths can be compared value for value."""
-    batches = micro_batches()[:2]  # 2 and 3 sentences of different lengths
-    results = []
-    for compiled in (False, True):
-        torch.manual_seed(0)  # the same weights
-        module = TranslationModule(MODEL, val_bleu_sentences=0)
-        if compiled:
-            module.compile_training()
-        step = []
-        for i, batch in enumerate(batches):
-            torch.manual_seed(100 + i)
-            with mock.patch.object(inductor, "fallback_random", True):
-                loss, nll, n = module._losses(batch, module._training_losses)
-            module.zero_grad()
-            loss.backward()
-            step.append((loss.detach(), nll.detach(), {k: p.grad.clone() for k, p in module.named_parameters()}))
-        results.append(step)
-    for (eager_loss, eager_nll, eager_grads), (loss, nll, grads) in zip(*results, strict=True):
-        torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(nll, eager_nll, rtol=1e-5, atol=1e-5)
-        for name in eager_grads:
-            torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
-@pytest.mark.slow  # compiles
-def test_a_compiled_run_trains_logs_its_compile_time_and_writes_eager_checkpoints(tmp_path, caplog):
-    corpus = write_corpus(tmp_path / "corpus")
-    args = [f"data.path={corpus}", "trainer.compile=true", "trainer.max_steps=3", "checkpoint.every_n_train_steps=3"]
-    with caplog.at_level(logging.INFO):
-        train_in_process(args, tmp_path, tmp_path / "run")
-    assert re.search(
-        r"trainer.compile: the first training micro-batch took [\d.]+ s, compilation included", caplog.text
-    )
-    weights = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert weights and not [key for key in weights if "_orig_mod" in key]  # the keys of an eager run
-    model, _, _ = load_for_inference(tmp_path / "run" / "checkpoints" / "step0000003.ckpt")  # every tool reads it
-    assert sum(p.numel() for p in model.parameters()) > 0
-
-
-def test_compile_is_a_switch_and_not_with_fsdp(tmp_path):
-    with pytest.raises(InputError, match=r"trainer.compile='yes': must be true or false"):
-        check_config(compose_config("train", ["trainer.compile=yes"]))
-    with pytest.raises(InputError, match="trainer.compile with trainer=fsdp is not supported"):
-        check_config(compose_config("train", ["trainer=fsdp", "trainer.compile=true"]))
-
-
-@pytest.mark.slow
-def test_the_host_overhead_table_puts_our_trainer_beside_the_bare_loop():
-    """make bench's host part (scripts/host_overhead.py): the operations of our Trainer's micro-batch are the
-    bare loop's model, loss and backward plus the update's few host-side additions; per update it adds only
-    what its bookkeeping launches (normalisation, norm, the one read), not an operation per parameter."""
-    command = [sys.executable, "scripts/host_overhead.py", "--shapes", "base", "--updates", "4", "--no-compile"]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    rows = {line[7:24].strip(): line[24:].split() for line in out.splitlines() if line.startswith("base ")}
-    assert set(rows) == {"bare loop", "Trainer eager"}, out
-    (bare_mb, bare_update), (ours_mb, ours_update) = (
-        [int(rows[s][i].replace(",", "")) for i in (0, 1)] for s in ("bare loop", "Trainer eager")
-    )
-    assert 2_000 < bare_mb <= ours_mb <= bare_mb + 20, out  # the model's ~2,450 at base's depth, plus `add`'s few
-    assert ours_update <= bare_update + 30, out  # the parameters number 253: one op each would show
-    assert rows["bare loop"][-1] == "1.00x" and rows["Trainer eager"][-1].endswith("x"), out

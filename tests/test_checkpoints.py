@@ -1,0 +1,118 @@
+"""training/checkpoints.py and the run folder: which checkpoints a run writes and when (right after an
+update, after a due validation), resuming refuses non-finite weights, one training per run folder."""
+
+import re
+import shutil
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+import transformer_mt.train
+import transformer_mt.training.update
+from conftest import load, train_in_process
+from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
+from transformer_mt.errors import InputError, remove_if_empty
+from transformer_mt.files import RunFolderLock
+from transformer_mt.tools.plot import read_metrics
+
+
+def test_accumulated_runs_validate_and_checkpoint_every_n_updates(corpus, tmp_path):
+    # tokens_per_update 600 with max_tokens 300: 2 micro-batches per update. Validation every 4 updates
+    # (not every 4 micro-batches) and checkpoints every 3 updates.
+    args = [f"data.path={corpus}", "data.tokens_per_update=600", "trainer.max_steps=8"]
+    train_in_process([*args, "checkpoint.every_n_train_steps=3"], tmp_path, tmp_path / "run")
+    assert [update for update, _ in read_metrics(tmp_path / "run")["val/loss"]] == [4, 8]
+    last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 8
+    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"] == 16  # micro-batches
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    assert saved == ["step0000003.ckpt", "step0000006.ckpt"]
+
+
+class SlowBatch(L.Callback):
+    """Micro-batch `batch` takes `seconds` on the update's clock (training/update.py's, driven here)."""
+
+    def __init__(self, batch: int, seconds: float):
+        self.batch, self.seconds, self.now = batch, seconds, 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == self.batch:
+            self.now += self.seconds
+
+
+def test_a_time_based_checkpoint_that_comes_due_inside_an_update_waits_for_its_end(corpus, tmp_path, monkeypatch):
+    # 2 micro-batches per update, a save every 2 s of training; micro-batch 2 (the first of update 2)
+    # takes 2.5 s: the save comes due there, in the middle of update 2, whose accumulated gradient a
+    # checkpoint would not hold. It must wait for update 2's end (micro-batch 3), and not come again at update 3.
+    slow = SlowBatch(2, 2.5)
+    monkeypatch.setattr(transformer_mt.training.update, "clock", slow.clock)
+    make_callbacks = transformer_mt.train.make_callbacks
+    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
+    args = [f"data.path={corpus}", "data.tokens_per_update=600", "trainer.max_steps=3"]
+    train_in_process([*args, f"checkpoint.train_time_interval_minutes={2 / 60}"], tmp_path, tmp_path / "run")
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("time-step*.ckpt")
+    checkpoint = load(saved)
+    micro_batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+    assert (checkpoint["global_step"], micro_batches) == (2, 4), saved.name  # whole updates only
+
+
+def test_a_checkpoint_written_after_its_validation_holds_that_validations_best_score(trained_run):
+    """Update 6 is checkpointed and validated: its checkpoint waits for the validation and for best.ckpt's
+    choice, so that a run resumed from it compares later validations with the right best score."""
+    checkpoint = torch.load(trained_run / "out" / "checkpoints" / "step0000006.ckpt", weights_only=True)
+    (best,) = [state for key, state in checkpoint["callbacks"].items() if "'monitor': 'val/bleu'" in key]
+    bleu = dict(read_metrics(trained_run / "out")["val/bleu"])
+    assert 6 in bleu  # the validation of update 6
+    assert best["best_model_score"].item() == pytest.approx(max(v for step, v in bleu.items() if step <= 6))
+
+
+def test_resume_refuses_non_finite_weights_and_last_falls_back_to_the_newest_finite_checkpoint(
+    trained_run, tmp_path, caplog
+):
+    run = tmp_path / "run"
+    shutil.copytree(trained_run / "out", run)
+    last = read_checkpoint(run / "checkpoints" / "last.ckpt")
+    last["state_dict"]["model.embed.tokens.weight"][7, 0] = float("nan")
+    write_checkpoint(last, run / "checkpoints" / "last.ckpt")
+    args = [f"data.path={trained_run / 'corpus'}", "data.max_tokens=400", "trainer.val_check_interval=6"]
+    args += ["checkpoint.every_n_train_steps=3", "trainer.max_steps=13"]
+    with pytest.raises(InputError, match=r"last.ckpt: the weights are not finite: model.embed.tokens.weight holds 1"):
+        train_in_process([*args, f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"], trained_run, tmp_path / "other")
+    with caplog.at_level("INFO"):
+        train_in_process([*args, "ckpt_path=last"], trained_run, run)
+    assert re.search(r"not resuming from \S+last.ckpt: \S+ the weights are not finite", caplog.text)
+    assert re.search(r"resuming from \S+step0000012.ckpt \(update 12\)", caplog.text)
+
+
+def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lock_is_taken_over(corpus, tmp_path):
+    run = tmp_path / "run"
+    args = [f"data.path={corpus}", "trainer.max_steps=2"]
+    hold = f"from transformer_mt.files import RunFolderLock; RunFolderLock(Path({str(run)!r})).__enter__()"
+    script = f"from pathlib import Path; {hold}; print('held', flush=True); __import__('time').sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)  # another training
+    try:
+        assert holder.stdout.readline() == "held\n"
+        refused = rf"{re.escape(str(run))} is in use by another training \(pid {holder.pid} on "
+        with pytest.raises(InputError, match=refused):
+            train_in_process(args, tmp_path, run)
+        assert not (run / "checkpoints").exists()  # nothing of the refused start
+        remove_if_empty(run)  # what a failed start does to its folder: not to a folder another training holds
+        assert (run / ".lock").is_file()
+    finally:
+        holder.kill()
+        holder.wait()
+    train_in_process(args, tmp_path, run)  # the holder died by SIGKILL: its lock went with it
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    # The holder's .hydra files: a refused start's Hydra rewrites them before it is refused; the holder
+    # writes its own back when it ends.
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    with RunFolderLock(run):
+        (run / ".hydra" / "config.yaml").write_text("seed: 1\n")  # as Hydra of the refused start does
+    assert (run / ".hydra" / "config.yaml").read_text() == "seed: 0\n"

@@ -1,0 +1,207 @@
+"""The Hydra configs (conf/) and train.py's checks of them: every experiment and group composes, the paper's
+values, unknown keys and settings that would fail late are refused first, in one line, leaving no run folder."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import CONF, ROOT, run_train
+from transformer_mt.configs import compose as compose_config
+from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.errors import InputError, remove_if_empty
+from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.train import check_config, make_callbacks, trainer_arguments
+from transformer_mt.training.callbacks import StartupLog
+
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def compose_train(overrides: list[str], tmp_path: Path):
+    return compose_config("train", overrides)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_instantiates(experiment, tmp_path):
+    cfg = compose_train([f"experiment={experiment}", f"data.cache_dir={tmp_path}"], tmp_path)
+    with torch.device("meta"):
+        Transformer(TransformerConfig(vocab_size=cfg.data.vocab_size, **cfg.model))
+    TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        cfg.trainer.accelerator = "cpu"  # the same keys, checked on CPU
+    L.Trainer(**trainer_arguments(cfg.trainer), logger=False, callbacks=make_callbacks(cfg, tmp_path, StartupLog(0.0)))
+
+
+@pytest.mark.parametrize("group", ["data", "model", "trainer", "logger"])
+def test_every_group_option_composes(group, tmp_path):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        extra = ["data.path=/somewhere"] if (group, option) == ("data", "text") else []
+        cfg = compose_train([f"{group}={option}", *extra], tmp_path)
+        assert cfg[group] is not None, option
+    for launcher in ["slurm"]:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+        assert cfg.hydra.launcher.gpus_per_node == 8
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["hparams_search=optuna"], return_hydra_config=True)
+    assert cfg.hydra.sweeper.direction == "maximize"
+
+
+def test_unknown_config_keys_are_rejected(tmp_path):
+    with pytest.raises(Exception, match="modle|not in struct|Could not override"):
+        compose_train(["model.modle_dim=3"], tmp_path)
+
+
+def test_base_and_big_carry_the_papers_values(tmp_path):
+    base = compose_train(["experiment=base"], tmp_path)
+    assert dict(base.model) == dict(
+        d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, dropout=0.1, max_positions=1024,
+        d_k=None, d_v=None, positions="sinusoidal", norm="post", share_embeddings="all",  # the switches: the paper's
+    )  # fmt: skip
+    assert base.label_smoothing == 0.1
+    assert dict(base.optim) == dict(lr_factor=1.0, warmup_steps=4000, betas=[0.9, 0.98], eps=1e-9)
+    assert base.trainer.max_steps == 100_000 and base.data.tokens_per_update == 25_000
+    # a GPU's batch is the most it fits (the update stays 25k tokens); a CPU's is 4,096 tokens, big's 2,048
+    assert (base.data.max_tokens, base.data.max_tokens_fallback) == ("auto", 4096)
+    assert base.data.name == "wmt14" and base.data.vocab_size == 37_000
+    assert base.checkpoint.train_time_interval_minutes == 10 and base.checkpoint.keep_last == 5
+    assert base.logger._target_.endswith("WandbLogger")
+    big = compose_train(["experiment=big"], tmp_path)
+    assert (big.model.d_model, big.model.d_ff, big.model.n_heads, big.model.dropout) == (1024, 4096, 16, 0.3)
+    assert big.trainer.max_steps == 300_000 and big.data.tokens_per_update == 25_000
+    assert (big.data.max_tokens, big.data.max_tokens_fallback) == ("auto", 2048)
+    assert big.checkpoint.keep_last == 20 and big.optim.warmup_steps == 4000
+    # both end with §6.1's protocol: the last 5 / 20 checkpoints averaged, the test split (newstest2014) beam-decoded
+    assert (base.final.enabled, base.final.average_last, list(base.final.splits)) == (True, 5, ["test"])
+    assert (big.final.enabled, big.final.average_last) == (True, 20) and big.decoding.beam_size == 4
+
+
+def test_settings_that_would_fail_late_are_refused_first(tmp_path):
+    cfg = compose_train(["val_bleu_sentences=0"], tmp_path)
+    with pytest.raises(InputError, match=r"best_monitor=val/bleu needs val_bleu_sentences > 0; or set checkpoint"):
+        check_config(cfg)
+    with pytest.raises(InputError, match="early_stopping_patience needs checkpoint.best_monitor"):
+        check_config(compose_train(["early_stopping_patience=3", "checkpoint.best_monitor=null"], tmp_path))
+    # Wrong types and values, by key, before the data is built (not "TypeError: not all arguments converted")
+    for override, message in [
+        ("model.d_model=abc", "model.d_model='abc': must be a whole number"),
+        ("model.dropout=1.5", "model.dropout=1.5: must be in [0, 1)"),
+        ("model.n_heads=3", "model.d_model=512 is not divisible by n_heads=3"),
+        ("+model.d_modle=3", "model.d_modle: not a model setting; the model takes d_ff, d_k, d_model"),
+        ("model.norm=sandwich", "model.norm='sandwich': must be one of post, pre"),
+        ("model.d_k=0", "model.d_k=0: must be positive"),
+        ("ema_decay=1.5", "ema_decay=1.5: must be a number in (0, 1)"),
+        ("final.enabled=true final.splits=[dev]", "final.splits=['dev']: must be a list of validation and/or test"),
+        ("optim.lr_factor=fast", "optim.lr_factor='fast': must be a number, 0 or more"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps=-5: must be a whole number, 0 or more"),
+    ]:
+        with pytest.raises(InputError) as error:
+            check_config(compose_train(override.split(), tmp_path))
+        assert str(error.value).startswith(message), (override, str(error.value))
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* add trainer=cpu"):
+            trainer_arguments(compose_train(["trainer=gpu"], tmp_path).trainer)
+
+
+def test_cpu_precision_auto_is_bf16_only_where_the_cpu_computes_it(tmp_path, monkeypatch):
+    cfg = compose_train(["trainer=cpu"], tmp_path).trainer
+    for native, expected in [(True, "bf16-mixed"), (False, "32-true")]:
+        monkeypatch.setattr("transformer_mt.train.cpu_has_native_bf16", lambda native=native: native)
+        assert trainer_arguments(cfg)["precision"] == expected
+    cfg.precision = "bf16-mixed"  # an explicit choice is kept
+    assert trainer_arguments(cfg)["precision"] == "bf16-mixed"
+
+
+@pytest.mark.slow
+def test_a_failed_start_ends_in_one_line_and_leaves_no_run_folder(tmp_path):
+    proc = run_train(["experiment=base", "data=wmt14", "data.path=/nonexistent/wmt14"], tmp_path, check=False)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "error: data 'wmt14': data.path=/nonexistent/wmt14 does not exist"
+    ]
+    assert not (tmp_path / "outputs").exists()  # Hydra's outputs/<date>/<time>/ is removed again
+
+
+def test_a_failed_run_removes_only_its_own_hydra_only_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "outputs" / "2026-11-30" / "10-00-00"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "train.log").write_text("started\n")
+    keep = tmp_path / "outputs" / "2026-11-29" / "09-00-00" / "checkpoints"
+    keep.mkdir(parents=True)
+    remove_if_empty(run)
+    assert not run.exists() and not run.parent.exists() and keep.exists()  # outputs/ still holds another run
+    (tmp_path / ".hydra").mkdir()
+    remove_if_empty(tmp_path)  # translate's run folder is "."
+    assert (tmp_path / ".hydra").exists()
+    done = tmp_path / "done"
+    (done / "checkpoints").mkdir(parents=True)
+    remove_if_empty(done)
+    assert done.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # pip builds the package
+def test_installed_without_editable_mode_the_entry_points_find_their_configs(tmp_path):
+    """`pip install .` (not -e) copies conf/ into the package; train, evaluate and translate compose from it,
+    run as modules and as the console commands pip installs (the same entry points)."""
+    source = tmp_path / "source"  # a copy, so that the build leaves nothing in the checkout
+    shutil.copytree(
+        ROOT / "src", source / "src", symlinks=True, ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
+    )
+    shutil.copytree(ROOT / "conf", source / "conf")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(source)]
+    subprocess.run(pip, check=True, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import transformer_mt; print(transformer_mt.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    ).stdout
+    assert where.startswith(str(site)) and not (site / "transformer_mt" / "conf").is_symlink()
+    for module, args, expected in [
+        ("train", ["experiment=base"], "d_model: 512"),
+        ("evaluate", ["ckpt=x.ckpt"], "beam_size: 4"),
+        ("translate", ["ckpt=x.ckpt"], "batch_lines: 10000"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", f"transformer_mt.{module}", "--cfg", "job", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr[-2000:]
+        command = [str(site / "bin" / f"transformer-mt-{module}"), "--cfg", "job", *args]
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert proc.returncode == 0 and expected in proc.stdout, proc.stderr[-2000:]
+    for command, expected in [("average", "usage: transformer-mt-average"), ("export", "usage: transformer-mt-export")]:
+        proc = subprocess.run(
+            [str(site / "bin" / f"transformer-mt-{command}"), "--help"], capture_output=True, text=True, env=env
+        )
+        assert proc.returncode == 0 and proc.stdout.startswith(expected), proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_hub_failure_says_how_to_work_offline(tmp_path):
+    proc = run_train(
+        ["experiment=multi30k", "data=multi30k", "trainer.max_steps=1"],
+        tmp_path,
+        check=False,
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1].startswith("error: data 'multi30k': could not load bentrevett/multi30k")
+    assert "data.path=" in lines[-1] and "make_wmt14_layout.py" in lines[-1]

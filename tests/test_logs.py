@@ -1,0 +1,77 @@
+"""training/logs.py and callbacks.py's lines: where a run's lines and metrics go (the log file once per run,
+Weights & Biases per run and per sweep), and the progress lines' durations."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import hydra_task, load, run_train
+from transformer_mt.configs import compose as compose_config
+from transformer_mt.training.callbacks import duration
+from transformer_mt.training.logs import make_logger
+
+
+def test_wandb_without_a_key_warns_once_per_run_not_once_per_rank(tmp_path, monkeypatch, caplog):
+    from lightning.pytorch.utilities import rank_zero_only  # noqa: PLC0415
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    cfg = compose_config("train", ["logger=wandb"]).logger
+    hydra_task("train", [], tmp_path / "run")  # make_logger reads the run's HydraConfig
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            make_logger(OmegaConf.merge(cfg, {"save_dir": str(tmp_path / f"w{rank}")}))
+        seen.append("no API key found" in caplog.text)
+    assert seen == [True, False]
+
+
+@pytest.mark.slow
+def test_sweep_jobs_each_get_their_own_wandb_run_in_one_group(corpus, tmp_path):
+    sweep = tmp_path / "sweep"
+    env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
+    proc = run_train(
+        [
+            "-m",
+            f"data.path={corpus}",
+            "logger=wandb",
+            "model.dropout=0.1,0.3",
+            "trainer.max_steps=2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        tmp_path,
+        env=env,
+    )
+    assert (proc.stdout + proc.stderr).count("logging offline") == 2  # once per job
+    runs = [list((sweep / job / "wandb").glob("offline-run-*")) for job in ("0", "1")]
+    assert [len(r) for r in runs] == [1, 1] and runs[0][0].name != runs[1][0].name
+    for job, (run,) in zip(("0", "1"), runs):
+        record = next(run.glob("run-*.wandb")).read_bytes()  # wandb's own record of the run
+        assert f"sweep-{job}".encode() in record and str(sweep).encode() in record  # its name and group
+
+
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu_logs_each_line_once(corpus, tmp_path):
+    proc = run_train(
+        [
+            f"data.path={corpus}",
+            "trainer.strategy=ddp",
+            "trainer.devices=2",
+            "trainer.max_steps=4",  # one validation (every 4): BLEU gathered from both ranks, best.ckpt on both
+            f"hydra.run.dir={tmp_path / 'ddp'}",
+        ],
+        tmp_path,
+    )
+    assert "x 2 device(s)" in proc.stdout
+    assert load(tmp_path / "ddp" / "checkpoints" / "last.ckpt")["global_step"] == 4
+    assert load(tmp_path / "ddp" / "checkpoints" / "best.ckpt")["global_step"] == 4
+    assert proc.stdout.count("validation at update 4:") == 1 and "(8 sentences)" in proc.stdout
+    for split in ("train", "validation", "test"):  # rank 1 builds the data too, silently
+        assert proc.stdout.count(f"text {split}: ") == 1, proc.stdout
+
+
+def test_progress_durations_never_go_negative():
+    assert duration(3725.9) == "1:02:05"
+    assert duration(-6.0) == "0:00:00"  # the run went past its time limit: ETA 0, not "-1 day, 23:59:54"

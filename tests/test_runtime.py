@@ -1,0 +1,127 @@
+"""runtime.py and the strategies: TF32, the process group's end, DDP and FSDP settings, the devices' peak
+FLOP/s behind the MFU."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra.types import RunMode
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import OmegaConf
+
+import transformer_mt.train
+import transformer_mt.training.update
+from transformer_mt import runtime
+from transformer_mt.errors import InputError
+from transformer_mt.runtime import device_peak, end_process_group, use_tf32
+from transformer_mt.train import make_strategy
+from transformer_mt.training.sharding import LayerFSDP
+
+
+def test_fsdp_in_bf16_reduces_gradients_and_keeps_buffers_in_fp32():
+    strategy = make_strategy("fsdp", "bf16-mixed")
+    mixed = strategy.mixed_precision_config
+    assert (mixed.param_dtype, mixed.reduce_dtype, mixed.buffer_dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert make_strategy("fsdp", "32-true").mixed_precision is None  # fp32: no mixed precision at all
+
+
+def test_ddp_broadcasts_no_buffers_and_sweeps_refuse_fsdp_that_would_relaunch_them(monkeypatch):
+    for name, start in (("ddp", "popen"), ("ddp_spawn", "spawn")):
+        strategy = make_strategy(name)
+        assert isinstance(strategy, DDPStrategy) and strategy._start_method == start, name
+        assert strategy._ddp_kwargs == {"broadcast_buffers": False}  # no broadcast of the sinusoids per forward
+
+    class Sweep:  # HydraConfig of a `-m` run started from a shell
+        @staticmethod
+        def initialized():
+            return True
+
+        @staticmethod
+        def get():
+            return OmegaConf.create({"mode": RunMode.MULTIRUN})
+
+    monkeypatch.setattr(transformer_mt.train, "HydraConfig", Sweep)
+    for key in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    assert make_strategy("ddp")._start_method == "spawn"
+    with pytest.raises(InputError, match=r"trainer=fsdp in a Hydra multirun .* hydra/launcher=slurm"):
+        make_strategy("fsdp", devices=-1)
+    assert isinstance(make_strategy("fsdp", devices=1), LayerFSDP)  # one device: no other rank to start
+    monkeypatch.setenv("SLURM_NTASKS", "8")  # each rank started by srun (hydra/launcher=slurm): nothing re-runs
+    assert isinstance(make_strategy("fsdp", devices=-1), LayerFSDP)
+    assert make_strategy("ddp")._start_method == "popen"
+
+
+def test_use_tf32_turns_on_tf32_for_fp32_products():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        use_tf32()
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_the_process_group_ends_with_the_last_object_that_holds_it_and_its_gloo_threads_are_joined(tmp_path):
+    """A gloo thread still running when the interpreter finalizes can abort the process (status -6):
+    end_process_group reports the threads of a group something still holds, and none once it is dropped."""
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.distributed.all_reduce(torch.ones(3))
+    holder = [torch.distributed.group.WORLD]  # as a DDP/FSDP wrapper holds its group
+    assert "pt_gloo_runloop" in end_process_group()
+    assert not torch.distributed.is_initialized()
+    holder.clear()
+    assert end_process_group() == []
+
+
+@pytest.mark.parametrize(
+    "name, precision, peak",
+    [
+        ("NVIDIA H200", "bf16-mixed", 989e12),
+        ("NVIDIA H100 80GB HBM3", "32-true", 67e12),  # fp32: torch's default matmul precision is "highest"
+        ("NVIDIA H100 PCIe", "bf16-mixed", 756e12),
+        ("NVIDIA A100-SXM4-80GB", "16-mixed", 312e12),
+        ("NVIDIA A10", "bf16-mixed", 125e12),  # not A100's
+        ("NVIDIA H100 NVL", "bf16-mixed", None),  # lower clocks: left unknown rather than guessed
+        ("Tesla V100-SXM2-32GB", "bf16-mixed", None),  # no bf16
+    ],
+)
+def test_mfu_is_measured_against_the_data_sheets_peak_of_the_gpu_and_its_format(monkeypatch, name, precision, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    found = device_peak(torch.device("cuda", 0), precision)
+    assert found.flops == peak
+    assert (name in found.source) and (("no MFU" in found.source) == (peak is None))
+    if peak:
+        assert found.utilisation(peak / 4) == 0.25
+
+
+def test_a_cpus_peak_is_a_matrix_product_timed_in_trainings_format():
+    found = device_peak(torch.device("cpu"), "32-true")
+    assert found.flops > 1e9 and re.fullmatch(
+        r"[\d.]+ GFLOP/s fp32, a 2048\^3 matrix product timed on this CPU", found.source
+    )
+
+
+def clock(durations: list[float]):
+    """time.perf_counter as matmul_peak reads it: once when timing starts, then before and after each product,
+    the products taking `durations`; it runs out after the last (a product more would fail the test)."""
+    readings, now = [0.0], 0.0
+    for took in durations:
+        readings += [now, now + took]
+        now += took
+    return iter(readings).__next__
+
+
+@pytest.mark.parametrize(
+    "durations",
+    [
+        [0.5, 0.2, 0.3, 0.4, 0.6],  # slow products: 5 of them, although past the second
+        [0.1] * 8 + [0.04] + [0.1] * 2,  # a busy machine, quiet for one product: timing goes on until a second passed
+    ],
+)
+def test_a_cpus_peak_is_the_fastest_product_of_a_second_of_them(durations, monkeypatch):
+    monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=clock(durations)))  # runtime's clock only
+    assert runtime.matmul_peak(torch.float32, n=16) == pytest.approx(2 * 16**3 / min(durations))
