@@ -12,21 +12,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import sacrebleu
 import torch
 
 from conftest import ROOT, hydra_task, run_translate
-from transformer_mt.averaging import average_checkpoints, average_run, run_checkpoints
-from transformer_mt.checkpoint import load_for_inference, read_checkpoint, write_checkpoint
-from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.averaging import average_run
+from transformer_mt.checkpoint import (
+    average_checkpoints,
+    load_for_inference,
+    read_checkpoint,
+    run_checkpoints,
+    write_checkpoint,
+)
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
 from transformer_mt.runtime import set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
-from transformer_mt.training.module import TranslationModule
 
 # ---------------------------------------------------------------- averaging
 
@@ -144,7 +147,7 @@ def test_tokenized_bleu_splits_compounds_like_get_ende_bleu():
     assert tokenized_bleu([hyp], [ref]) > sacrebleu.corpus_bleu([hyp], [[ref]]).score
 
 
-# ---------------------------------------------------------------- evaluate, translate, trainer.test
+# ---------------------------------------------------------------- evaluate, translate
 
 
 def test_translate_keeps_order_and_empty_lines_and_warns_on_truncation(trained_run, monkeypatch, capsys):
@@ -205,21 +208,6 @@ def test_evaluate_files_and_data_test_split(trained_run, tmp_path, capsys):
     assert "sacreBLEU" in stdout and "NOT comparable" in stdout and result["decoding"]["beam_size"] == 4
     # Without files: the test split of the data config stored in the checkpoint.
     assert evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "split"))["bleu"] == result["bleu"]
-
-
-def test_trainer_test_decodes_the_test_split_with_beam_search(trained_run):
-    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
-    config = read_checkpoint(ckpt)["hyper_parameters"]["config"]
-    datamodule = TranslationDataModule(**config["data"])
-    module = TranslationModule.load_from_checkpoint(ckpt, weights_only=True)
-    # conf/decoding as older checkpoints carry it (batching keys, since moved out): ignored, not an error
-    module.hparams.decoding.update(max_tokens=4096, tokens_per_batch=16384)
-    metrics = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False).test(module, datamodule)[0]
-    assert {"test/bleu", "test/chrf", "test/loss"} <= metrics.keys()
-    model, tokenizer, _ = load_for_inference(ckpt)
-    hyps = translate_lines(model, tokenizer, datamodule.splits["test"].texts("src_text"), beam_size=4)
-    refs = datamodule.splits["test"].texts("tgt_text")
-    assert metrics["test/bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-3)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -16,7 +16,7 @@ from transformer_mt.data.corpus import Corpus, read_text_pair
 from transformer_mt.engines import open_engine
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
-from transformer_mt.scoring import score
+from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import nbest_lines
 
 log = logging.getLogger(__name__)
@@ -45,28 +45,13 @@ def evaluate(cfg: DictConfig) -> dict:
         data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
         decoding = OmegaConf.to_container(cfg.decoding)
-        start = time.perf_counter()
-        hyps = translate_lines(
-            sources,
-            warn=log.warning,
-            progress=True,
-            n_best=cfg.n_best,
-            tokens_per_batch=cfg.tokens_per_batch,
-            **decoding,
-        )
-        seconds = time.perf_counter() - start
-    nbest, hyps = (hyps, [h[0][0] for h in hyps]) if cfg.n_best else (None, hyps)
-    result = {
-        "checkpoint": str(cfg.ckpt),
-        "test_set": name,
-        "decoding": decoding,
-        "engine": f"ct2 {cfg.ct2_compute_type}"
-        if cfg.engine == "ct2"
-        else "torch" + (" compiled" if cfg.compile else ""),
-        **score(hyps, [r.strip() for r in references], data_cfg.get("tgt_lang", "de")),
-        "seconds": round(seconds, 1),
-        "sentences_per_second": round(len(hyps) / seconds, 2),
-    }
+        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding)
+        translate = partial(translate_lines, warn=log.warning, progress=True, **options)
+        outputs, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
+    engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch" + (" compiled" if cfg.compile else "")
+    result = {"checkpoint": str(cfg.ckpt), "test_set": name, "decoding": decoding, "engine": engine, **scores}
+    nbest, hyps = (outputs, [h[0][0] for h in outputs]) if cfg.n_best else (None, outputs)
+    seconds = result["seconds"]
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
