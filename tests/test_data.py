@@ -734,14 +734,28 @@ def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypat
 
 
 def test_a_launched_job_has_one_run_folder_name(monkeypatch):
-    for key in ("TORCHELASTIC_RUN_ID", "RANK", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_JOB_ID"):
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_JOB_ID", "ENVIRONMENT"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(key, raising=False)
     assert re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", run_folder())  # a plain run: <date>/<time>
     monkeypatch.setenv("SLURM_JOB_ID", "77")  # an salloc shell, not srun: still a plain run
     assert launch_id() is None
+    monkeypatch.setenv("ENVIRONMENT", "BATCH")  # sbatch's script running python itself: the job's folder
+    assert run_folder() == "slurm-77" and launched_rank() == 0
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     assert run_folder() == "slurm-77-0" and launched_rank() == 1
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")  # a job array's task: the name scontrol requeues
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert run_folder() == "slurm-70_3-0"
+    monkeypatch.delenv("SLURM_PROCID")
+    monkeypatch.delenv("SLURM_STEP_ID")
+    assert run_folder() == "slurm-70_3"
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setenv("RANK", "0")
     assert run_folder() == "torchrun-job42" and launched_rank() == 0

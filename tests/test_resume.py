@@ -198,8 +198,9 @@ def accumulated(tmp_path_factory) -> Path:
     return root / "run" / "checkpoints"
 
 
-def fake_slurm(tmp_path: Path) -> dict:
-    """One SLURM task's variables, and an `scontrol` on PATH that records how it was called."""
+def fake_slurm(tmp_path: Path, batch_script: bool = False) -> dict:
+    """One SLURM task's variables (an srun step's; with batch_script, those of an sbatch script that runs
+    python itself: no step, no task), and an `scontrol` on PATH that records how it was called."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
@@ -207,8 +208,11 @@ def fake_slurm(tmp_path: Path) -> dict:
     scontrol.chmod(0o755)
     names = ["NTASKS", "NTASKS_PER_NODE", "NNODES", "PROCID", "LOCALID", "NODEID", "JOB_ID", "STEP_ID"]
     values = dict(zip(names, ["1", "1", "1", "0", "0", "0", "777", "0"]))
+    if batch_script:
+        values = {"JOB_ID": "777", "NNODES": "1", "NODEID": "0"}
     return {
         **{f"SLURM_{k}": v for k, v in values.items()},
+        **({"ENVIRONMENT": "BATCH"} if batch_script else {}),
         "SLURM_JOB_NAME": "train",
         "SLURM_NODELIST": "127.0.0.1",
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
@@ -217,8 +221,8 @@ def fake_slurm(tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize(
     "name, ranks",
-    [("SIGTERM", 1), ("SIGINT", 1), ("SIGTERM", 2), ("SIGUSR1", 1)],
-    ids=["sigterm", "sigint-ctrl-c", "sigterm-to-rank-0-of-2-ddp", "slurm-requeue-sigusr1"],
+    [("SIGTERM", 1), ("SIGINT", 1), ("SIGTERM", 2), ("SIGUSR1", 1), ("SIGUSR1-sbatch", 1)],
+    ids=["sigterm", "sigint-ctrl-c", "sigterm-to-rank-0-of-2-ddp", "slurm-requeue-sigusr1", "sbatch-without-srun"],
 )
 def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_run_continues_exactly(
     name, ranks, accumulated, tmp_path
@@ -226,11 +230,13 @@ def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_r
     """The signal comes inside update 8's accumulation window (after its first micro-batch started): the run
     finishes update 8, writes last.ckpt there, says how to continue and exits 128 + the signal's number.
     Continued, it ends bit-identical to the uninterrupted run. Under DDP only rank 0 receives it; under
-    SLURM the requeue signal also runs `scontrol requeue <job>`, and the requeued job continues by itself."""
+    SLURM the requeue signal also runs `scontrol requeue <job>`, and the requeued job continues by itself, also
+    when its batch script runs python without srun."""
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "run"
-    slurm = name == "SIGUSR1"
-    env = fake_slurm(tmp_path) if slurm else {}
+    slurm, batch_script = name.startswith("SIGUSR1"), name.endswith("-sbatch")
+    name = name.removesuffix("-sbatch")
+    env = fake_slurm(tmp_path, batch_script) if slurm else {}
     shape = DDP_ACCUMULATE_2 if ranks == 2 else ACCUMULATE_2
     args = [f"data.path={corpus}", *SIGNAL_RUN, *shape] + ([] if slurm else [f"hydra.run.dir={run}"])
     if ranks == 2:  # its own uninterrupted run
@@ -241,7 +247,7 @@ def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_r
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode == 128 + getattr(signal, name), output[-3000:]
     if slurm:
-        run = tmp_path / "outputs" / "slurm-777-0"
+        run = tmp_path / "outputs" / ("slurm-777" if batch_script else "slurm-777-0")
         assert (tmp_path / "scontrol.calls").read_text() == "requeue 777\n"
     checkpoint = load(run / "checkpoints" / "last.ckpt")
     assert checkpoint["global_step"] == 8  # update 8 finished, not cut short, and nothing after it
@@ -338,3 +344,44 @@ def test_a_finished_run_extended_with_more_updates_continues_its_epoch(uninterru
     assert resumed_from(proc) == ("last.ckpt", 20)
     assert "trainer.max_steps: 20 -> 39" in proc.stdout  # the changed setting is logged
     assert_same_training_state(uninterrupted / "last.ckpt", run / "checkpoints" / "last.ckpt")
+
+
+# ---------------------------------------------------------------- the random state of a process's own GPU
+
+
+class FakeCuda:
+    """torch.cuda as a process sees it with `visible` GPUs, using `current`: each device's generator state."""
+
+    def __init__(self, visible: int, current: int):
+        self.states = {i: torch.tensor([i], dtype=torch.uint8) for i in range(visible)}
+        self.current = current
+
+    def install(self, monkeypatch) -> None:
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "get_rng_state", lambda device="cuda": self.states[self.current].clone())
+        monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [s.clone() for s in self.states.values()])
+        monkeypatch.setattr(cuda, "set_rng_state", self.set_one)
+        monkeypatch.setattr(
+            cuda, "set_rng_state_all", lambda states: [self.set_one(s, i) for i, s in enumerate(states)]
+        )
+
+    def set_one(self, state, device="cuda"):
+        index = self.current if device == "cuda" else device
+        if index not in self.states:  # as torch.cuda.default_generators[index]
+            raise IndexError(f"no CUDA device {index}")
+        self.states[index] = state.clone()
+
+
+def test_a_resume_that_sees_fewer_gpus_restores_its_own_devices_random_state(monkeypatch):
+    """Saved by a process that saw 8 GPUs and trained on cuda:3 (a ddp launcher's rank 3); resumed by one that
+    sees only its own GPU (srun --gpus-per-task=1): the state of the device it trains on, no IndexError."""
+    from transformer_mt.training.resume import random_state, set_random_state  # noqa: PLC0415
+
+    FakeCuda(visible=8, current=3).install(monkeypatch)
+    saved = random_state()
+    resumed = FakeCuda(visible=1, current=0)
+    resumed.install(monkeypatch)
+    set_random_state(saved)
+    assert torch.equal(resumed.states[0], torch.tensor([3], dtype=torch.uint8))

@@ -133,13 +133,21 @@ def first_process() -> bool:
 
 def launch_id() -> str | None:
     """A name shared by every rank of one launched job, and by the same job restarted or requeued:
-    torchrun's run id, or SLURM's job and step; None outside a launcher."""
+    torchrun's run id; under SLURM the job (an array's job and task) and, for an srun step, the step:
+    slurm-<job>-<step>, or slurm-<job> for a batch script that runs python itself (sbatch sets
+    ENVIRONMENT=BATCH there). None outside a launcher, an salloc shell included."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun-{run_id}"
-    if "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ and "SLURM_JOB_ID" in os.environ:
-        return f"slurm-{os.environ['SLURM_JOB_ID']}-{os.environ['SLURM_STEP_ID']}"
-    return None
+    env = os.environ
+    if "SLURM_JOB_ID" not in env:
+        return None
+    job = env["SLURM_JOB_ID"]
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"  # each task its own, as scontrol names it
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
+        return f"slurm-{job}-{env['SLURM_STEP_ID']}"
+    return f"slurm-{job}" if env.get("ENVIRONMENT") == "BATCH" else None
 
 
 def use_tf32() -> None:

@@ -21,14 +21,15 @@ log = logging.getLogger(__name__)
 
 
 def random_state() -> dict:
-    """This process's generators: Python, NumPy, torch CPU and every CUDA device, as values that
-    torch.load(weights_only=True) accepts (NumPy's key array becomes a tensor)."""
+    """This process's generators: Python, NumPy, torch CPU and its own CUDA device's (the one it trains on; a
+    resume may see fewer GPUs, e.g. srun --gpus-per-task=1), as values that torch.load(weights_only=True)
+    accepts (NumPy's key array becomes a tensor)."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda_device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
 
 
@@ -37,8 +38,13 @@ def set_random_state(state: dict) -> None:
     name, keys, position, has_gauss, cached_gaussian = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    if state.get("cuda_device") is not None:
+        torch.cuda.set_rng_state(state["cuda_device"])
+    elif state.get("cuda"):  # written before: every device the process saw; its own is the current one
+        saved, device = state["cuda"], torch.cuda.current_device()
+        torch.cuda.set_rng_state(saved[device] if device < len(saved) else saved[0])
 
 
 class RandomState(L.Callback):
