@@ -305,6 +305,14 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tmp_path):
     assert f"ckpt_path={last}: the checkpoint's model has d_model 32 (now 64)" in line
     junk = tmp_path / "junk.ckpt"
     junk.write_bytes(last.read_bytes()[:1000])  # a copy cut short
+    # data.tokens_per_update null: the update is data.max_tokens per device; 2 devices would double it
+    saved = load(last)["update_tokens"]
+    line = resume("trainer.devices=2", "trainer.strategy=ddp", "ckpt_path=last", f"hydra.run.dir={run}")
+    assert (
+        f"the checkpoint's updates held {saved:,} padded tokens per side, these settings give {2 * saved:,} on 2"
+        in line
+    )
+    assert f"keep the recipe with data.tokens_per_update={saved}" in line
     line = resume(f"ckpt_path={junk}", f"hydra.run.dir={tmp_path / 'b'}")
     assert line == f"error: {junk}: damaged or incomplete checkpoint (RuntimeError: PytorchStreamReader failed " + (
         "reading zip archive: failed finding central directory)"

@@ -43,7 +43,7 @@ from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.final import final_metrics, finish_run
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.resume import RandomState, check_resume, resume_checkpoint
+from transformer_mt.training.resume import RandomState, check_resume, check_update_size, resume_checkpoint
 from transformer_mt.training.sharding import LayerFSDP
 
 log = logging.getLogger(__name__)
@@ -235,6 +235,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        saved_update = resumed.get("update_tokens")  # None in checkpoints written before it was kept
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), run_dir)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup)
@@ -247,7 +248,11 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         enable_model_summary=False,
     )
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
-        shape_updates(trainer, datamodule)
+        update_tokens = shape_updates(trainer, datamodule)
+        if resume_path and saved_update:
+            check_update_size(
+                resume_path, saved_update, update_tokens, trainer.world_size, datamodule.tokens_per_update
+            )
     if trainer.is_global_zero:
         n_params = sum(p.numel() for p in module.parameters())
         log.info(

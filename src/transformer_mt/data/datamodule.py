@@ -79,6 +79,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.splits: dict[str, TokenizedSplit] = {}
         self.train_sampler: TokenBucketSampler | None = None
         self._shape: tuple[tuple, tuple[int, int]] | None = None  # (its inputs, the shape): update_shape()
+        self.update_tokens: int | None = None  # padded tokens per side of an update (training/batch_fit.shape_updates)
 
     # -- building and caching (cache.py)
 

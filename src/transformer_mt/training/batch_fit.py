@@ -125,10 +125,12 @@ def least_over_ranks(tokens: int, device: torch.device) -> int:
     return int(least.item())
 
 
-def shape_updates(trainer: L.Trainer, datamodule) -> None:
+def shape_updates(trainer: L.Trainer, datamodule) -> int:
     """The update's shape from the per-device batch and the number of devices, known once the Trainer exists:
-    micro-batches per update, and the validation interval in micro-batches (Lightning's unit)."""
+    micro-batches per update, and the validation interval in micro-batches (Lightning's unit). Returns the
+    update's padded tokens per side, which every checkpoint keeps (datamodule.update_tokens)."""
     batch_tokens, trainer.accumulate_grad_batches = datamodule.update_shape(trainer.world_size)
+    datamodule.update_tokens = trainer.accumulate_grad_batches * batch_tokens * trainer.world_size
     if isinstance(trainer.val_check_interval, int):
         trainer.val_check_interval *= trainer.accumulate_grad_batches
     if trainer.is_global_zero:
@@ -141,3 +143,4 @@ def shape_updates(trainer: L.Trainer, datamodule) -> None:
             f"{trainer.accumulate_grad_batches * batch_tokens * trainer.world_size:,}",
             datamodule.tokens_per_update,
         )
+    return datamodule.update_tokens

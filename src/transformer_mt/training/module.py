@@ -175,6 +175,8 @@ class TranslationModule(L.LightningModule):
             logger.save()
         if self.tokenizer is not None:
             checkpoint["sentencepiece"] = self.tokenizer.proto
+        # the update's padded tokens per side (batch_fit.shape_updates): a resume keeps it (resume.check_update_size)
+        checkpoint["update_tokens"] = getattr(self.trainer.datamodule, "update_tokens", None)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is None and "sentencepiece" in checkpoint:

@@ -149,6 +149,27 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
         )
 
 
+def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per_update: int | None) -> None:
+    """A resume keeps the recipe's update size. With data.tokens_per_update set, it holds on any number of
+    devices (up to rounding to whole micro-batches); without, the update is data.max_tokens per device, so
+    another number of devices would change it silently: refused, naming the override that keeps it."""
+    if tokens_per_update is None and now != saved:
+        raise InputError(
+            f"ckpt_path={path}: the checkpoint's updates held {saved:,} padded tokens per side, these settings "
+            f"give {now:,} on {devices} device(s) (data.tokens_per_update is null: data.max_tokens per device); "
+            f"keep the recipe with data.tokens_per_update={saved}, or start a new run without ckpt_path"
+        )
+    if now != saved and rank_zero_only.rank == 0:
+        log.info(
+            "the update holds %s padded tokens per side, the checkpoint's %s (whole micro-batches on %d device(s), "
+            "data.tokens_per_update=%s)",
+            f"{now:,}",
+            f"{saved:,}",
+            devices,
+            tokens_per_update,
+        )
+
+
 def comparable_model(model: dict) -> dict:
     """A model's settings with TransformerConfig's defaults filled in; d_k / d_v null where they are
     d_model / n_heads (so d_k=64 at base equals null, and a change of d_model is not also one of d_k)."""
