@@ -56,7 +56,7 @@ RUN  ?=
 RUNS ?=
 N    ?= 5
 
-.PHONY: evaluate translate average
+.PHONY: evaluate translate finish average
 need = $(if $($(1)),,$(error $(1) is required: $(2)))
 
 evaluate:  ## Score a checkpoint: make evaluate CKPT=... [SRC=... REF=...] [ARGS=...]
@@ -66,6 +66,10 @@ evaluate:  ## Score a checkpoint: make evaluate CKPT=... [SRC=... REF=...] [ARGS
 translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.de
 	$(call need,CKPT,make translate CKPT=outputs/<date>/<time>/checkpoints/last.ckpt < in.en > out.de)
 	@$(PY) -m transformer_mt.translate ckpt=$(CKPT) $(ARGS)
+
+finish:  ## Finish a run's end-of-run protocol that was interrupted (average, decode, score -> results.json): make finish RUN=outputs/...
+	$(call need,RUN,make finish RUN=outputs/<date>/<time>)
+	$(PY) -m transformer_mt.finish $(RUN)
 
 average:  ## Average the last N checkpoints of a run: make average RUN=outputs/... N=5
 	$(call need,RUN,make average RUN=outputs/<date>/<time> N=5)

@@ -7,6 +7,7 @@ Points:
   epoch-end:E       at the end of epoch E, after the checkpoints of its last update
   validation:N      inside the first validation batch after update N
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
+  final:0           inside the end-of-run protocol (final.enabled), as it decodes its first split
   signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
                     starts, inside the next update's accumulation window (rank 0 only): the run stops by itself;
                     N = -1: as the sanity validation starts, before training (and this script's handlers) start
@@ -26,6 +27,7 @@ import torch
 
 import transformer_mt.checkpoint
 import transformer_mt.train
+import transformer_mt.training.final
 
 
 def die() -> None:
@@ -83,6 +85,8 @@ def main() -> None:
     kind, *where = point.split(":")
     if kind == "write":
         kill_while_writing(where[0], int(where[1]))
+    elif kind == "final":
+        transformer_mt.training.final.evaluate_split = lambda *args, **kwargs: die()
     else:
         if kind == "signal":
             kind, where = where[0], where[1:]

@@ -2,16 +2,18 @@
 (`ckpt_path=last hydra.run.dir=<run>`), must end bit-identical to the run that was never killed."""
 
 import csv
+import json
 import os
 import re
 import resource
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, run_train, write_corpus
+from conftest import ROOT, run_process, run_train, write_corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # processes killed and resumed, several per test
 
@@ -277,6 +279,25 @@ def test_a_sigterm_while_the_run_starts_stops_it_at_the_first_update_with_status
     assert stopped.returncode == 143, output[-3000:]
     assert "stopped by SIGTERM after update 1; last.ckpt holds it" in output
     assert load(run / "checkpoints" / "last.ckpt")["global_step"] == 1
+
+
+def test_a_kill_inside_the_end_of_run_protocol_says_how_to_finish_it_and_make_finish_does(tmp_path):
+    """The protocol starts by saying how to finish it; a SIGKILL while it decodes leaves no results.json, and
+    `python -m transformer_mt.finish <run>` (make finish) writes it from the run's own settings."""
+    corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    final = ["final.enabled=true", "final.average_last=2", "checkpoint.every_n_train_steps=2", "decoding.max_len_b=10"]
+    args = [f"data.path={corpus}", "trainer.max_steps=4", *final, f"hydra.run.dir={run}"]
+    killed = run_train(args, tmp_path, check=False, entry=(str(ROOT / "tests" / "kill_at.py"), "final:0"))
+    output = killed.stdout + killed.stderr
+    assert killed.returncode == -9, output[-3000:]
+    assert f"if this is interrupted, finish it with: make finish RUN={run}" in output
+    assert not (run / "results.json").exists()
+    proc = run_process([sys.executable, "-m", "transformer_mt.finish", str(run)], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads((run / "results.json").read_text())
+    assert results["updates"] == 4 and results["finished_by"] == "make finish" and results["devices"] == 1
+    test = results["models"]["average-last2"]["test"]
+    assert test["sentences"] == 30 and test["bleu_signature"].startswith("nrefs:1|") and test["ppl"] > 1
 
 
 # ---------------------------------------------------------------- what resuming refuses, and a full disk

@@ -17,8 +17,8 @@ core
     files.py                atomic writes, stale temporaries, UTF-8 line reading
     runtime.py              devices, threads, CPU features, glibc's allocator
     configs.py              where the Hydra configs live; composing them outside an entry point
-front doors (make train/evaluate/translate/average; transformer-mt-* commands)
-    train.py  evaluate.py  translate.py  averaging.py
+front doors (make train/evaluate/translate/finish/average; transformer-mt-* commands)
+    train.py  evaluate.py  translate.py  averaging.py  finish.py
     engines.py      evaluate/translate's decoder: ours, or CTranslate2 (engine=ct2) in ct2_worker.py's process
 data/               corpus reading and cleaning, token-bucket batching, the LightningDataModule
 training/           the LightningModule, callbacks (progress, run end), logs, exact resume, FSDP

@@ -119,6 +119,8 @@ def finish_run(
     """The protocol on a finished run (one process): results.json in run_dir, a block in the log. peak: one
     training device's (for the MFU), devices: how many trained."""
     start = time.monotonic()
+    log.info("the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
+             "with: make finish RUN=%s", ", ".join(final["splits"]), run_dir)  # fmt: skip
     checkpoint_dir = run_dir / "checkpoints"
     chosen = final_checkpoints(checkpoint_dir, final["average_last"], ema)
     last = read_checkpoint(checkpoint_dir / "last.ckpt", mmap=True, finite=False)
