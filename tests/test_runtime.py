@@ -1,6 +1,7 @@
 """runtime.py and the strategies: TF32, the process group's end, DDP and FSDP settings, the devices' peak
 FLOP/s behind the MFU."""
 
+import os
 import re
 from types import SimpleNamespace
 
@@ -125,3 +126,14 @@ def clock(durations: list[float]):
 def test_a_cpus_peak_is_the_fastest_product_of_a_second_of_them(durations, monkeypatch):
     monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=clock(durations)))  # runtime's clock only
     assert runtime.matmul_peak(torch.float32, n=16) == pytest.approx(2 * 16**3 / min(durations))
+
+
+def test_training_bounds_onednns_primitive_cache_unless_the_environment_says_otherwise(monkeypatch):
+    """runtime.bound_onednn_cache: capacity 0 (host memory stays bounded, docs/measurements.md), set before the
+    first product by train(); a capacity the user exported is kept."""
+    monkeypatch.delenv(runtime.ONEDNN_CACHE, raising=False)
+    runtime.bound_onednn_cache()
+    assert os.environ[runtime.ONEDNN_CACHE] == "0"
+    monkeypatch.setenv(runtime.ONEDNN_CACHE, "256")
+    runtime.bound_onednn_cache()
+    assert os.environ[runtime.ONEDNN_CACHE] == "256"

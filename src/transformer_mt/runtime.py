@@ -44,6 +44,18 @@ def libc() -> ctypes.CDLL | None:
     return None
 
 
+ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+
+
+def bound_onednn_cache() -> None:
+    """oneDNN (PyTorch's bf16 and fp32 products on the CPU) keeps a compiled primitive for every input shape
+    it meets, up to 1,024, with its buffers; token buckets give almost every training batch a new shape, so
+    that cache grew the process by ~12 MiB per update (the Multi30k recipe on 2 CPU cores, bf16). Without it
+    (capacity 0): ~3 MiB per update and the same tokens/s (docs/measurements.md, host memory). Set before the
+    first product; a capacity already in the environment wins."""
+    os.environ.setdefault(ONEDNN_CACHE, "0")
+
+
 def keep_freed_memory() -> bool:
     """Serve every allocation from the heap (no mmap) and keep freed memory for reuse. Returns
     whether the settings took effect (False: not glibc, or TRANSFORMER_MT_MALLOC=system)."""

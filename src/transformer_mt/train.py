@@ -27,6 +27,7 @@ from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import RunFolderLock, remove_stale_temporaries
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import (
+    bound_onednn_cache,
     cpu_has_native_bf16,
     end_process_group,
     first_process,
@@ -183,6 +184,7 @@ def train(cfg: DictConfig) -> float | None:
     setup_logging()
     check_config(cfg)
     keep_freed_memory()  # no page faults for each step's activations (runtime.py)
+    bound_onednn_cache()  # host memory stays bounded over a long run (runtime.py)
     trainer_args = trainer_arguments(cfg.trainer)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
