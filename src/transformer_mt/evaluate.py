@@ -47,10 +47,10 @@ def evaluate(cfg: DictConfig) -> dict:
         decoding = OmegaConf.to_container(cfg.decoding)
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding)
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
-        outputs, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
+        outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch" + (" compiled" if cfg.compile else "")
     result = {"checkpoint": str(cfg.ckpt), "test_set": name, "decoding": decoding, "engine": engine, **scores}
-    nbest, hyps = (outputs, [h[0][0] for h in outputs]) if cfg.n_best else (None, outputs)
+    nbest = outputs if cfg.n_best else None
     seconds = result["seconds"]
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")

@@ -68,14 +68,19 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
 
 def evaluate_translations(
     translate: Callable[[list[str]], list], sources: Sequence[str], references: Sequence[str], tgt_lang: str
-) -> tuple[list, dict]:
+) -> tuple[list, list[str], dict]:
     """The one way a split is scored, by `make evaluate` and at the end of a run (training/final.py):
     `translate` (search.translate_lines with the decoding settings, or CTranslate2's) turns the source lines
     into translations, scored against the references by `score`, and timed. Returns the translations as
-    `translate` gave them (with n_best, each line's list of (text, score)) and the scores."""
+    `translate` gave them (with n_best, each line's list of (text, score)), the scored (best) ones, and the
+    scores."""
     start = time.perf_counter()
     outputs = translate(list(sources))
     seconds = time.perf_counter() - start
     best = [out[0][0] if isinstance(out, list) else out for out in outputs]  # n-best lists: their best
     result = score(best, [ref.strip() for ref in references], tgt_lang)
-    return outputs, {**result, "seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)}
+    return (
+        outputs,
+        best,
+        {**result, "seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)},
+    )

@@ -140,7 +140,7 @@ def shape_updates(trainer: L.Trainer, datamodule) -> int:
             trainer.accumulate_grad_batches,
             batch_tokens,
             trainer.world_size,
-            f"{trainer.accumulate_grad_batches * batch_tokens * trainer.world_size:,}",
+            f"{datamodule.update_tokens:,}",
             datamodule.tokens_per_update,
         )
     return datamodule.update_tokens

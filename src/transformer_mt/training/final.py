@@ -88,7 +88,7 @@ def evaluate_split(
     search.translate_lines), and its teacher-forced loss and perplexity."""
     texts = datamodule.splits[split].texts
     translate = partial(translate_lines, model, tokenizer, **decoding)
-    _, scores = evaluate_translations(translate, texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang)
+    *_, scores = evaluate_translations(translate, texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang)
     return {**scores, **perplexity(model, datamodule.whole_split_loader(split), label_smoothing)}
 
 
