@@ -352,8 +352,9 @@ def bench_decoding(args) -> None:
     # Every system at 1 thread and at every core, each figure at both and its best: a peer is never shown
     # only in a configuration that suits it badly (CTranslate2 at 2 threads was erratic on a 2-core VM).
     thread_counts = sorted({1, usable_cores()})
-    speed = {(name, beam, n): [] for name in SYSTEMS for beam in (4, 1) for n in thread_counts}
-    latency = {(name, n): [] for name in SYSTEMS for n in thread_counts}
+    systems = [name for name in SYSTEMS if args.compile or not name.endswith("compiled")]
+    speed = {(name, beam, n): [] for name in systems for beam in (4, 1) for n in thread_counts}
+    latency = {(name, n): [] for name in systems for n in thread_counts}
     outputs = {}
     with tempfile.TemporaryDirectory() as tmp:
         optional("ctranslate2")
@@ -367,7 +368,7 @@ def bench_decoding(args) -> None:
         spawn = multiprocessing.get_context("spawn")
         for _ in range(args.repeats):
             for n in thread_counts:
-                for name in SYSTEMS:
+                for name in systems:
                     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
                         job = pool.submit(decode_worker, name, args.ckpt, exported, sources, singles, n)
                         result = job.result()
@@ -381,7 +382,7 @@ def bench_decoding(args) -> None:
     print(f"{'system':<24} {'beam':>4}{columns} {'ours / it':>9} {'same as ours':>12} {'BLEU':>6}")
     for beam in (4, 1):
         best_ours = max(median_of(speed["transformer_mt", beam, n]) for n in thread_counts)
-        for name in SYSTEMS:
+        for name in systems:
             hyps = outputs[name, beam]
             same = sum(h == o for h, o in zip(hyps, outputs["transformer_mt", beam])) / len(hyps)
             bleu = f"{sacrebleu.corpus_bleu(hyps, [references]).score:6.2f}" if references else f"{'':>6}"
@@ -445,7 +446,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per side of a training batch")
     parser.add_argument("--steps", type=int, default=4, help="timed training updates per round")
     parser.add_argument(
-        "--no-compile", dest="compile", action="store_false", help="leave out the torch.compile training rows"
+        "--no-compile", dest="compile", action="store_false", help="leave out the torch.compile rows (training, decoding, host)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="rounds; every figure is the median")
     parser.add_argument("--limit", type=int, help="decode the first N sentences of --src only")

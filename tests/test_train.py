@@ -170,7 +170,8 @@ def test_optuna_search_maximises_validation_bleu(corpus, tmp_path):
 @pytest.mark.real_data
 @pytest.mark.timeout(1800)
 def test_multi30k_experiment_learns_real_translation(tmp_path):
-    """400 updates of `make train CONFIG=multi30k` (~6 min on 2 cores): validation BLEU must climb."""
+    """300 updates of `make train CONFIG=multi30k` (~5 min on 2 cores): validation BLEU must climb (the recipe's
+    own curve: greedy BLEU ~3 at update 150-200, 12-14 at 300, docs/measurements.md)."""
     cmd = [
         sys.executable,
         "-m",
@@ -179,8 +180,9 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
         f"data.path={SHARED_DATA / 'multi30k'}",
         "logger=csv",
         f"data.cache_dir={tmp_path / 'cache'}",
-        "trainer.max_steps=400",
-        "trainer.val_check_interval=200",
+        "trainer.max_steps=300",
+        "trainer.val_check_interval=150",
+        "checkpoint.every_n_train_steps=20",  # the average's 5 checkpoints within the last 80 updates
         "val_bleu_sentences=300",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -189,13 +191,12 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     bleus = [value for _, value in read_metrics(tmp_path / "run")["val/bleu"]]
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
-    # the recipe's end: the last 5 periodic checkpoints (every 50 updates: 200-400) averaged, test2016 decoded
-    # with beam 4
+    # the recipe's end: the last 5 periodic checkpoints averaged, test2016 decoded with beam 4
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert list(results["models"]) == ["average-last5"] and results["updates"] == 400
+    assert list(results["models"]) == ["average-last5"] and results["updates"] == 300
     assert results["models"]["average-last5"]["test"]["bleu"] > 8.0 and results["decoding"]["beam_size"] == 4
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
-    assert saved == [f"step{step:07d}.ckpt" for step in (200, 250, 300, 350, 400)]
+    assert saved == [f"step{step:07d}.ckpt" for step in (220, 240, 260, 280, 300)]
 
 
 def test_a_finite_divergence_is_warned_about_once_and_training_goes_on(corpus, tmp_path, caplog):

@@ -26,6 +26,7 @@ from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.length_penalties import HF_LENGTH_PENALTY
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from transformer_mt.tools.model_card import model_card
 
 EXTRA = 'pip install -e ".[export]"'
 PROBE = [  # sentences the export is checked on (any vocabulary covers them: unseen characters become bytes)
@@ -299,7 +300,9 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
                 print("checked: CTranslate2's greedy translations of the probe sentences are ours, token for token")
             else:
                 print(f"not checked against ours: {quantization} weights change the outputs a little")
-    print(f"exported {ckpt} as {'MarianMTModel' if fmt == 'hf' else 'CTranslate2'} -> {out_dir}")
+        (tmp / "README.md").write_text(model_card(Path(ckpt), checkpoint, fmt, str(out_dir)), encoding="utf-8")
+    kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
+    print(f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")
     return out_dir
 
 

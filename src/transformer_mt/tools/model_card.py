@@ -1,0 +1,158 @@
+"""The model card every `make export` writes as README.md beside the weights: the Hugging Face Hub's YAML
+front matter (languages, tags, data set, a model-index with the run's scores and their sacreBLEU signatures),
+then what the model is, how it was trained, how it scores and how to use the folder.
+
+The scores come from the run's results.json (training/final.py, the end-of-run protocol) when it scored this
+very checkpoint (the run folder is the checkpoint's grandparent: <run>/checkpoints/<name>.ckpt); a checkpoint
+without them gets a card that says it has no scores, never someone else's."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+from transformer_mt.files import RESULTS
+
+METRICS = {"bleu": "sacreBLEU", "chrf": "chrF"}  # results.json's key -> the card's name; signatures beside them
+BLEU_NOTE = (
+    "sacreBLEU is detokenized BLEU with its standard 13a tokenization, comparable across papers that state the "
+    "same signature. The paper's 27.3/28.4 are tokenized BLEU with compounds split (tensor2tensor's "
+    "get_ende_bleu.sh), usually a point or more higher on the same translations: the two are not comparable."
+)
+
+
+def run_scores(ckpt: Path) -> tuple[Path, dict, dict] | None:
+    """(results.json, its whole content, its entry for ckpt) when ckpt's run scored this checkpoint, else None.
+    Matched by file name within the run folder, so a moved or copied run folder still finds its scores."""
+    path = ckpt.resolve().parent.parent / RESULTS
+    if not path.is_file():
+        return None
+    results = json.loads(path.read_text(encoding="utf-8"))
+    for entry in results.get("models", {}).values():
+        if Path(entry.get("checkpoint", "")).name == ckpt.name:
+            return path, results, entry
+    return None
+
+
+def card_data(config: dict, name: str, scores: tuple[Path, dict, dict] | None):
+    """The front matter as huggingface_hub's ModelCardData (a model-index entry per split and metric)."""
+    from huggingface_hub import EvalResult, ModelCardData  # noqa: PLC0415 (the export extra's, with transformers)
+
+    data = config.get("data", {})
+    src, tgt = data.get("src_lang", "en"), data.get("tgt_lang", "de")
+    dataset = data.get("hub_name") or data.get("name") or "unknown"
+    results = []
+    for split, score in scores[2].items() if scores else []:
+        if not isinstance(score, dict):
+            continue  # the entry's "checkpoint"
+        for key, metric in METRICS.items():
+            results.append(
+                EvalResult(
+                    task_type="translation",
+                    task_name=f"Translation {src}-{tgt}",
+                    dataset_type=dataset,
+                    dataset_name=data.get("name", dataset),
+                    dataset_config=data.get("hub_config"),
+                    dataset_split=split,
+                    metric_type=key,
+                    metric_name=metric,
+                    metric_value=score[key],
+                    metric_config=score[f"{key}_signature"],
+                    verified=False,
+                )
+            )
+    return ModelCardData(
+        language=[src, tgt],
+        tags=["translation", "transformer", "transformer-mt"],
+        datasets=[dataset],
+        metrics=list(METRICS),
+        pipeline_tag="translation",
+        model_name=name,
+        eval_results=results or None,
+    )
+
+
+def recipe_lines(checkpoint: dict, config: dict, scores: tuple[Path, dict, dict] | None) -> list[str]:
+    model, data = checkpoint["hyper_parameters"].get("model", {}), config.get("data", {})
+    lines = [
+        f"- model: {model.get('n_encoder_layers')}+{model.get('n_decoder_layers')} layers, d_model "
+        f"{model.get('d_model')}, d_ff {model.get('d_ff')}, {model.get('n_heads')} heads, a shared vocabulary of "
+        f"{model.get('vocab_size')} SentencePiece pieces (post-norm, ReLU, sinusoidal positions, tied embeddings)",
+        f"- data: {data.get('name', 'unknown')} ({data.get('src_lang', 'en')} -> {data.get('tgt_lang', 'de')})",
+        f"- updates: {checkpoint.get('global_step') or (scores and scores[1].get('updates')) or 'unknown'}"
+        + (
+            f", weights averaged over {len(checkpoint['averaged_from'])} checkpoints"
+            if "averaged_from" in checkpoint
+            else ""
+        ),  # fmt: skip
+    ]
+    if scores:
+        results = scores[1]
+        took, machine = timedelta(seconds=int(results["train_seconds"])), results.get("machine") or results.get("peak")
+        lines.append(
+            f"- training: {took}, {results['target_tokens']:,} target tokens on {results.get('devices', 1)} "
+            f"device(s)" + (f"; {machine}" if machine else "")
+        )
+        lines.append(f"- command-line overrides: `{' '.join(results.get('overrides', [])) or '(none)'}`")
+    return lines
+
+
+def usage(fmt: str, folder: str) -> str:
+    if fmt == "hf":
+        return (
+            "```python\nfrom transformers import MarianMTModel, MarianTokenizer\n\n"
+            f'tokenizer = MarianTokenizer.from_pretrained("{folder}")\n'
+            f'model = MarianMTModel.from_pretrained("{folder}")\n'
+            'batch = tokenizer(["A man is riding a bike."], return_tensors="pt")\n'
+            "print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))\n```"
+        )
+    return (
+        "```python\nimport ctranslate2, sentencepiece\n\n"
+        f'sp = sentencepiece.SentencePieceProcessor(model_file="{folder}/sentencepiece.model")\n'
+        f'translator = ctranslate2.Translator("{folder}")\n'
+        'pieces = sp.encode(["A man is riding a bike."], out_type=str)\n'
+        "results = translator.translate_batch(pieces, beam_size=4, length_penalty=0.45)\n"
+        "print([sp.decode_pieces(r.hypotheses[0]) for r in results])\n```"
+    )
+
+
+def model_card(ckpt: Path, checkpoint: dict, fmt: str, folder: str) -> str:
+    """README.md for an export of ckpt (fmt hf or ct2) that users load from `folder`."""
+    config = checkpoint["hyper_parameters"].get("config") or {}
+    scores = run_scores(ckpt)
+    name = f"transformer-mt {config.get('data', {}).get('name', '')} {ckpt.stem}".replace("  ", " ")
+    kind = "transformers' MarianMTModel" if fmt == "hf" else "a CTranslate2 model"
+    lines = [
+        f"# {name}",
+        "",
+        f"A Transformer (Vaswani et al., 2017, base architecture family) trained with transformer-mt, "
+        f"exported from `{ckpt.name}` as {kind}: the export gives the checkpoint's logits (checked when written).",
+        "",
+        "## Training",
+        *recipe_lines(checkpoint, config, scores),
+        "",
+        "## Scores",
+    ]
+    if scores:
+        results, entry = scores[1], scores[2]
+        decoding = results.get("decoding", {})
+        lines.append(f"From {scores[0].name} (beam {decoding.get('beam_size')}, alpha {decoding.get('alpha')}):")
+        lines.append("")
+        lines.append("| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |")
+        lines.append("|---|---|---|---|---|")
+        splits = {split: s for split, s in entry.items() if isinstance(s, dict)}
+        for split, s in splits.items():
+            lines.append(
+                f"| {split} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | "
+                f"{s['tokenized_bleu_compound_split']:.2f} |"
+            )
+        first = next(iter(splits.values()))
+        lines += ["", f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.", "", BLEU_NOTE]
+    else:
+        lines.append(
+            "No scores: this checkpoint's run folder has no results.json that scored it (it was not the end-of-run "
+            "protocol's model, or the checkpoint was moved out of its run). Score it with `make evaluate CKPT=...`."
+        )
+    lines += ["", "## Use", "", usage(fmt, folder), ""]
+    return f"---\n{card_data(config, name, scores).to_yaml()}\n---\n\n" + "\n".join(lines)
