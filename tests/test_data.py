@@ -5,6 +5,7 @@ import io
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -865,3 +866,48 @@ def test_a_full_disk_under_the_cache_ends_in_one_line_naming_the_folder_and_the_
     assert lines[0].startswith(f"error: data.cache_dir={cache}: the data cache cannot be written there (")
     assert "Point data.cache_dir at a writable folder" in lines[0]
     assert not list(cache.glob("*/*.tmp-*")) and not list(cache.glob("*/.*.tmp-*"))  # nothing partial left
+
+
+def count_tokenizer_trainings(monkeypatch) -> list:
+    """Calls of SentencePiece's training through the cache, counted (and refused: a test that reaches it failed)."""
+    calls = []
+    monkeypatch.setattr(cache_module, "train_tokenizer", lambda *args, **kwargs: calls.append(args) or 1 / 0)
+    return calls
+
+
+def test_a_cache_folder_that_cannot_be_created_is_refused_before_sentencepiece_trains(tmp_path, monkeypatch):
+    # (the tests run as root, whom file modes do not stop: a folder under a regular file cannot be made by anyone)
+    (tmp_path / "a-file").write_text("not a folder\n")
+    trainings = count_tokenizer_trainings(monkeypatch)
+    dm = text_datamodule(tmp_path, cache_dir=str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(InputError) as refused:
+        dm.build()
+    message = str(refused.value)
+    assert trainings == [] and "\n" not in message
+    assert message.startswith(f"data.cache_dir={tmp_path / 'a-file' / 'cache'}: the data cache cannot be written")
+    assert "Not a directory" in message and "data.cache_dir=<folder with space>" in message
+
+
+def test_a_cache_without_room_for_the_estimate_is_refused_before_sentencepiece_trains(tmp_path, monkeypatch):
+    trainings = count_tokenizer_trainings(monkeypatch)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=10_000))  # a full disk
+    dm = text_datamodule(tmp_path)
+    raw_mib = sum(p.stat().st_size for p in (tmp_path / "corpus").iterdir()) / 2**20
+    with pytest.raises(InputError) as refused:
+        dm.build()
+    message = str(refused.value)
+    assert trainings == [] and "\n" not in message
+    assert message.startswith(f"data.cache_dir={tmp_path / 'cache'}: the data cache needs about ")
+    assert f"1.5x the {raw_mib:,.1f} MiB of raw train/validation/test text, an estimate" in message
+    assert "0.0 MiB is free there" in message and "data.cache_dir=<folder with space>" in message
+    assert not list((tmp_path / "cache").iterdir())  # the probe file is gone
+
+
+def test_a_complete_cache_is_only_read_and_needs_no_room(tmp_path, monkeypatch):
+    text_datamodule(tmp_path).build()
+    trainings = count_tokenizer_trainings(monkeypatch)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: 1 / 0)  # never asked: nothing will be written
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    assert trainings == [] and {how for how, _ in dm.timings.values()} == {"loaded from cache"}

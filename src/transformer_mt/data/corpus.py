@@ -59,6 +59,10 @@ def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str
     return gather(iter_text_pair(src_path, tgt_path, size=1 << 20))
 
 
+def bytes_of(paths) -> int:
+    return sum(Path(p).stat().st_size for p in paths)
+
+
 def hash_files(paths: list[Path]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for p in paths:
@@ -124,7 +128,8 @@ class Corpus:
         if self.path is None:
             if not self.hub_name:
                 raise InputError(f"data '{self.name}': set data.path to a local copy (no Hub name is configured)")
-            return RawSplit(self, split, *self.load_from_hub(split))
+            fingerprint, ds = self.load_from_hub(split)
+            return RawSplit(self, split, fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
         root = Path(self.path).expanduser()
         if not root.exists():
             raise MissingInputError(f"data '{self.name}': data.path={root} does not exist")
@@ -133,10 +138,10 @@ class Corpus:
             for p in pair:
                 if not p.is_file():
                     raise MissingInputError(f"data '{self.name}', split {split}: missing {p} (its pair is {pair})")
-            return RawSplit(self, split, hash_files(list(pair)), text_pair=pair)
+            return RawSplit(self, split, hash_files(list(pair)), text_pair=pair, raw_bytes=bytes_of(pair))
         if (root / "dataset_dict.json").exists():  # DatasetDict.save_to_disk
             ds = datasets.load_from_disk(str(root))[split]
-            return RawSplit(self, split, ds._fingerprint, dataset=ds)
+            return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
         files = self.local_files(split)
         if not files:
             looked = [str(p) for p in filter(None, [self.text_paths(split)])]
@@ -153,6 +158,7 @@ class Corpus:
             split,
             hash_files(files),
             open_dataset=lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
+            raw_bytes=bytes_of(files),
         )
 
 
@@ -167,6 +173,7 @@ class RawSplit:
     dataset: datasets.Dataset | None = None
     text_pair: tuple[Path, Path] | None = None
     open_dataset: Callable[[], datasets.Dataset] | None = None
+    raw_bytes: int = 0  # its files' size on disk (text, Parquet, JSON), or its Arrow table's: the cache's estimate
 
     def describe(self, row: int | None = None) -> str:
         """Where the split (or its row, from 0) comes from, as an error message names it."""
