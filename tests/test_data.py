@@ -15,6 +15,8 @@ import time
 from types import SimpleNamespace
 
 import datasets
+import httpx2
+import huggingface_hub
 import lightning as L
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ from transformer_mt.configs import compose, run_folder
 from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
@@ -516,6 +518,51 @@ def test_hub_path_calls_datasets_load_dataset(monkeypatch):
     assert calls == [("wmt/wmt14", "de-en", "validation")] and len(raw.pairs()[0]) == 3
     with pytest.raises(ValueError, match="set data.path"):
         Corpus("text").load("train")
+
+
+MULTI30K_FILES = "train.en, train.de, val.en, val.de, test_2016_flickr.en, test_2016_flickr.de"
+
+
+@pytest.mark.parametrize(
+    "data, fix",
+    [
+        (
+            "multi30k",
+            f"Offline, point data.path at a folder with its text files: data.path=<folder with {MULTI30K_FILES}>",
+        ),
+        (
+            "wmt14",
+            "Offline, point data.path at a local copy in the Hub's layout: data.path=<folder> (scripts/make_wmt14",
+        ),
+    ],
+)
+def test_offline_the_hub_is_asked_once_and_the_error_names_each_data_sets_fix(tmp_path, monkeypatch, data, fix):
+    """Without a network, one request to the Hub (no ~25 s of retries), `datasets` then offline (its cache, or an
+    error at once), and the one-line error names the fix for this data set: Multi30k's text files, WMT14's layout."""
+    asked, loads = [], []
+
+    class NoNetwork:  # huggingface_hub's client on this machine, which cannot resolve huggingface.co
+        def head(self, url, **kwargs):
+            asked.append(url)
+            raise httpx2.ConnectError("[Errno -2] Name or service not known")
+
+    def load_dataset_offline(name, *args, **kwargs):  # what datasets raises offline without a cached copy
+        loads.append(datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE)
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(huggingface_hub, "get_session", NoNetwork)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset_offline)
+    offline_before = datasets.config.HF_HUB_OFFLINE
+    cfg = OmegaConf.load(CONF / "data" / f"{data}.yaml")  # where the data set loads from without data.path
+    corpus = {key: cfg.get(key) for key in ("hub_name", "hub_config", "text_files")}
+    dm = TranslationDataModule(name=data, cache_dir=str(tmp_path / "cache"), **corpus)
+    with pytest.raises(MissingInputError) as refused:
+        dm.build()
+    message = str(refused.value)
+    assert asked == [huggingface_hub.constants.ENDPOINT] and loads == [True]  # once each, then the error
+    assert offline_before == datasets.config.HF_HUB_OFFLINE  # offline for that load only
+    assert "\n" not in message and "(the Hub does not answer: ConnectError: [Errno -2] Name or service" in message
+    assert fix in message and (data == "wmt14") == ("make_wmt14_layout" in message)
 
 
 # ---------------------------------------------------------------- real data (../shared/data)
