@@ -204,4 +204,5 @@ def test_hub_failure_says_how_to_work_offline(tmp_path):
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and lines[-1].startswith("error: data 'multi30k': could not load bentrevett/multi30k")
-    assert "data.path=" in lines[-1] and "make_wmt14_layout.py" in lines[-1]
+    assert "(HF_HUB_OFFLINE is set). Offline, point data.path at a folder with its text files: " in lines[-1]
+    assert "data.path=<folder with train.en, train.de, val.en" in lines[-1] and "make_wmt14" not in lines[-1]

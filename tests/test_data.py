@@ -5,6 +5,7 @@ import io
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,8 @@ import time
 from types import SimpleNamespace
 
 import datasets
+import httpx2
+import huggingface_hub
 import lightning as L
 import numpy as np
 import pytest
@@ -28,7 +31,7 @@ from transformer_mt.configs import compose, run_folder
 from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
@@ -517,6 +520,51 @@ def test_hub_path_calls_datasets_load_dataset(monkeypatch):
         Corpus("text").load("train")
 
 
+MULTI30K_FILES = "train.en, train.de, val.en, val.de, test_2016_flickr.en, test_2016_flickr.de"
+
+
+@pytest.mark.parametrize(
+    "data, fix",
+    [
+        (
+            "multi30k",
+            f"Offline, point data.path at a folder with its text files: data.path=<folder with {MULTI30K_FILES}>",
+        ),
+        (
+            "wmt14",
+            "Offline, point data.path at a local copy in the Hub's layout: data.path=<folder> (scripts/make_wmt14",
+        ),
+    ],
+)
+def test_offline_the_hub_is_asked_once_and_the_error_names_each_data_sets_fix(tmp_path, monkeypatch, data, fix):
+    """Without a network, one request to the Hub (no ~25 s of retries), `datasets` then offline (its cache, or an
+    error at once), and the one-line error names the fix for this data set: Multi30k's text files, WMT14's layout."""
+    asked, loads = [], []
+
+    class NoNetwork:  # huggingface_hub's client on this machine, which cannot resolve huggingface.co
+        def head(self, url, **kwargs):
+            asked.append(url)
+            raise httpx2.ConnectError("[Errno -2] Name or service not known")
+
+    def load_dataset_offline(name, *args, **kwargs):  # what datasets raises offline without a cached copy
+        loads.append(datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE)
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(huggingface_hub, "get_session", NoNetwork)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset_offline)
+    offline_before = datasets.config.HF_HUB_OFFLINE
+    cfg = OmegaConf.load(CONF / "data" / f"{data}.yaml")  # where the data set loads from without data.path
+    corpus = {key: cfg.get(key) for key in ("hub_name", "hub_config", "text_files")}
+    dm = TranslationDataModule(name=data, cache_dir=str(tmp_path / "cache"), **corpus)
+    with pytest.raises(MissingInputError) as refused:
+        dm.build()
+    message = str(refused.value)
+    assert asked == [huggingface_hub.constants.ENDPOINT] and loads == [True]  # once each, then the error
+    assert offline_before == datasets.config.HF_HUB_OFFLINE  # offline for that load only
+    assert "\n" not in message and "(the Hub does not answer: ConnectError: [Errno -2] Name or service" in message
+    assert fix in message and (data == "wmt14") == ("make_wmt14_layout" in message)
+
+
 # ---------------------------------------------------------------- real data (../shared/data)
 
 
@@ -865,3 +913,48 @@ def test_a_full_disk_under_the_cache_ends_in_one_line_naming_the_folder_and_the_
     assert lines[0].startswith(f"error: data.cache_dir={cache}: the data cache cannot be written there (")
     assert "Point data.cache_dir at a writable folder" in lines[0]
     assert not list(cache.glob("*/*.tmp-*")) and not list(cache.glob("*/.*.tmp-*"))  # nothing partial left
+
+
+def count_tokenizer_trainings(monkeypatch) -> list:
+    """Calls of SentencePiece's training through the cache, counted (and refused: a test that reaches it failed)."""
+    calls = []
+    monkeypatch.setattr(cache_module, "train_tokenizer", lambda *args, **kwargs: calls.append(args) or 1 / 0)
+    return calls
+
+
+def test_a_cache_folder_that_cannot_be_created_is_refused_before_sentencepiece_trains(tmp_path, monkeypatch):
+    # (the tests run as root, whom file modes do not stop: a folder under a regular file cannot be made by anyone)
+    (tmp_path / "a-file").write_text("not a folder\n")
+    trainings = count_tokenizer_trainings(monkeypatch)
+    dm = text_datamodule(tmp_path, cache_dir=str(tmp_path / "a-file" / "cache"))
+    with pytest.raises(InputError) as refused:
+        dm.build()
+    message = str(refused.value)
+    assert trainings == [] and "\n" not in message
+    assert message.startswith(f"data.cache_dir={tmp_path / 'a-file' / 'cache'}: the data cache cannot be written")
+    assert "Not a directory" in message and "data.cache_dir=<folder with space>" in message
+
+
+def test_a_cache_without_room_for_the_estimate_is_refused_before_sentencepiece_trains(tmp_path, monkeypatch):
+    trainings = count_tokenizer_trainings(monkeypatch)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=10_000))  # a full disk
+    dm = text_datamodule(tmp_path)
+    raw_mib = sum(p.stat().st_size for p in (tmp_path / "corpus").iterdir()) / 2**20
+    with pytest.raises(InputError) as refused:
+        dm.build()
+    message = str(refused.value)
+    assert trainings == [] and "\n" not in message
+    assert message.startswith(f"data.cache_dir={tmp_path / 'cache'}: the data cache needs about ")
+    assert f"1.5x the {raw_mib:,.1f} MiB of raw train/validation/test text, an estimate" in message
+    assert "0.0 MiB is free there" in message and "data.cache_dir=<folder with space>" in message
+    assert not list((tmp_path / "cache").iterdir())  # the probe file is gone
+
+
+def test_a_complete_cache_is_only_read_and_needs_no_room(tmp_path, monkeypatch):
+    text_datamodule(tmp_path).build()
+    trainings = count_tokenizer_trainings(monkeypatch)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: 1 / 0)  # never asked: nothing will be written
+    dm = text_datamodule(tmp_path)
+    dm.build()
+    assert trainings == [] and {how for how, _ in dm.timings.values()} == {"loaded from cache"}

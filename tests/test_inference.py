@@ -10,12 +10,17 @@ import select
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
+from urllib.error import URLError
 
 import pytest
 import sacrebleu
 import torch
+from omegaconf import OmegaConf
+from sacrebleu.dataset import DATASETS
 
+import transformer_mt.evaluate as evaluate_module
 from conftest import ROOT, hydra_task, run_translate
 from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import (
@@ -208,6 +213,38 @@ def test_evaluate_files_and_data_test_split(trained_run, tmp_path, capsys):
     assert "sacreBLEU" in stdout and "NOT comparable" in stdout and result["decoding"]["beam_size"] == 4
     # Without files: the test split of the data config stored in the checkpoint.
     assert evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "split"))["bleu"] == result["bleu"]
+
+
+def test_a_sacrebleu_test_set_that_cannot_be_downloaded_ends_in_one_line_naming_the_fix(tmp_path, monkeypatch):
+    """Offline, `testset=wmt14/full` is one line naming local files (src=/ref=) or where sacreBLEU wants its
+    download, not urllib's traceback; an unknown test set or language pair is one line too."""
+    dataset = DATASETS["wmt14/full"]
+    monkeypatch.setattr(dataset, "_outdir", str(tmp_path / "wmt14" / "full"))  # nothing downloaded before
+    monkeypatch.setattr(dataset, "_rawdir", str(tmp_path / "wmt14" / "full" / "raw"))
+    downloads = []
+
+    def no_network(url, *args, **kwargs):  # what urllib raises on this machine, which cannot resolve statmt.org
+        downloads.append(url)
+        raise URLError(socket.gaierror(-2, "Name or service not known"))
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+
+    def test_set(name: str, langpair: str | None = None):  # as `make evaluate ARGS="testset=... langpair=..."` asks
+        cfg = OmegaConf.create({"src": None, "ref": None, "testset": name, "langpair": langpair})
+        return evaluate_module.test_set(cfg, {"src_lang": "en", "tgt_lang": "de"})  # the checkpoint's data config
+
+    with pytest.raises(InputError) as refused:
+        test_set("wmt14/full")
+    message = str(refused.value)
+    assert downloads == ["https://statmt.org/wmt14/test-full.tgz"] and "\n" not in message
+    assert message.startswith("testset=wmt14/full: sacreBLEU could not download it ([Errno -2] Name or service")
+    assert "Offline, score aligned local files instead: src=<source file> ref=<reference file>" in message
+    tarball = tmp_path / "wmt14" / "full" / "raw" / "wmt14_full.test-full.tgz"
+    assert f"download https://statmt.org/wmt14/test-full.tgz at {tarball} (SACREBLEU=<folder>" in message
+    with pytest.raises(InputError, match="testset=wmt99: not a sacreBLEU test set"):
+        test_set("wmt99")
+    with pytest.raises(InputError, match="langpair=en-xx: not in testset=wmt14/full, whose pairs are cs-en, en-cs"):
+        test_set("wmt14/full", "en-xx")
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import json
 import logging
 from functools import partial
 from pathlib import Path
+from urllib.error import URLError
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,14 +31,36 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
         src, ref = read_text_pair(cfg.src, cfg.ref)
         return f"{cfg.src} / {cfg.ref}", src, ref
     if cfg.testset:
-        from sacrebleu.utils import get_reference_files, get_source_file  # noqa: PLC0415 (downloads)
-
         langpair = cfg.langpair or f"{data_cfg['src_lang']}-{data_cfg['tgt_lang']}"
-        src, refs = read_lines(get_source_file(cfg.testset, langpair)), get_reference_files(cfg.testset, langpair)
-        return f"{cfg.testset} ({langpair})", src, read_lines(refs[0])
+        return f"{cfg.testset} ({langpair})", *sacrebleu_test_set(cfg.testset, langpair)
     corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
     src, ref = corpus.load(cfg.split).pairs()
     return f"{corpus.name} {cfg.split}", src, ref
+
+
+def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
+    """(sources, references) of a sacreBLEU test set, downloaded on first use; offline, one line naming the fix."""
+    from sacrebleu.dataset import DATASETS  # noqa: PLC0415 (downloads)
+    from sacrebleu.utils import get_reference_files, get_source_file  # noqa: PLC0415
+
+    if name not in DATASETS:
+        raise InputError(f"testset={name}: not a sacreBLEU test set (e.g. wmt14/full; `sacrebleu --list` lists them)")
+    if langpair not in DATASETS[name].langpairs:
+        raise InputError(
+            f"langpair={langpair}: not in testset={name}, whose pairs are {', '.join(DATASETS[name].langpairs)}"
+        )
+    try:
+        return read_lines(get_source_file(name, langpair)), read_lines(get_reference_files(name, langpair)[0])
+    except (URLError, TimeoutError) as e:  # URLError: no network, no name resolution, an HTTP error
+        dataset = DATASETS[name]
+        where = ", ".join(
+            f"{url} at {Path(dataset._rawdir) / dataset._get_tarball_filename(url)}" for url in dataset.data
+        )
+        raise InputError(
+            f"testset={name}: sacreBLEU could not download it ({getattr(e, 'reason', e)}). Offline, score aligned "
+            "local files instead: src=<source file> ref=<reference file> (make evaluate SRC=... REF=...), or put "
+            f"sacreBLEU's download {where} (SACREBLEU=<folder> moves its folder)"
+        ) from None
 
 
 def evaluate(cfg: DictConfig) -> dict:

@@ -10,10 +10,12 @@ import glob
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import numpy as np
 
 from transformer_mt.errors import InputError, MissingInputError
@@ -57,6 +59,10 @@ def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], l
 
 def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
     return gather(iter_text_pair(src_path, tgt_path, size=1 << 20))
+
+
+def bytes_of(paths) -> int:
+    return sum(Path(p).stat().st_size for p in paths)
 
 
 def hash_files(paths: list[Path]) -> str:
@@ -106,25 +112,39 @@ class Corpus:
                     return [Path(f) for f in found]
         return []
 
-    def load_from_hub(self, split: str) -> tuple[str, datasets.Dataset]:
-        """(fingerprint, dataset) of `split` from the Hugging Face Hub; a failure says how to work offline."""
+    def load_from_hub(self, split: str) -> datasets.Dataset:
+        """`split` from the Hugging Face Hub, or `datasets`' cache of it when the Hub does not answer (asked once,
+        not retried for ~25 s); a failure names this corpus' offline fix."""
+        unreachable = None if Path(self.hub_name).expanduser().is_dir() else hub_unreachable()  # a folder: no Hub
         try:
-            ds = datasets.load_dataset(self.hub_name, self.hub_config, split=split)
+            with hub_offline(unreachable is not None):
+                return datasets.load_dataset(self.hub_name, self.hub_config, split=split)
         except Exception as e:  # offline, unknown name, changed layout: the fix is the same
             name = f"{self.hub_name} ({self.hub_config})" if self.hub_config else self.hub_name
-            cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            cause = unreachable or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise MissingInputError(
-                f"data '{self.name}': could not load {name} {split} from the Hugging Face Hub ({cause}). Offline, "
-                "point data.path at a local copy: data.path=<directory> (scripts/make_wmt14_layout.py builds the "
-                "Hub's layout from text files)"
+                f"data '{self.name}': could not load {name} {split} from the Hugging Face Hub ({cause}). "
+                f"Offline, {self.offline_fix()}"
             ) from e
-        return ds._fingerprint, ds
+
+    def offline_fix(self) -> str:
+        """How to train without the Hub: the text files this corpus' config names, or else the Hub's layout."""
+        if self.text_files:
+            files = ", ".join(
+                f"{prefix}.{lang}" for prefix in self.text_files.values() for lang in (self.src_lang, self.tgt_lang)
+            )
+            return f"point data.path at a folder with its text files: data.path=<folder with {files}>"
+        return (
+            "point data.path at a local copy in the Hub's layout: data.path=<folder> "
+            "(scripts/make_wmt14_layout.py builds it from aligned text files)"
+        )
 
     def load(self, split: str) -> RawSplit:
         if self.path is None:
             if not self.hub_name:
                 raise InputError(f"data '{self.name}': set data.path to a local copy (no Hub name is configured)")
-            return RawSplit(self, split, *self.load_from_hub(split))
+            ds = self.load_from_hub(split)
+            return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
         root = Path(self.path).expanduser()
         if not root.exists():
             raise MissingInputError(f"data '{self.name}': data.path={root} does not exist")
@@ -133,10 +153,10 @@ class Corpus:
             for p in pair:
                 if not p.is_file():
                     raise MissingInputError(f"data '{self.name}', split {split}: missing {p} (its pair is {pair})")
-            return RawSplit(self, split, hash_files(list(pair)), text_pair=pair)
+            return RawSplit(self, split, hash_files(list(pair)), text_pair=pair, raw_bytes=bytes_of(pair))
         if (root / "dataset_dict.json").exists():  # DatasetDict.save_to_disk
             ds = datasets.load_from_disk(str(root))[split]
-            return RawSplit(self, split, ds._fingerprint, dataset=ds)
+            return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
         files = self.local_files(split)
         if not files:
             looked = [str(p) for p in filter(None, [self.text_paths(split)])]
@@ -153,7 +173,35 @@ class Corpus:
             split,
             hash_files(files),
             open_dataset=lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
+            raw_bytes=bytes_of(files),
         )
+
+
+def hub_unreachable(timeout: float = 10.0) -> str | None:
+    """Why the Hub does not answer one request (HF_HUB_OFFLINE set, no network, no name resolution), or None when
+    it answers at all (any HTTP status: the load then says what is wrong)."""
+    if datasets.config.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
+    except Exception as e:  # httpx's ConnectError, a timeout, a proxy's refusal: no answer
+        return f"the Hub does not answer: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+@contextmanager
+def hub_offline(offline: bool) -> Iterator[None]:
+    """`datasets` and `huggingface_hub` in their offline mode (as with HF_HUB_OFFLINE=1) inside the block when
+    `offline`: a dataset comes from their cache, or the load fails at once instead of retrying."""
+    if not offline:
+        yield
+        return
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
 @dataclass
@@ -167,6 +215,7 @@ class RawSplit:
     dataset: datasets.Dataset | None = None
     text_pair: tuple[Path, Path] | None = None
     open_dataset: Callable[[], datasets.Dataset] | None = None
+    raw_bytes: int = 0  # its files' size on disk (text, Parquet, JSON), or its Arrow table's: the cache's estimate
 
     def describe(self, row: int | None = None) -> str:
         """Where the split (or its row, from 0) comes from, as an error message names it."""
