@@ -56,12 +56,16 @@ RUN  ?=
 RUNS ?=
 N    ?= 5
 
-.PHONY: evaluate translate finish average
+.PHONY: evaluate tune translate finish average
 need = $(if $($(1)),,$(error $(1) is required: $(2)))
 
 evaluate:  ## Score a checkpoint: make evaluate CKPT=... [SRC=... REF=...] [ARGS=...]
 	$(call need,CKPT,make evaluate CKPT=outputs/<date>/<time>/checkpoints/last.ckpt)
 	$(PY) -m transformer_mt.evaluate ckpt=$(CKPT) $(if $(SRC),src=$(SRC)) $(if $(REF),ref=$(REF)) $(ARGS)
+
+tune:  ## Choose beam and length penalty on the validation split (§6.1); translate/evaluate then use them: make tune CKPT=... [ARGS=...]
+	$(call need,CKPT,make tune CKPT=outputs/<date>/<time>/checkpoints/average-last5.ckpt)
+	$(PY) -m transformer_mt.tune ckpt=$(CKPT) $(ARGS)
 
 translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.de
 	$(call need,CKPT,make translate CKPT=outputs/<date>/<time>/checkpoints/last.ckpt < in.en > out.de)

@@ -30,11 +30,14 @@ from transformer_mt.checkpoint import (
     run_checkpoints,
     write_checkpoint,
 )
+from transformer_mt.data.corpus import Corpus
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
 from transformer_mt.runtime import set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
+from transformer_mt.tune import tune
+from transformer_mt.tuning import read_tuned, tuned_path
 
 # ---------------------------------------------------------------- averaging
 
@@ -390,3 +393,49 @@ def test_engines_imports_without_torch_as_the_ct2_path_needs():
     check = "import sys, transformer_mt.engines; assert 'torch' not in sys.modules, 'engines.py imported torch'"
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- make tune: decoding chosen on the development set
+
+
+def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_use_its_choice(
+    trained_run, tmp_path, monkeypatch, capsys
+):
+    ckpt = tmp_path / "model.ckpt"  # a copy: the choice is written beside it, not beside the shared run's
+    ckpt.write_bytes((trained_run / "out" / "checkpoints" / "last.ckpt").read_bytes())
+    loaded, load = [], Corpus.load
+    monkeypatch.setattr(Corpus, "load", lambda self, split: loaded.append(split) or load(self, split))
+    grid = [f"ckpt={ckpt}", "alphas=[0.0,2.0]", "beams=[1,2]", "decoding.max_len_b=8"]
+    chosen = tune(hydra_task("tune", grid, tmp_path / "tune"))
+    out = capsys.readouterr().out
+    assert loaded == ["validation"]  # the test split is never read when choosing
+    record = json.loads(tuned_path(ckpt).read_text())
+    rows = record["grid"]
+    # 2 alphas at beam 4, beams 1 and 2 at the best alpha, then the length limit doubled: 5 decodes, each printed
+    assert [(r["beam_size"], r["alpha"]) for r in rows[:2]] == [(4, 0.0), (4, 2.0)] and len(rows) == 5
+    assert rows[-1]["max_len_b"] == 16 and {r["beam_size"] for r in rows[2:4]} == {1, 2}
+    best = max(r["bleu"] for r in rows)
+    assert record["decoding"] == chosen and any(r["bleu"] == best and chosen.items() <= r.items() for r in rows)
+    assert out.count(" BP ") == 1 and all(f"{r['length_ratio']:.3f}" in out for r in rows) and "signature: nrefs" in out
+    expected = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", *[f"decoding.{k}={v}" for k, v in chosen.items()]],
+                                   tmp_path / "explicit"))  # fmt: skip
+    # make evaluate and make translate: the stored choice by default, and they say so
+    result = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "default"))
+    assert result["decoding"] == chosen and result["bleu"] == expected["bleu"]
+    assert "chosen on the text validation split by make tune" in capsys.readouterr().out
+    paper = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", "tuned=false"], tmp_path / "paper"))["decoding"]
+    assert (paper["beam_size"], paper["alpha"]) == (4, 0.6)
+    given = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", "decoding.alpha=0.6"], tmp_path / "given"))["decoding"]
+    assert given["beam_size"] == 4  # a decoding key on the command line: conf/decoding's settings, as given
+    source = "the cat sees a dog .\n"
+    tuned_out, err = run_translate(ckpt, source, monkeypatch=monkeypatch, capsys=capsys)
+    explicit = [f"decoding.{k}={v}" for k, v in chosen.items()]
+    assert "by make tune" in err and tuned_out == run_translate(ckpt, source, *explicit, monkeypatch=monkeypatch,
+                                                                 capsys=capsys)[0]  # fmt: skip
+    # a record made for other bytes is not used, and that is said
+    other = tmp_path / "other.ckpt"
+    other.write_bytes((trained_run / "out" / "checkpoints" / "step0000003.ckpt").read_bytes())
+    tuned_path(other).write_text(tuned_path(ckpt).read_text())
+    assert read_tuned(other)[0] is None and "another version" in read_tuned(other)[1]
+    with pytest.raises(InputError, match="never on the test split"):
+        tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))

@@ -10,7 +10,7 @@ from urllib.error import URLError
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
@@ -19,6 +19,7 @@ from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import nbest_lines
+from transformer_mt.tuning import decoding_settings
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def evaluate(cfg: DictConfig) -> dict:
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
-        decoding = OmegaConf.to_container(cfg.decoding)
+        decoding = decoding_settings(cfg, say=print)
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding)
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))

@@ -7,13 +7,14 @@ import sys
 import time
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.engines import open_engine
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import decode_line
 from transformer_mt.search import nbest_lines
+from transformer_mt.tuning import decoding_settings
 
 
 def stderr(message: str) -> None:
@@ -41,7 +42,7 @@ def translate(cfg: DictConfig) -> None:
 
 
 def translate_stdin(cfg: DictConfig, translate_lines) -> None:
-    decoding = OmegaConf.to_container(cfg.decoding)
+    decoding = decoding_settings(cfg, say=stderr)
     # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
     batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
     lines_done, start = 0, time.perf_counter()

@@ -1,0 +1,62 @@
+"""Decoding settings chosen on the development set (§6.1): `make tune CKPT=<checkpoint>` (tuning.py)."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.corpus import Corpus
+from transformer_mt.engines import open_engine
+from transformer_mt.errors import InputError, exit_on_user_error, required
+from transformer_mt.tuning import PAPER, save_tuned, search_grid, table
+
+
+def tune(cfg: DictConfig) -> dict:
+    if cfg.split == "test":
+        raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
+    start = time.perf_counter()
+    with open_engine(cfg) as (translate_lines, config):
+        data_cfg = config.get("data", {})
+        corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
+        sources, references = corpus.load(cfg.split).pairs()
+        if cfg.sentences:
+            sources, references = sources[: cfg.sentences], references[: cfg.sentences]
+        alphas, beams = list(cfg.alphas), list(cfg.beams)
+        decoding = OmegaConf.to_container(cfg.decoding)
+        decodes = len(alphas) + len([b for b in beams if b != decoding["beam_size"]]) + 1
+        print(
+            f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
+            f"length penalties at beam {decoding['beam_size']}, beams {beams} at the best, then the length limit: "
+            f"up to {decodes} decodes of the split",
+            flush=True,
+        )
+        print(table([]), flush=True)
+        translate = partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch)
+        chosen, rows = search_grid(
+            translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
+            report=lambda row: print(table([row]).split("\n", 1)[1], flush=True),
+        )  # fmt: skip
+    best = next(r for r in rows if all(r[k] == v for k, v in chosen.items()))
+    paper = [r for r in rows if all(r[k] == v for k, v in {**decoding, **PAPER}.items() if k in chosen)]
+    print(f"signature: {rows[0]['bleu_signature']}; {time.perf_counter() - start:.0f} s for {len(rows)} decodes")
+    print(
+        f"chosen: beam {chosen['beam_size']}, alpha {chosen['alpha']}, max length {chosen['max_len_a']:g} x source + "
+        f"{chosen['max_len_b']}: sacreBLEU {best['bleu']:.2f}"
+        + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu']:.2f})" if paper else "")
+    )
+    path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}")
+    print(f"wrote {path}: make translate and make evaluate use these settings for this checkpoint (tuned=false: not)")
+    return chosen
+
+
+@hydra.main(config_path=CONF_DIR, config_name="tune", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    exit_on_user_error(tune, cfg)
+
+
+if __name__ == "__main__":
+    main()
