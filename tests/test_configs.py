@@ -2,6 +2,7 @@
 values, unknown keys and settings that would fail late are refused first, in one line, leaving no run folder."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -266,3 +267,15 @@ def test_make_train_echoes_only_its_command_and_make_help_names_every_experiment
     help_text = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     configs = next(line for line in help_text.splitlines() if line.startswith("CONFIG (make train):"))
     assert configs.split(":", 1)[1].split()[: len(EXPERIMENTS)] == EXPERIMENTS
+
+
+def test_train_help_lists_every_experiment_and_keys_that_exist():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        help_text = compose("train", return_hydra_config=True).hydra.help.template
+    listed = help_text.split("Experiments", 1)[1].split("Keys", 1)[0]
+    assert sorted(line.split()[0] for line in listed.splitlines()[1:] if line.strip()) == EXPERIMENTS
+    cfg = compose_train(["experiment=base"], None)
+    for key in re.findall(r"\b([a-z_]+\.[a-z_.]+)=", help_text.split("Keys", 1)[1]):
+        if not key.startswith("hydra."):
+            parent, _, name = key.rpartition(".")
+            assert name in OmegaConf.select(cfg, parent) or name in trainer_parameters(), key
