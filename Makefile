@@ -12,6 +12,7 @@ PYTEST := $(PY) -m pytest
 
 help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "CONFIG (make train): $(EXPERIMENTS) (conf/experiment/)"
 	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
 install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
@@ -44,10 +45,12 @@ clean:  ## Remove Python and test caches; trained models in outputs/ and multiru
 
 CONFIG ?= multi30k
 ARGS   ?=
+EXPERIMENTS := $(sort $(basename $(notdir $(wildcard conf/experiment/*.yaml))))
 
 .PHONY: train
-train:  ## Train: make train CONFIG=base|big|multi30k [ARGS="key=value ..."] (CONFIG defaults to multi30k); resume a run: add ARGS="ckpt_path=last hydra.run.dir=<its folder>"
-	$(PY) -m transformer_mt.train $(ARGS) experiment=$(CONFIG)  # ARGS first: Hydra flags such as -m precede overrides
+# ARGS first: Hydra flags such as -m precede overrides.
+train:  ## Train: make train CONFIG=<experiment> [ARGS="key=value ..."] (CONFIG defaults to multi30k; the list below); resume a run: add ARGS="ckpt_path=last hydra.run.dir=<its folder>"
+	$(PY) -m transformer_mt.train $(ARGS) experiment=$(CONFIG)
 
 CKPT ?=
 SRC  ?=

@@ -446,7 +446,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2048, help="padded tokens per side of a training batch")
     parser.add_argument("--steps", type=int, default=4, help="timed training updates per round")
     parser.add_argument(
-        "--no-compile", dest="compile", action="store_false", help="leave out the torch.compile rows (training, decoding, host)"
+        "--no-compile", dest="compile", action="store_false", help="leave out the torch.compile rows (all parts)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="rounds; every figure is the median")
     parser.add_argument("--limit", type=int, help="decode the first N sentences of --src only")

@@ -3,15 +3,16 @@
   python scripts/data_stats.py data=multi30k data.path=../shared/data/multi30k data.max_tokens=4096
 
 Prints split sizes, tokenization time (cold, then cached), batches per epoch, padding
-efficiency (real / padded tokens over both sides) and the derived gradient accumulation.
+efficiency (real / padded tokens over both sides) and the derived gradient accumulation. It trains
+nothing, so it writes no run folder (the config is composed, not run by Hydra).
 """
 
+import sys
 import time
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.configs import CONF_DIR
+from transformer_mt.configs import compose
 from transformer_mt.data.batching import padding_efficiency
 from transformer_mt.data.corpus import SPLITS
 from transformer_mt.data.datamodule import TranslationDataModule
@@ -24,7 +25,6 @@ def build(cfg: DictConfig) -> tuple[TranslationDataModule, float]:
     return dm, time.perf_counter() - start
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     first, first_s = build(cfg)
     _, cached_s = build(cfg)
@@ -51,4 +51,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(compose("train", sys.argv[1:]))

@@ -2,6 +2,7 @@
 values, unknown keys and settings that would fail late are refused first, in one line, leaving no run folder."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,12 +14,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT, run_train
+from conftest import CONF, ROOT, run_process, run_train
+from transformer_mt.configs import check_command_line
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.train import check_config, make_callbacks, trainer_arguments
+from transformer_mt.train import check_config, check_device, make_callbacks, trainer_arguments, trainer_parameters
 from transformer_mt.training.callbacks import StartupLog
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -57,6 +59,58 @@ def test_every_group_option_composes(group, tmp_path):
 def test_unknown_config_keys_are_rejected(tmp_path):
     with pytest.raises(Exception, match="modle|not in struct|Could not override"):
         compose_train(["model.modle_dim=3"], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trainer.max_step=5"], "trainer.max_step: no such setting; did you mean trainer.max_steps?"),
+        (["+trainer.max_step=5"], "trainer.max_step: no such setting; did you mean trainer.max_steps?"),
+        (["experiment=base", "data.max_tokns=5"], "data.max_tokns: no such setting; did you mean data.max_tokens?"),
+        (["+data.max_tokns=5"], "data.max_tokns: no such setting; did you mean data.max_tokens?"),
+        (["+model.d_modle=3"], "model.d_modle: no such setting; did you mean model.d_model?"),
+        (["optim.warmup_step=3"], "optim.warmup_step: no such setting; did you mean optim.warmup_steps?"),
+        (["checkpoint.kep_last=3"], "checkpoint.kep_last: no such setting; did you mean checkpoint.keep_last?"),
+        (["+final.averge_last=2"], "final.averge_last: no such setting; did you mean final.average_last?"),
+        (["seeed=1"], "seeed: no such setting; did you mean seed?"),
+        (["trainr=cpu"], "trainr: no such setting; did you mean trainer=cpu?"),
+        (["experiment=bse"], "experiment=bse: no such option; did you mean experiment=base? (the options: base, "),
+        (["+trainer.foo=1"], "trainer.foo: no such setting; trainer has accelerator, accumulate_grad_batches"),
+        (["trainer.limit_val_batches=2"], "trainer.limit_val_batches is not in the config; add it with a plus: +"),
+    ],
+)
+def test_a_misspelled_key_in_any_group_is_refused_in_one_line_with_the_closest_key(argv, message):
+    addable = {"trainer": trainer_parameters()}
+    with pytest.raises(InputError) as error:
+        check_command_line("train", argv, addable)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
+
+
+def test_what_hydra_answers_itself_or_a_new_key_passes_the_command_line_check():
+    addable = {"trainer": trainer_parameters()}
+    assert check_command_line("train", ["+trainer.limit_val_batches=2", "+note=baseline"], addable).note == "baseline"
+    for argv in (["--help"], ["--cfg", "job", "trainer.max_step=5"], ["-m", "table3=glob(*)", "trainer.max_step=5"]):
+        assert check_command_line("train", argv, addable) is None  # Hydra's own answer (a sweep: per job)
+    args = compose_train(["+trainer.max_step=5"], None).trainer  # in-process callers reach the Trainer's arguments
+    with pytest.raises(InputError, match=r"^trainer.max_step: not a lightning.Trainer argument; did you mean "):
+        trainer_arguments(args)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_a_gpu_recipe_without_a_gpu_points_at_the_cpu_recipe():
+    with pytest.raises(InputError) as error:
+        check_device(compose_train(["experiment=base"], None).trainer.accelerator)
+    assert "make train CONFIG=multi30k" in str(error.value) and str(error.value).endswith("add trainer=cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["+trainer.max_step=5"], ["trainer.max_step=5"], ["experiment=base"]])
+def test_a_refused_start_is_one_line_before_any_data_and_leaves_no_run_folder(args, tmp_path):
+    cache = {"TRANSFORMER_MT_CACHE": str(tmp_path / "cache")}
+    proc = run_process([sys.executable, "-m", "transformer_mt.train", *args], tmp_path, env=cache)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: ") and not proc.stdout
+    assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/, nothing in the data cache
 
 
 def test_base_and_big_carry_the_papers_values(tmp_path):
@@ -106,7 +160,7 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
             check_config(compose_train(override.split(), tmp_path))
         assert str(error.value).startswith(message), (override, str(error.value))
     if not torch.cuda.is_available():
-        with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* add trainer=cpu"):
+        with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* CONFIG=multi30k .* add trainer=cpu"):
             trainer_arguments(compose_train(["trainer=gpu"], tmp_path).trainer)
 
 
@@ -206,3 +260,23 @@ def test_hub_failure_says_how_to_work_offline(tmp_path):
     assert proc.returncode == 1 and lines[-1].startswith("error: data 'multi30k': could not load bentrevett/multi30k")
     assert "(HF_HUB_OFFLINE is set). Offline, point data.path at a folder with its text files: " in lines[-1]
     assert "data.path=<folder with train.en, train.de, val.en" in lines[-1] and "make_wmt14" not in lines[-1]
+
+
+def test_make_train_echoes_only_its_command_and_make_help_names_every_experiment():
+    train = subprocess.run(["make", "-n", "train", "ARGS=seed=1"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert train.stdout.splitlines() == [".venv/bin/python -m transformer_mt.train seed=1 experiment=multi30k"]
+    help_text = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    configs = next(line for line in help_text.splitlines() if line.startswith("CONFIG (make train):"))
+    assert configs.split(":", 1)[1].split()[: len(EXPERIMENTS)] == EXPERIMENTS
+
+
+def test_train_help_lists_every_experiment_and_keys_that_exist():
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        help_text = compose("train", return_hydra_config=True).hydra.help.template
+    listed = help_text.split("Experiments", 1)[1].split("Keys", 1)[0]
+    assert sorted(line.split()[0] for line in listed.splitlines()[1:] if line.strip()) == EXPERIMENTS
+    cfg = compose_train(["experiment=base"], None)
+    for key in re.findall(r"\b([a-z_]+\.[a-z_.]+)=", help_text.split("Keys", 1)[1]):
+        if not key.startswith("hydra."):
+            parent, _, name = key.rpartition(".")
+            assert name in OmegaConf.select(cfg, parent) or name in trainer_parameters(), key

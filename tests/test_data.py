@@ -637,13 +637,14 @@ def test_data_stats_on_multi30k_reports_padding_efficiency_above_90_percent(tmp_
             "data=multi30k",
             f"data.path={SHARED_DATA / 'multi30k'}",
             "data.max_tokens=4096",
-            f"data.cache_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path / 'hydra'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
         ],
         check=True,
         capture_output=True,
         text=True,
+        cwd=tmp_path,
     ).stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["cache"]  # no outputs/<date>/<time>/: it trained nothing
     line = next(line for line in out.splitlines() if line.startswith("padding efficiency:"))
     assert float(line.split(":")[1]) >= 0.90, out
     assert "train 29,000" in out and "tokenization: cold" in out and "cached" in out

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from transformer_mt.search import translate_ids, translate_lines
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.plot import find, read_metrics
+from transformer_mt.training.checkpoints import UpdateCheckpoint
 
 SENTENCES = [
     "the cat sees a dog .",
@@ -179,7 +181,7 @@ def scores(bleu: float, chrf: float, sentences: int) -> dict:
 
 def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(random_checkpoint, tmp_path):
     pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
-    from huggingface_hub import ModelCard  # the export extra's, with transformers
+    ModelCard = pytest.importorskip("huggingface_hub").ModelCard  # the export extra's, with transformers
 
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
@@ -209,7 +211,7 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
 def test_an_export_of_a_checkpoint_without_a_run_says_it_has_no_scores(random_checkpoint, tmp_path):
     pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
     pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
-    from huggingface_hub import ModelCard
+    ModelCard = pytest.importorskip("huggingface_hub").ModelCard
 
     card = ModelCard.load(export(str(random_checkpoint), "ct2", str(tmp_path / "ct2")) / "README.md")
     assert not card.data.eval_results and "No scores" in card.text and "ctranslate2.Translator" in card.text
@@ -460,3 +462,15 @@ def test_the_host_overhead_table_puts_our_trainer_beside_the_bare_loop():
     assert 2_000 < bare_mb <= ours_mb <= bare_mb + 20, out  # the model's ~2,450 at base's depth, plus `add`'s few
     assert ours_update <= bare_update + 30, out  # the parameters number 253: one op each would show
     assert rows["bare loop"][-1] == "1.00x" and rows["Trainer eager"][-1].endswith("x"), out
+
+
+def test_a_pruned_checkpoint_takes_its_ct2_export_along(tmp_path):
+    """keep_last prunes step<N>.ckpt (Lightning's ModelCheckpoint); engine=ct2's step<N>.ct2/ beside it goes too."""
+    for name in ("step0000040", "step0000080"):
+        (tmp_path / f"{name}.ckpt").write_bytes(b"weights")
+        (tmp_path / f"{name}.ct2").mkdir()
+        (tmp_path / f"{name}.ct2" / "model.bin").write_bytes(b"export")
+    strategy = SimpleNamespace(remove_checkpoint=lambda path: Path(path).unlink())
+    trainer = SimpleNamespace(strategy=strategy, is_global_zero=True)
+    UpdateCheckpoint(every=40, dirpath=tmp_path)._remove_checkpoint(trainer, str(tmp_path / "step0000040.ckpt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step0000080.ckpt", "step0000080.ct2"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 import warnings
@@ -21,7 +23,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.configs import CONF_DIR
+from transformer_mt.configs import CONF_DIR, check_command_line, closest
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import RunFolderLock, remove_stale_temporaries
@@ -59,11 +61,13 @@ def trainer_arguments(cfg: DictConfig) -> dict:
     args = plain(cfg)
     args.pop("compile", None)  # the module's (TranslationModule.compile_training), not Lightning's
     accelerator = args.get("accelerator", "auto")
-    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise InputError(
-            f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here; "
-            'to train on this machine add trainer=cpu (make train CONFIG=... ARGS="trainer=cpu")'
-        )
+    check_device(accelerator)
+    known = trainer_parameters()
+    unknown = sorted(set(args) - known)  # +trainer.max_step=5 would end in the Trainer's TypeError
+    if unknown:
+        match = closest(unknown[0], known)
+        hint = f"; did you mean trainer.{match}?" if match else ""
+        raise InputError(f"trainer.{unknown[0]}: not a lightning.Trainer argument{hint}")
     if args.get("precision") == "auto":  # trainer=cpu: bf16 only where the CPU computes it natively
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
         args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
@@ -74,6 +78,21 @@ def trainer_arguments(cfg: DictConfig) -> dict:
         use_tf32()
         log.info("precision %s on CUDA: fp32 matrix products in TF32 (runtime.use_tf32)", args["precision"])
     return args
+
+
+def check_device(accelerator: str) -> None:
+    """A GPU recipe on a machine without one is refused, pointing a CPU user at the recipe made for a CPU."""
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise InputError(
+            f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here. On a CPU, train the "
+            'Multi30k recipe (~26 minutes on 2 cores): make train CONFIG=multi30k [ARGS="data.path=<folder with '
+            'train.en, train.de, ...>"]; only to force this config onto the CPU (days for base) add trainer=cpu'
+        )
+
+
+def trainer_parameters() -> set[str]:
+    """What conf/trainer may hold: lightning.Trainer's arguments, and compile (the module's)."""
+    return set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} | {"compile"}
 
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -> list:
@@ -311,8 +330,19 @@ def overrides() -> list[str]:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
+def run(cfg: DictConfig) -> float | None:
     return exit_on_user_error(train, cfg)
+
+
+def main() -> None:
+    """`make train`, `transformer-mt-train`: the command line is checked before Hydra makes a run folder (a
+    misspelled key, a GPU recipe without a GPU: one line, no folder, no data built), then run."""
+    argv = sys.argv[1:]
+    cfg = exit_on_user_error(check_command_line, "train", argv, {"trainer": trainer_parameters()})
+    sweep = any(a in ("-m", "--multirun") or a.startswith("hparams_search=") for a in argv)
+    if cfg is not None and not sweep:  # a sweep's jobs may run elsewhere (hydra/launcher=slurm): each checks its own
+        exit_on_user_error(check_device, cfg.trainer.accelerator)
+    run()
 
 
 if __name__ == "__main__":

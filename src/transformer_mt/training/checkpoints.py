@@ -15,6 +15,7 @@ Two rules keep a resume exact:
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from pathlib import Path
 
@@ -129,6 +130,13 @@ class UpdateCheckpoint(AfterUpdate, ModelCheckpoint):
 
     def write(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         ModelCheckpoint.on_train_batch_end(self, trainer, module, outputs, batch, batch_idx)
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """A checkpoint pruned (keep_last) takes its CTranslate2 export along: engines.ct2_export's <name>.ct2/."""
+        super()._remove_checkpoint(trainer, filepath)
+        export = Path(filepath).with_suffix(".ct2")
+        if trainer.is_global_zero and export.is_dir():
+            shutil.rmtree(export, ignore_errors=True)
 
 
 class LastCheckpoint(AfterUpdate, Checkpoint):
