@@ -13,12 +13,13 @@ core
     tokenizer.py            the shared SentencePiece vocabulary (§5.1)
     checkpoint.py           checkpoint files: atomic writes, safe reads, a model for inference
     scoring.py              sacreBLEU, chrF and the paper's tokenized BLEU
+    tuning.py               decoding settings chosen on the development set, stored beside the checkpoint
     errors.py               errors a user can act on, reported in one line
     files.py                atomic writes, stale temporaries, UTF-8 line reading
     runtime.py              devices, threads, CPU features, glibc's allocator
     configs.py              where the Hydra configs live; composing them outside an entry point
-front doors (make train/evaluate/translate/finish/average; transformer-mt-* commands)
-    train.py  evaluate.py  translate.py  averaging.py  finish.py
+front doors (make train/evaluate/tune/translate/finish/average; transformer-mt-* commands)
+    train.py  evaluate.py  tune.py  translate.py  averaging.py  finish.py
     engines.py      evaluate/translate's decoder: ours, or CTranslate2 (engine=ct2) in ct2_worker.py's process
 data/               corpus reading and cleaning, token-bucket batching, the LightningDataModule
 training/           the LightningModule, callbacks (progress, run end), logs, exact resume, FSDP
