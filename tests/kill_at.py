@@ -8,6 +8,8 @@ Points:
   validation:N      inside the first validation batch after update N
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
   final:0           inside the end-of-run protocol (final.enabled), as it decodes its first split
+  after-rank-1:0    no kill: under torchrun/srun, rank 0's end-of-run protocol starts only once rank 1's process
+                    has exited (it says so), or after 120 s if it has not (a rank 1 waiting for rank 0)
   signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
                     starts, inside the next update's accumulation window (rank 0 only): the run stops by itself;
                     N = -1: as the sanity validation starts, before training (and this script's handlers) start
@@ -19,13 +21,16 @@ The process really dies by SIGKILL (exit status -9 for the caller): nothing runs
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
 
 import transformer_mt.checkpoint
+import transformer_mt.runtime
 import transformer_mt.train
 import transformer_mt.training.final
 
@@ -78,6 +83,25 @@ def kill_while_writing(name: str, step: int) -> None:
     transformer_mt.checkpoint.torch.save = save
 
 
+def protocol_after_rank_1() -> None:
+    """Rank 1 names its process in a file; rank 0's protocol waits for that process's exit (an event: its pidfd
+    becomes readable; at most 120 s), then says whether it came."""
+    named = Path("rank-1.pid")
+    if transformer_mt.runtime.launched_rank() == 1:
+        named.with_suffix(".tmp").write_text(str(os.getpid()))
+        named.with_suffix(".tmp").rename(named)
+        return
+    finish_run = transformer_mt.train.finish_run
+
+    def after_rank_1(*args, **kwargs):
+        pidfd = os.pidfd_open(int(named.read_text()))
+        exited = bool(select.select([pidfd], [], [], 120)[0])
+        print(f"rank 0's protocol starts; rank 1 {'has exited' if exited else 'is still running'}", flush=True)
+        return finish_run(*args, **kwargs)
+
+    transformer_mt.train.finish_run = after_rank_1
+
+
 def main() -> None:
     # Lightning's ddp starts the other ranks with this script's sys.argv (without the point): they find it here.
     point = os.environ.get("KILL_AT") or sys.argv.pop(1)
@@ -85,6 +109,8 @@ def main() -> None:
     kind, *where = point.split(":")
     if kind == "write":
         kill_while_writing(where[0], int(where[1]))
+    elif kind == "after-rank-1":
+        protocol_after_rank_1()
     elif kind == "final":
         transformer_mt.training.final.evaluate_split = lambda *args, **kwargs: die()
     else:

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -182,11 +183,13 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
         + ["final.enabled=true", "final.average_last=2", "decoding.max_len_b=10"],  # the end of run: rank 0 only
         tmp_path,
     )
-    train = [sys.executable, "-m", "transformer_mt.train", *overrides]
+    # tests/kill_at.py after-rank-1: rank 0's protocol waits (bounded) for rank 1's exit and says whether it came
+    train = [sys.executable, str(Path(__file__).parent / "kill_at.py"), "after-rank-1:0", *overrides]
     rendezvous = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=job42"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node=2", *train[1:]]
     outputs = []
     for steps in (6, 8):
+        (tmp_path / "rank-1.pid").unlink(missing_ok=True)
         if launcher == "torchrun":
             proc = run_process([*torchrun, f"trainer.max_steps={steps}"], tmp_path)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -207,7 +210,9 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
     last = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert last["global_step"] == 8
     # Each start ended with the protocol, on rank 0 alone: one results block per start, the last one's results.json.
-    assert log.count("results (") == 2
+    # Rank 1 did not wait for it: it had exited before rank 0's protocol began (it waits at no barrier).
+    assert log.count("results (") == 2 and log.count("the end of the run on rank 0 alone") == 2
+    assert [o.count("rank 0's protocol starts; rank 1 has exited") for o in outputs] == [1, 1], outputs[-1][-3000:]
     results = json.loads((run / "results.json").read_text())
     assert results["updates"] == 8 and list(results["models"]) == ["average-last2"]  # steps 3 and 6
     assert results["models"]["average-last2"]["test"]["sentences"] == 30

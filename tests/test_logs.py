@@ -1,10 +1,14 @@
 """training/logs.py and callbacks.py's lines: where a run's lines and metrics go (the log file once per run,
 Weights & Biases per run and per sweep), and the progress lines' durations."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import hydra_task, load, run_train
+from conftest import hydra_task, load, run_train, train_overrides
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.training.callbacks import duration
 from transformer_mt.training.logs import make_logger
@@ -75,3 +79,29 @@ def test_two_process_ddp_on_cpu_logs_each_line_once(corpus, tmp_path):
 def test_progress_durations_never_go_negative():
     assert duration(3725.9) == "1:02:05"
     assert duration(-6.0) == "0:00:00"  # the run went past its time limit: ETA 0, not "-1 day, 23:59:54"
+
+
+@pytest.mark.slow
+def test_a_run_ends_with_its_results_and_the_next_commands_after_wandb_and_the_averaging(corpus, tmp_path):
+    """With wandb (the recipes' logger) and the end-of-run protocol: the last lines are the results block and
+    the next commands, none of wandb's; no `make average` is proposed, before or after the run averages."""
+    _, overrides = train_overrides(
+        [f"data.path={corpus}", "logger=wandb", "trainer.max_steps=4", "checkpoint.every_n_train_steps=2"]
+        + ["final.enabled=true", "final.average_last=2", "decoding.max_len_b=10", f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+    )
+    env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
+    proc = subprocess.run(  # stdout and stderr in one stream, in the order a person sees them
+        [sys.executable, "-m", "transformer_mt.train", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, timeout=280,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    results = max(i for i, line in enumerate(lines) if "results (" in line)
+    averaged = next(i for i, line in enumerate(lines) if "averaged step0000002.ckpt, step0000004.ckpt" in line)
+    assert "make average" not in proc.stdout and averaged < results
+    tail = lines[results:]
+    assert "finished after 4 updates; next:" in tail[-4] and "checkpoints in run/checkpoints" in tail[-3], tail
+    assert tail[-1].strip().startswith('echo "A sentence to translate." | make translate CKPT='), tail
+    assert "average-last2.ckpt" in tail[-1] and not [line for line in tail if line.startswith("wandb")], tail

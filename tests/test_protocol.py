@@ -228,6 +228,22 @@ def test_a_table3_sweep_runs_as_one_multirun_and_collects_into_one_table(tmp_pat
     assert "4.92" in rows[2] and "25.7" in rows[2]  # the paper's row E beside ours
 
 
+@pytest.mark.slow
+def test_a_sweep_job_with_a_bad_value_fails_in_one_line_and_the_other_jobs_still_run(tmp_path):
+    """Job 0's value is refused before any work: its one `error:` line and Hydra's one-line summary, no
+    traceback; job 1 trains; the sweep's status says that a job failed."""
+    corpus = write_corpus(tmp_path / "corpus")
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"data.path={corpus}", "optim.warmup_steps=-5,4", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"]
+    proc = run_train(args, tmp_path, check=False)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: optim.warmup_steps=-5: must be a whole number, 0 or more"]
+    assert re.search(r"Error executing job with overrides: \[.*'optim.warmup_steps=-5'", proc.stderr)  # Hydra's
+    assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file() and not (sweep / "0").exists()
+
+
 def test_the_collector_names_unfinished_jobs_and_refuses_a_folder_that_is_not_a_sweep(tmp_path, capsys):
     (tmp_path / "sweep" / "0" / ".hydra").mkdir(parents=True)
     text = collect(tmp_path / "sweep")

@@ -26,9 +26,11 @@ class MissingInputError(UserError, FileNotFoundError):
 def exit_on_user_error(fn: Callable, *args):
     """fn(*args) as a Hydra task; a UserError ends the program with one `error: ...` line on stderr
     and exit status 1 (with HYDRA_FULL_ERROR=1, the full traceback instead), and a run folder that
-    holds nothing but Hydra's own files is removed. In a sweep the error is raised on after its
-    line, so that Hydra records the failed job and the other jobs still run."""
+    holds nothing but Hydra's own files is removed. In a sweep the job fails after its line with an
+    exception that Hydra reports without a traceback: Hydra records the failed job, the other jobs still run,
+    and the sweep ends with Hydra's one-line summary ("Error executing job with overrides: ...") and status 1."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (only entry points use Hydra)
+    from hydra.errors import CompactHydraException  # noqa: PLC0415
     from hydra.types import RunMode  # noqa: PLC0415
 
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None  # None: a plain argparse tool
@@ -41,7 +43,8 @@ def exit_on_user_error(fn: Callable, *args):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
-            raise
+            # Hydra prints a CompactHydraException as its text alone: here none, the line above says it all
+            raise CompactHydraException("") from None
         raise SystemExit(1) from None
 
 

@@ -110,7 +110,7 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
         ProgressLog(cfg.progress_every_n_updates),
         startup,
         RandomState(),
-        RunEnd(checkpoint_dir, cfg.checkpoint.keep_last),
+        RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled),
     ]
     return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
 
@@ -293,33 +293,33 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
 
 def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:
     """After fit: a run stopped by a signal exits with 128 + its number; a finished one applies the paper's
-    protocol (final.enabled, on the first process), whose scores also reach the loggers (wandb: before it
-    closes). Returns the last validation BLEU (the objective of hparams_search)."""
+    protocol (final.enabled, on the first process alone: the other ranks leave), whose scores also reach the
+    loggers (wandb: before it closes), then the next commands. Returns the last validation BLEU (the
+    objective of hparams_search)."""
     stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # RunEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
             requeue_slurm_job()
         raise SystemExit(128 + int(stopped_by))
-    failed = None
+    run_end = next(c for c in trainer.callbacks if isinstance(c, RunEnd))
     if cfg.final.enabled and trainer.is_global_zero:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The other ranks do not wait for the protocol (however long it takes): they exit once training is
+            # done, while this rank, which hosts their rendezvous store, is still there.
+            log.info(
+                "the end of the run on rank 0 alone: the other %d rank(s) exit without waiting for it",
+                trainer.world_size - 1,
+            )
         extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
-        try:
-            progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
-            results = finish_run(
-                run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
-                cfg.label_smoothing, bool(cfg.ema_decay), extra, progress.peak, trainer.world_size,
-            )  # fmt: skip
-            for logger in loggers:
-                logger.log_metrics(final_metrics(results), step=results["updates"])
-                logger.save()
-        except BaseException as e:  # raised after the barrier: the other ranks must not wait for it in vain
-            failed = e
-    if cfg.final.enabled and torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Every rank waits for rank 0's evaluation, then all leave together: a rank that exited alone aborted
-        # in its process group's teardown under srun (rank 0 hosts the rendezvous store there).
-        trainer.strategy.barrier("final")
-    if failed is not None:
-        raise failed
+        progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
+        results = finish_run(
+            run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
+            cfg.label_smoothing, bool(cfg.ema_decay), extra, progress.peak, trainer.world_size,
+        )  # fmt: skip
+        for logger in loggers:
+            logger.log_metrics(final_metrics(results), step=results["updates"])
+            logger.save()
+        run_end.log_summary(trainer, results["updates"])  # the commands that follow, after the averaging
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
 

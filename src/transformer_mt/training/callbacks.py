@@ -213,12 +213,15 @@ class RunEnd(L.Callback):
     with 128 + its number (143, 130), never 0. All ranks stop at the same update: with several processes,
     the signal is reduced with the update's token count and read at the update's one wait (update.py), so a
     signal noted after that is acted on an update later (or at the end of training). A second Ctrl+C stops
-    at once."""
+    at once.
+
+    summary_later: the end-of-run protocol follows training (train.finish), which gives the summary after it,
+    so that the run's last lines are its results and the commands (no `make average` before its averaging)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
-    def __init__(self, checkpoint_dir: Path, keep_last: int):
-        self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+    def __init__(self, checkpoint_dir: Path, keep_last: int, summary_later: bool = False):
+        self.checkpoint_dir, self.keep_last, self.summary_later = checkpoint_dir, keep_last, summary_later
         self.received: int = 0  # the stop signal's number, on this rank
         self.stopped_by: signal.Signals | None = None  # the signal every rank stopped for
         self._handlers: dict = {}
@@ -286,6 +289,11 @@ class RunEnd(L.Callback):
                 self.checkpoint_dir.parent,
             )
             return
+        if not self.summary_later:
+            self.log_summary(trainer, trainer.global_step)
+
+    def log_summary(self, trainer: L.Trainer, updates: int) -> None:
+        """Where the checkpoints are and the commands that use them (rank 0)."""
         # best.ckpt of this run only: a resumed run restores the best path of the run it came from
         best = next((c for c in trainer.checkpoint_callbacks if getattr(c, "filename", None) == "best"), None)
         if best is None or best.best_model_score is None or Path(best.best_model_path).parent != self.checkpoint_dir:
@@ -296,7 +304,7 @@ class RunEnd(L.Callback):
             self.keep_last,
             (best.monitor, float(best.best_model_score)) if best else None,
         )
-        log.info("finished after %s updates; next:\n%s", f"{trainer.global_step:,}", summary)
+        log.info("finished after %s updates; next:\n%s", f"{updates:,}", summary)
 
     def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         for signum, handler in self._handlers.items():
@@ -338,7 +346,8 @@ def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[
     if periodic:
         n = min(keep_last, len(periodic))
         model = checkpoint_dir / f"average-last{n}.ckpt"
-        lines.append(f"  make average RUN={shown(run_dir)} N={n}")
+        if not model.is_file():  # the end-of-run protocol wrote it
+            lines.append(f"  make average RUN={shown(run_dir)} N={n}")
     else:
         model = checkpoint_dir / ("best.ckpt" if best else "last.ckpt")
     lines.append(f"  make evaluate CKPT={shown(model)}")

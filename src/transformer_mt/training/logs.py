@@ -76,6 +76,11 @@ def make_logger(cfg: DictConfig):
             (log.warning if rank_zero_only.rank == 0 else log.debug)(  # one line per run, not per rank
                 "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir
             )
+        import wandb  # noqa: PLC0415 (only with this logger)
+
+        # No ~35-line history and summary when the run closes: the run's last lines are its results and the
+        # next commands (train.finish); wandb's own lines at the start still say where the run is.
+        kwargs["settings"] = wandb.Settings(quiet=True)
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode == RunMode.MULTIRUN:  # one wandb run per job (see finish_wandb), grouped by sweep
             kwargs["group"] = cfg.group or hydra_cfg.sweep.dir
