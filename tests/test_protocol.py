@@ -23,10 +23,12 @@ from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export
 from transformer_mt.tools.table3 import collect
 from transformer_mt.training.ema import STATE_KEY, ExponentialMovingAverage, ema_state
+from transformer_mt.tuning import tuned_path
 
 SWITCHES = ["model.d_k=6", "model.d_v=10", "model.positions=learned", "model.norm=pre", "model.share_embeddings=none"]
 RUN = ["data.max_tokens=400", "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=2", "ema_decay=0.9"]
 FINAL = ["final.enabled=true", "final.average_last=3", "final.splits=[validation,test]", "decoding.max_len_b=10"]
+TUNE = ["final.tune=true", "final.tune_alphas=[0.0,1.0]", "final.tune_beams=[2]"]  # 4 decodes of validation
 
 
 class Lines(logging.Handler):
@@ -47,7 +49,7 @@ def variant_run(tmp_path_factory) -> Path:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        train_in_process([f"data.path={corpus}", "trainer.max_steps=6", *RUN, *FINAL, *SWITCHES], root, root / "out")
+        train_in_process([f"data.path={corpus}", "trainer.max_steps=6", *RUN, *FINAL, *TUNE, *SWITCHES], root, root / "out")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
@@ -95,6 +97,27 @@ def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, cap
     ours = results["models"]["average-last3"]["test"]
     for key in ("bleu", "chrf", "tokenized_bleu_compound_split", "bleu_signature", "sentences"):
         assert scores[key] == ours[key], key
+
+
+def test_final_tune_chooses_on_validation_stores_the_choice_and_scores_at_both_settings(variant_run, capsys):
+    results = json.loads((variant_run / "results.json").read_text())
+    assert set(results["tuned"]) == set(results["models"]) == {"average-last3", "ema"}
+    tuned = results["tuned"]["average-last3"]
+    ckpt = variant_run / "checkpoints" / "average-last3.ckpt"
+    record = json.loads(tuned_path(ckpt).read_text())  # beside the checkpoint: translate/evaluate use it
+    assert record["decoding"] == tuned["decoding"] and record["chosen_on"] == "text validation"
+    grid = [(r["beam_size"], r["alpha"], r["max_len_b"]) for r in record["grid"]]
+    assert grid[:2] == [(4, 0.0, 10), (4, 1.0, 10)] and grid[2][0] == 2 and grid[3][2] == 20 and len(grid) == 4
+    assert tuned["decoding"] in [{k: r[k] for k in tuned["decoding"]} for r in record["grid"]]
+    assert max(r["bleu"] for r in record["grid"]) == next(
+        r["bleu"] for r in record["grid"] if all(r[k] == v for k, v in tuned["decoding"].items())
+    )
+    # the test split at the chosen settings: what make evaluate gives on that checkpoint by default
+    scores = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", "split=test"], variant_run / "evaluate-tuned"))
+    assert scores["decoding"] == tuned["decoding"] and scores["bleu"] == tuned["test"]["bleu"]
+    assert "chosen on the text validation split by make tune" in capsys.readouterr().out
+    log = (variant_run / "final.log").read_text()
+    assert log.count("at the settings chosen on the validation split") == 4  # 2 models x 2 splits
 
 
 def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_run):

@@ -19,9 +19,10 @@ from transformer_mt.errors import MissingInputError, exit_on_user_error
 from transformer_mt.files import remove_stale_temporaries
 from transformer_mt.runtime import pick_device
 from transformer_mt.training.final import finish_run
+from transformer_mt.tuning import ALPHAS, BEAMS
 
 
-def finish(run_dir: str | Path, device: str = "auto") -> dict:
+def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) -> dict:
     run_dir = Path(run_dir)
     last = run_dir / "checkpoints" / "last.ckpt"
     if not last.is_file():
@@ -32,7 +33,8 @@ def finish(run_dir: str | Path, device: str = "auto") -> dict:
     cfg = checkpoint["hyper_parameters"]["config"]
     datamodule = TranslationDataModule(**cfg["data"])
     datamodule.build()  # from the run's caches: the same splits, tokenized as in training
-    final = {**cfg["final"], "enabled": True}
+    final = {**cfg["final"], "enabled": True} | ({"tune": tune} if tune is not None else {})
+    final = {"tune_alphas": list(ALPHAS), "tune_beams": list(BEAMS), **final}  # runs from before final.tune
     extra = {"table3_row": cfg.get("table3_row"), "seed": cfg.get("seed"), "finished_by": "make finish"}
     trainer = cfg.get("trainer", {})
     devices = [trainer.get(key) for key in ("devices", "num_nodes")]
@@ -47,9 +49,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a training run's folder (holding checkpoints/last.ckpt)")
     parser.add_argument("--device", default="auto", help="auto (a CUDA GPU if there is one), cpu or cuda")
+    parser.add_argument(
+        "--tune",
+        action=argparse.BooleanOptionalAction,
+        help="choose decoding on the validation split first (final.tune)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    exit_on_user_error(finish, args.run_dir, args.device)
+    exit_on_user_error(finish, args.run_dir, args.device, args.tune)
 
 
 if __name__ == "__main__":

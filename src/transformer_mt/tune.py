@@ -12,7 +12,7 @@ from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.engines import open_engine
 from transformer_mt.errors import InputError, exit_on_user_error, required
-from transformer_mt.tuning import PAPER, save_tuned, search_grid, table
+from transformer_mt.tuning import PAPER, TABLE_HEADER, save_tuned, search_grid, table_row
 
 
 def tune(cfg: DictConfig) -> dict:
@@ -34,11 +34,11 @@ def tune(cfg: DictConfig) -> dict:
             f"up to {decodes} decodes of the split",
             flush=True,
         )
-        print(table([]), flush=True)
+        print(TABLE_HEADER, flush=True)
         translate = partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch)
         chosen, rows = search_grid(
             translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
-            report=lambda row: print(table([row]).split("\n", 1)[1], flush=True),
+            report=lambda row: print(table_row(row), flush=True),
         )  # fmt: skip
     best = next(r for r in rows if all(r[k] == v for k, v in chosen.items()))
     paper = [r for r in rows if all(r[k] == v for k, v in {**decoding, **PAPER}.items() if k in chosen)]

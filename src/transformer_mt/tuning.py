@@ -106,16 +106,16 @@ def read_tuned(ckpt: str | Path) -> tuple[dict | None, str]:
     )
 
 
-def table(rows: list[dict]) -> str:
-    """The grid for a person: one line per setting, its sacreBLEU, length ratio and brevity penalty."""
-    lines = [f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"]
-    for r in rows:
-        limit = f"{r['max_len_a']:g}x+{r['max_len_b']}"
-        lines.append(
-            f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['bleu']:>9.2f} {r['chrf']:>6.2f} "
-            f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}"
-        )
-    return "\n".join(lines)
+TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
+
+
+def table_row(r: dict) -> str:
+    """One setting of the grid for a person: its sacreBLEU, chrF, brevity penalty, length ratio and seconds."""
+    limit = f"{r['max_len_a']:g}x+{r['max_len_b']}"
+    return (
+        f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['bleu']:>9.2f} {r['chrf']:>6.2f} "
+        f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}"
+    )
 
 
 def decoding_settings(cfg, say: Callable[[str], None]) -> dict:

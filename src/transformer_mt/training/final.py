@@ -33,6 +33,7 @@ from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.callbacks import duration
+from transformer_mt.tuning import TABLE_HEADER, save_tuned, search_grid, table_row
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,26 @@ def evaluate_split(
     translate = partial(translate_lines, model, tokenizer, **decoding)
     *_, scores = evaluate_translations(translate, texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang)
     return {**scores, **perplexity(model, datamodule.whole_split_loader(split), label_smoothing)}
+
+
+def tune_and_score(
+    model: Transformer, tokenizer: Tokenizer, datamodule, path: Path, final: dict, decoding: dict, label_smoothing
+) -> dict:
+    """final.tune: make tune's grid on the validation split (tuning.py; never the test split), the choice stored
+    beside the checkpoint (so that make translate / make evaluate use it), then final.splits at that choice."""
+    texts = datamodule.splits["validation"].texts
+    log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
+    log.info("%s", TABLE_HEADER)
+    start = time.monotonic()
+    chosen, rows = search_grid(
+        partial(translate_lines, model, tokenizer), texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang,
+        decoding, final["tune_alphas"], final["tune_beams"], report=lambda row: log.info("%s", table_row(row)),
+    )  # fmt: skip
+    save_tuned(path, chosen, rows, f"{datamodule.corpus.name} validation")
+    scores = {
+        split: evaluate_split(model, tokenizer, datamodule, split, chosen, label_smoothing) for split in final["splits"]
+    }
+    return {"decoding": chosen, "chosen_on": "validation", "tune_seconds": round(time.monotonic() - start, 1), **scores}
 
 
 @torch.no_grad()
@@ -154,6 +175,10 @@ def finish_run(
             results["models"][name][split] = evaluate_split(
                 model, tokenizer, datamodule, split, decoding, label_smoothing
             )
+        if final.get("tune"):
+            results.setdefault("tuned", {})[name] = tune_and_score(
+                model, tokenizer, datamodule, path, final, decoding, label_smoothing
+            )
     results["evaluation_seconds"] = round(time.monotonic() - start, 1)
     with atomic_write(run_dir / RESULTS) as tmp:
         tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -164,11 +189,13 @@ def finish_run(
 def final_metrics(results: dict) -> dict[str, float]:
     """results.json's scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>."""
     names = {"bleu": "bleu", "chrf": "chrf", "tokenized_bleu_compound_split": "tokenized_bleu", "ppl": "ppl"}
+    scored = [(model, split, scores) for model, splits in results["models"].items() for split, scores in splits.items()]
+    scored += [(f"{model}/tuned", split, scores) for model, tuned in results.get("tuned", {}).items()
+               for split, scores in tuned.items()]  # fmt: skip
     return {
         f"final/{model}/{split}/{short}": scores[key]
-        for model, splits in results["models"].items()
-        for split, scores in splits.items()
-        if split != "checkpoint"
+        for model, split, scores in scored
+        if isinstance(scores, dict) and "bleu" in scores
         for key, short in names.items()
     }
 
@@ -194,4 +221,14 @@ def results_block(results: dict, path: Path) -> str:
                 f"ppl {s['ppl']:.2f}"
             )
             lines.append(f"    {s['bleu_signature']}")
+    for name, tuned in results.get("tuned", {}).items():
+        chosen = tuned["decoding"]
+        for split, s in tuned.items():
+            if isinstance(s, dict) and "bleu" in s:
+                paper = results["models"][name][split]["bleu"]
+                lines.append(
+                    f"  {name} on {split} at the settings chosen on the validation split (beam {chosen['beam_size']}, "
+                    f"alpha {chosen['alpha']}, max length {chosen['max_len_a']:g} x source + {chosen['max_len_b']}): "
+                    f"sacreBLEU {s['bleu']:.2f} ({s['bleu'] - paper:+.2f} over the paper's), chrF {s['chrf']:.2f}"
+                )
     return "\n".join(lines)
