@@ -49,7 +49,8 @@ def variant_run(tmp_path_factory) -> Path:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        train_in_process([f"data.path={corpus}", "trainer.max_steps=6", *RUN, *FINAL, *TUNE, *SWITCHES], root, root / "out")
+        args = [f"data.path={corpus}", "trainer.max_steps=6", *RUN, *FINAL, *TUNE, *SWITCHES]
+        train_in_process(args, root, root / "out")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)

@@ -183,7 +183,7 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
         "trainer.max_steps=300",
         "trainer.val_check_interval=150",
         "checkpoint.every_n_train_steps=20",  # the average's 5 checkpoints within the last 80 updates
-        "final.tune=false",  # the recipe's dev-set grid (9 decodes of 1,014 sentences): test_protocol's tiny run tests it
+        "final.tune=false",  # the recipe's dev-set grid (9 decodes of 1,014 sentences): tested on test_protocol's run
         "val_bleu_sentences=300",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={tmp_path / 'run'}",
