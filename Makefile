@@ -76,7 +76,7 @@ translate:  ## Translate stdin to stdout: make translate CKPT=... < in.en > out.
 
 finish:  ## Finish a run's end-of-run protocol that was interrupted (average, decode, score -> results.json): make finish RUN=outputs/...
 	$(call need,RUN,make finish RUN=outputs/<date>/<time>)
-	$(PY) -m transformer_mt.finish $(RUN)
+	$(PY) -m transformer_mt.finish $(RUN) $(ARGS)
 
 average:  ## Average the last N checkpoints of a run: make average RUN=outputs/... N=5
 	$(call need,RUN,make average RUN=outputs/<date>/<time> N=5)
