@@ -191,6 +191,8 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
     entry |= {"validation": scores(21.37, 48.2, 1014), "test": scores(23.05, 51.9, 1000)}
     results = {"updates": 1625, "train_seconds": 1572.0, "target_tokens": 5_400_000, "devices": 1}
     results |= {"decoding": {"beam_size": 4, "alpha": 0.6}, "overrides": ["data.path=m30k"], "models": {"a": entry}}
+    chosen = {"beam_size": 8, "alpha": 1.5, "max_len_a": 1.0, "max_len_b": 50}  # final.tune's
+    results["tuned"] = {"a": {"decoding": chosen, "tune_seconds": 3.0, "test": scores(24.12, 52.7, 1000)}}
     (tmp_path / "run" / "results.json").write_text(json.dumps(results), encoding="utf-8")
     out = export(str(ckpt), "hf", str(tmp_path / "hf"))
     card = ModelCard.load(out / "README.md")  # a local file: nothing reaches the network
@@ -202,6 +204,7 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
         for metric in ("bleu", "chrf")
     }
     assert "1625" in card.text and "data.path=m30k" in card.text and "not comparable" in card.text
+    assert "| test, beam 8 and alpha 1.5, chosen on validation | 1,000 | 24.12 |" in card.text
     snippet = card.text.split("```python\n")[1].split("```")[0]  # the card's usage code, run as written
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)

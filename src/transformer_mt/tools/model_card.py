@@ -29,9 +29,10 @@ def run_scores(ckpt: Path) -> tuple[Path, dict, dict] | None:
     if not path.is_file():
         return None
     results = json.loads(path.read_text(encoding="utf-8"))
-    for entry in results.get("models", {}).values():
+    for name, entry in results.get("models", {}).items():
         if Path(entry.get("checkpoint", "")).name == ckpt.name:
-            return path, results, entry
+            tuned = results.get("tuned", {}).get(name)  # final.tune: the splits at the dev-chosen settings too
+            return path, results, {**entry, **({"tuned": tuned} if tuned else {})}
     return None
 
 
@@ -44,8 +45,8 @@ def card_data(config: dict, name: str, scores: tuple[Path, dict, dict] | None):
     dataset = data.get("hub_name") or data.get("name") or "unknown"
     results = []
     for split, score in scores[2].items() if scores else []:
-        if not isinstance(score, dict):
-            continue  # the entry's "checkpoint"
+        if not isinstance(score, dict) or "bleu" not in score:
+            continue  # the entry's "checkpoint", and "tuned" (the model-index holds the paper's settings' scores)
         for key, metric in METRICS.items():
             results.append(
                 EvalResult(
@@ -117,6 +118,11 @@ def usage(fmt: str, folder: str) -> str:
     )
 
 
+def score_row(label: str, s: dict) -> str:
+    tokenized = s["tokenized_bleu_compound_split"]
+    return f"| {label} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | {tokenized:.2f} |"
+
+
 def model_card(ckpt: Path, checkpoint: dict, fmt: str, folder: str) -> str:
     """README.md for an export of ckpt (fmt hf or ct2) that users load from `folder`."""
     config = checkpoint["hyper_parameters"].get("config") or {}
@@ -141,12 +147,16 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, folder: str) -> str:
         lines.append("")
         lines.append("| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |")
         lines.append("|---|---|---|---|---|")
-        splits = {split: s for split, s in entry.items() if isinstance(s, dict)}
-        for split, s in splits.items():
-            lines.append(
-                f"| {split} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | "
-                f"{s['tokenized_bleu_compound_split']:.2f} |"
-            )
+        splits = {split: s for split, s in entry.items() if isinstance(s, dict) and "bleu" in s}
+        lines += [score_row(split, s) for split, s in splits.items()]
+        if "tuned" in entry:
+            chosen = entry["tuned"]["decoding"]
+            label = f"beam {chosen['beam_size']} and alpha {chosen['alpha']}, chosen on validation"
+            lines += [
+                score_row(f"{split}, {label}", t)
+                for split, t in entry["tuned"].items()
+                if isinstance(t, dict) and "bleu" in t
+            ]
         first = next(iter(splits.values()))
         lines += ["", f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.", "", BLEU_NOTE]
     else:
