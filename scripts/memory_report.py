@@ -83,6 +83,7 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between memory samples")
     args, overrides = parser.parse_known_args()
     command = [sys.executable, "-m", "transformer_mt.train", *overrides, f"progress_every_n_updates={args.every}"]
+    command.append("progress_every_seconds=0")  # a row every --every updates, none between
     allocator = os.environ.get("TRANSFORMER_MT_MALLOC", "shipped (runtime.keep_freed_memory)")
     print(f"$ {' '.join(command[1:])}\nallocator: {allocator}", flush=True)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -94,8 +94,10 @@ def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lo
     run = tmp_path / "run"
     args = [f"data.path={corpus}", "trainer.max_steps=2"]
     hold = f"from transformer_mt.files import RunFolderLock; RunFolderLock(Path({str(run)!r})).__enter__()"
-    script = f"from pathlib import Path; {hold}; print('held', flush=True); __import__('time').sleep(60)"
-    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)  # another training
+    script = f"from pathlib import Path; {hold}; print('held', flush=True); __import__('sys').stdin.read()"
+    holder = subprocess.Popen(  # another training, holding the folder until its stdin closes (however slow we are)
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         refused = rf"{re.escape(str(run))} is in use by another training \(pid {holder.pid} on "

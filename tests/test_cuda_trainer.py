@@ -91,6 +91,7 @@ def trainer_command(
         "trainer.num_sanity_val_steps": 0,
         "trainer.enable_progress_bar": "false",
         "progress_every_n_updates": EVERY,
+        "progress_every_seconds": 0,  # lines every EVERY updates only (a compile's minutes would add one)
         "final.enabled": "false",
         "logger": "csv",  # the recipe's wandb is not reachable from a GPU machine without credentials
         "hydra.run.dir": run_dir,

@@ -2,15 +2,23 @@
 Weights & Biases per run and per sweep), and the progress lines' durations."""
 
 import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import lightning as L
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import hydra_task, load, run_train, train_overrides
+import transformer_mt.runtime
+import transformer_mt.train
+import transformer_mt.training.update
+from conftest import hydra_task, load, run_train, train_in_process, train_overrides
 from transformer_mt.configs import compose as compose_config
-from transformer_mt.training.callbacks import duration
+from transformer_mt.runtime import Peak
+from transformer_mt.training.callbacks import ProgressLog, duration, unreached
+from transformer_mt.training.checkpoints import UpdateCheckpoint
 from transformer_mt.training.logs import make_logger
 
 
@@ -105,3 +113,61 @@ def test_a_run_ends_with_its_results_and_the_next_commands_after_wandb_and_the_a
     assert "finished after 4 updates; next:" in tail[-4] and "checkpoints in run/checkpoints" in tail[-3], tail
     assert tail[-1].strip().startswith('echo "A sentence to translate." | make translate CKPT='), tail
     assert "average-last2.ckpt" in tail[-1] and not [line for line in tail if line.startswith("wandb")], tail
+
+
+class SlowMachine(L.Callback):
+    """The update's clock (training/update.py's, driven here): each micro-batch takes 61 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def on_train_batch_start(self, *args) -> None:
+        self.now += 61.0
+
+
+def test_a_slow_machine_shows_a_progress_line_with_an_eta_after_its_first_update(corpus, tmp_path, monkeypatch, caplog):
+    slow = SlowMachine()
+    monkeypatch.setattr(transformer_mt.training.update, "clock", slow.clock)
+    monkeypatch.setattr(transformer_mt.runtime, "cpu_peak", lambda fmt: (1e9, 3.0))  # products 3x apart
+    make_callbacks = transformer_mt.train.make_callbacks
+    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
+    args = [f"data.path={corpus}", "trainer.max_steps=3", "trainer.val_check_interval=100"]
+    with caplog.at_level("INFO"):  # progress_every_n_updates: 100, progress_every_seconds: 60 (conf/train.yaml)
+        train_in_process([*args, "progress_every_n_updates=100", "progress_every_seconds=60"], tmp_path, tmp_path / "r")
+    lines = re.findall(r"update (\d)/3 \(.*\| ETA (\S+)$", caplog.text, flags=re.M)
+    assert lines == [("1", "0:02:02"), ("2", "0:01:01"), ("3", "0:00:00")]  # a line every 61 s, at 61 s per update
+    assert caplog.text.count("no validation before trainer.max_steps=3") == 1
+    assert "add trainer.val_check_interval=1" in caplog.text
+    assert caplog.text.count("the peak FLOP/s probe looked disturbed (its products took up to 3.0x") == 1
+
+
+def test_the_start_warns_once_when_no_validation_or_checkpoint_comes_before_max_steps():
+    def trainer(val_every: int, checkpoint_every: int | None = None, step: int = 0, accumulation: int = 2):
+        periodic = [UpdateCheckpoint(every=checkpoint_every, dirpath=".")] if checkpoint_every else []
+        return SimpleNamespace(
+            global_step=step, max_steps=200, val_check_interval=val_every * accumulation,  # micro-batches
+            accumulate_grad_batches=accumulation, limit_val_batches=1.0, checkpoint_callbacks=periodic,
+        )  # fmt: skip
+
+    (warning,) = unreached(trainer(300, checkpoint_every=50))
+    assert warning.startswith("no validation before trainer.max_steps=200 (trainer.val_check_interval=300 updates)")
+    assert warning.endswith("add trainer.val_check_interval=100")
+    assert unreached(trainer(100, checkpoint_every=50)) == []
+    assert unreached(trainer(150, step=160)) == [  # resumed past the only validation
+        "no validation before trainer.max_steps=200 (trainer.val_check_interval=150 updates): no validation curves "
+        "for make plot, no best.ckpt; to validate, add trainer.val_check_interval=20"
+    ]
+    (warning,) = unreached(trainer(100, checkpoint_every=500))
+    assert warning.startswith("no periodic checkpoint before trainer.max_steps=200 (checkpoint.every_n_train_steps=500")
+
+
+def test_mfu_never_reads_above_100_percent_the_peak_is_raised_and_that_said_once(caplog):
+    progress = ProgressLog(100)
+    progress.peak = Peak(100e9, "100 GFLOP/s fp32, a 2048^3 matrix product timed on this CPU")
+    with caplog.at_level("WARNING"):
+        mfus = [progress.utilisation(flops) for flops in (50e9, 230e9, 200e9, 300e9)]
+    assert mfus == [0.5, 1.0, pytest.approx(200 / 230), 1.0]
+    assert progress.peak.flops == 300e9 and caplog.text.count("above the peak (100 GFLOP/s fp32") == 1

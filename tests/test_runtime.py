@@ -125,7 +125,20 @@ def clock(durations: list[float]):
 )
 def test_a_cpus_peak_is_the_fastest_product_of_a_second_of_them(durations, monkeypatch):
     monkeypatch.setattr(runtime, "time", SimpleNamespace(perf_counter=clock(durations)))  # runtime's clock only
-    assert runtime.matmul_peak(torch.float32, n=16) == pytest.approx(2 * 16**3 / min(durations))
+    flops, spread = runtime.matmul_peak(torch.float32, n=16)
+    assert flops == pytest.approx(2 * 16**3 / min(durations))
+    assert spread == pytest.approx(max(durations) / min(durations))  # 3x and 2.5x: the probe was disturbed
+
+
+def test_a_disturbed_probe_is_named_and_mfu_never_exceeds_one(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_peak", lambda fmt: (100e9, 2.5))  # products 2.5x apart
+    peak = device_peak(torch.device("cpu"), "32-true")
+    assert peak.flops == 100e9 and peak.disturbed
+    assert peak.utilisation(50e9) == 0.5 and peak.utilisation(250e9) == 1.0  # never above 100%
+    raised = peak.raised(250e9)
+    assert raised.utilisation(125e9) == 0.5 and raised.source == "250 GFLOP/s, the model FLOP/s training reached"
+    monkeypatch.setattr(runtime, "cpu_peak", lambda fmt: (100e9, 1.3))  # a quiet machine
+    assert not device_peak(torch.device("cpu"), "32-true").disturbed
 
 
 def test_training_bounds_onednns_primitive_cache_unless_the_environment_says_otherwise(monkeypatch):

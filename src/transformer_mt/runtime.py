@@ -190,9 +190,21 @@ class Peak:
 
     flops: float | None
     source: str
+    spread: float = 1.0  # a measured peak's slowest product / its fastest: above DISTURBED, other work took the cores
+
+    DISTURBED = 2.0
+
+    @property
+    def disturbed(self) -> bool:
+        return self.spread > self.DISTURBED
 
     def utilisation(self, flops_per_second: float) -> float | None:
-        return flops_per_second / self.flops if self.flops else None
+        """The share of the peak, never above 1: model FLOP/s above it say the peak is too low (raised)."""
+        return min(flops_per_second / self.flops, 1.0) if self.flops else None
+
+    def raised(self, flops_per_second: float) -> Peak:
+        """The peak once training ran faster than it: what training reached (a CPU's probe was disturbed)."""
+        return Peak(flops_per_second, f"{flops_text(flops_per_second)}, the model FLOP/s training reached", self.spread)
 
 
 def matmul_format(precision: str, device: torch.device) -> str:
@@ -207,21 +219,22 @@ def matmul_format(precision: str, device: torch.device) -> str:
     return "tf32" if tf32 else "fp32"
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> float:
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> tuple[float, float]:
     """FLOP/s of a large square matrix product in `dtype` on the CPU: the fastest of the products timed one
-    after another for `seconds` (at least `repeats` of them), after a warm-up. Other processes that take the
-    cores for a moment slow some of them, not the fastest (5 products in a row, ~0.1 s in bf16, once gave
-    371 GFLOP/s on a CPU that measures ~850, and that run's every MFU twice the real one)."""
+    after another for `seconds` (at least `repeats` of them), after a warm-up, and their spread (the slowest
+    product's time / the fastest's). Other processes that take the cores for a moment slow some of them, not
+    the fastest (5 products in a row, ~0.1 s in bf16, once gave 371 GFLOP/s on a CPU that measures ~850, and
+    that run's every MFU twice the real one); a spread over 2 says they did (Peak.disturbed)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ b  # the first product allocates and wakes the threads
-    fastest, done, began = float("inf"), 0, time.perf_counter()
+    fastest, slowest, done, began = float("inf"), 0.0, 0, time.perf_counter()
     while True:
         start = time.perf_counter()
         a @ b
         end = time.perf_counter()
-        fastest, done = min(fastest, end - start), done + 1
+        fastest, slowest, done = min(fastest, end - start), max(slowest, end - start), done + 1
         if done >= repeats and end - began >= seconds:
-            return 2 * n**3 / fastest
+            return 2 * n**3 / fastest, slowest / fastest
 
 
 def device_peak(device: torch.device, precision: str) -> Peak:
@@ -238,12 +251,12 @@ def device_peak(device: torch.device, precision: str) -> Peak:
         return Peak(peaks[fmt] * 1e12, f"{peaks[fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
     if device.type != "cpu":
         return Peak(None, f"no peak known for {device.type} devices: no MFU")
-    flops = cpu_peak(fmt)
-    return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU")
+    flops, spread = cpu_peak(fmt)
+    return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU", spread)
 
 
 @functools.cache
-def cpu_peak(fmt: str) -> float:
+def cpu_peak(fmt: str) -> tuple[float, float]:
     """matmul_peak in format `fmt` (bf16 or fp32), timed once per process: a second training in the same
     process (a sweep's job, a test) reuses it instead of spending another second."""
     return matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)

@@ -107,7 +107,7 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
     if cfg.data.max_tokens == "auto":
         callbacks.append(FitBatch())
     callbacks += [
-        ProgressLog(cfg.progress_every_n_updates),
+        ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds),
         startup,
         RandomState(),
         RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled),
@@ -123,6 +123,7 @@ NUMBERS = {  # keys outside the model whose wrong type would fail late or silent
     "optim.eps": float,
     "val_bleu_sentences": int,
     "progress_every_n_updates": int,
+    "progress_every_seconds": float,
 }
 
 

@@ -18,7 +18,8 @@ from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.runtime import Peak, device_peak, flops_text
-from transformer_mt.training.checkpoints import validation_follows
+from transformer_mt.training import update as bookkeeping
+from transformer_mt.training.checkpoints import UpdateCheckpoint, validation_follows
 
 log = logging.getLogger(__name__)
 
@@ -32,18 +33,20 @@ THROUGHPUT = "train/tgt_tok_per_s"  # target tokens per second of training over 
 
 
 class ProgressLog(L.Callback):
-    """A line every `every` updates and after each validation, readable in a file or a cluster log:
+    """A line every `every` updates or `every_seconds` of training, whichever comes first (a slow machine
+    shows life within a minute), and after each validation, readable in a file or a cluster log:
     update/max, mean loss since the last line (logged too, as train/loss_window), learning rate, target
     tokens/s, model FLOP/s and MFU (their share of the devices' peak: runtime.device_peak, named once at the
-    start), elapsed and ETA.
+    start; raised to what training reached if that is more: MFU never reads above 100%), elapsed and ETA.
+    At the start, a warning names the validations and checkpoints that will not come before max_steps.
 
     A finite divergence (the loss of a line RISE times its best so far) is warned about once, with the
     update and the likely causes; training goes on (a non-finite gradient stops it, update.py)."""
 
     RISE = 3.0
 
-    def __init__(self, every: int):
-        self.every = every
+    def __init__(self, every: int, every_seconds: float = 0.0):
+        self.every, self.every_seconds = every, every_seconds
         self.best_loss, self.warned = float("inf"), False
         self.peak: Peak | None = None  # rank 0's, found when training starts (None in ddp_spawn's main process)
 
@@ -51,7 +54,15 @@ class ProgressLog(L.Callback):
         if trainer.is_global_zero:
             self.peak = device_peak(trainer.strategy.root_device, trainer.precision)
             log.info("MFU: model FLOP/s (model.training_flops) per device over %s", self.peak.source)
-        self.start = self.since = time.monotonic()
+            if self.peak.disturbed:
+                log.warning(
+                    "the peak FLOP/s probe looked disturbed (its products took up to %.1fx the fastest: other work "
+                    "on the CPU?); MFU may read high, and the peak is raised if training runs faster than it",
+                    self.peak.spread,
+                )
+            for warning in unreached(trainer):
+                log.warning("%s", warning)
+        self.start = self.since = bookkeeping.clock()  # the update's clock (tests drive it)
         self.first_step = self.since_step = trainer.global_step
         self.loss_sum, self.tokens, self.flops, self.paused = 0.0, 0, 0.0, 0.0
 
@@ -62,22 +73,23 @@ class ProgressLog(L.Callback):
         self.loss_sum += update.loss_sum
         self.tokens += update.tokens
         self.flops += update.flops
-        if self.every and update.step % self.every == 0:
+        due = self.every_seconds and bookkeeping.clock() - self.since >= self.every_seconds
+        if (self.every and update.step % self.every == 0) or due:
             self.report(trainer)
 
     def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.validation_start = time.monotonic()
+        self.validation_start = bookkeeping.clock()
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        self.paused += time.monotonic() - self.validation_start  # tokens/s counts training time only
+        self.paused += bookkeeping.clock() - self.validation_start  # tokens/s counts training time only
         if trainer.global_step != self.since_step:
             self.report(trainer)
 
     @rank_zero_only
     def report(self, trainer: L.Trainer) -> None:
-        now, step = time.monotonic(), trainer.global_step
+        now, step = bookkeeping.clock(), trainer.global_step
         elapsed, rate = now - self.start, (step - self.first_step) / max(now - self.start, 1e-9)
         parts = [
             f"update {step:,}"
@@ -93,7 +105,7 @@ class ProgressLog(L.Callback):
         parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
         metrics[THROUGHPUT] = self.tokens / seconds  # every rank's tokens
         parts.append(f"{metrics[THROUGHPUT]:,.0f} target tok/s")
-        mfu = self.peak.utilisation(self.flops / trainer.world_size / seconds) if self.peak else None
+        mfu = self.utilisation(self.flops / trainer.world_size / seconds)
         parts.append(flops_text(self.flops / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
         if mfu:
             metrics["train/mfu"] = mfu
@@ -106,6 +118,19 @@ class ProgressLog(L.Callback):
         log.info(" | ".join(parts))
         self.since, self.since_step = now, step
         self.loss_sum, self.tokens, self.flops, self.paused = 0.0, 0, 0.0, 0.0
+
+    def utilisation(self, flops_per_second: float) -> float | None:
+        """MFU of one device's model FLOP/s; above the peak, the peak was too low: raised to them, said once."""
+        if self.peak and self.peak.flops and flops_per_second > self.peak.flops:
+            if not self.peak.source.endswith("training reached"):
+                log.warning(
+                    "model FLOP/s per device (%s) above the peak (%s): that peak is too low (a CPU's probe disturbed "
+                    "by other work?); MFU is measured against the most training reached from here on",
+                    flops_text(flops_per_second),
+                    self.peak.source,
+                )
+            self.peak = self.peak.raised(flops_per_second)
+        return self.peak.utilisation(flops_per_second) if self.peak else None
 
     def check_divergence(self, loss: float, step: int) -> None:
         self.best_loss = min(self.best_loss, loss)
@@ -154,6 +179,29 @@ def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> flo
     if timer is not None and timer.time_remaining() is not None:
         candidates.append(timer.time_remaining())
     return min(candidates) if candidates else None
+
+
+def unreached(trainer: L.Trainer) -> list[str]:
+    """Warnings for what will not come between this run's first update and max_steps: a validation (no val/
+    curves to plot, no best.ckpt), a periodic checkpoint by update count (only last.ckpt, nothing to average)."""
+    step, last = trainer.global_step, trainer.max_steps
+    if last <= 0:
+        return []
+    found, suggest = [], max(1, (last - step) // 2)
+    if isinstance(trainer.val_check_interval, int) and trainer.limit_val_batches:
+        every = trainer.val_check_interval // trainer.accumulate_grad_batches  # micro-batches -> updates
+        if last // every == step // every:
+            found.append(
+                f"no validation before trainer.max_steps={last} (trainer.val_check_interval={every} updates): no "
+                f"validation curves for make plot, no best.ckpt; to validate, add trainer.val_check_interval={suggest}"
+            )
+    periodic = [c for c in trainer.checkpoint_callbacks if isinstance(c, UpdateCheckpoint)]
+    if periodic and all(c.every and last // c.every == step // c.every for c in periodic):
+        found.append(
+            f"no periodic checkpoint before trainer.max_steps={last} (checkpoint.every_n_train_steps="
+            f"{periodic[0].every}): only last.ckpt, nothing to average; add checkpoint.every_n_train_steps={suggest}"
+        )
+    return found
 
 
 class UpdateProgressBar(TQDMProgressBar):
