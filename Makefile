@@ -16,10 +16,14 @@ help:  ## List the targets
 	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
 install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
+	@echo "make install [1/3]: $(VENV) and pip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
+	@echo "make install [2/3]: $(TORCH) (the largest step: pip says nothing while it unpacks, 1-3 minutes)"
 	$(PY) -m pip install $(TORCH)
+	@echo "make install [3/3]: transformer_mt (editable) with the dev and export extras (Lightning, transformers, CTranslate2, ...)"
 	$(PY) -m pip install -e ".[dev,export]"
+	@echo "make install: done; next: make test"
 
 .PHONY: test-slow
 test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (not marked slow or cuda)

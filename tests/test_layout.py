@@ -92,3 +92,12 @@ def test_make_install_passes_a_torch_with_pip_options_as_separate_arguments():
     assert dry.returncode == 0, dry.stderr
     (line,) = [line for line in dry.stdout.splitlines() if "pip install torch" in line]
     assert shlex.split(line)[-3:] == ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cu128"]
+
+
+def test_make_install_says_each_step_before_it_starts():
+    # pip prints nothing while it unpacks torch: a person saw no sign of progress for minutes
+    dry = subprocess.run(["make", "-n", "install"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    lines = dry.splitlines()
+    steps = [i for i, line in enumerate(lines) if line.startswith('echo "make install [')]
+    installs = [i for i, line in enumerate(lines) if " -m pip install " in line and "--upgrade pip" not in line]
+    assert len(steps) == 3 and len(installs) == 2 and steps[1] < installs[0] < steps[2] < installs[1]
