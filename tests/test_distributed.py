@@ -347,6 +347,11 @@ def test_trainer_fsdp_on_two_processes_trains_validates_resumes_and_its_checkpoi
             # the softmax cancels): Adam turns each run's rounding noise there into steps of the full rate.
             if not key.endswith("k_proj.bias"):
                 torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
+    # Adam's state too, keyed by parameter index as DDP's: what the resume above continued from.
+    a, b = (torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"] for run in (fsdp, ddp))
+    groups = [[{**group, "betas": tuple(group["betas"])} for group in s[0]["param_groups"]] for s in (a, b)]
+    assert groups[0] == groups[1] and a[0]["state"].keys() == b[0]["state"].keys()  # (FSDP's betas: a list)
+    torch.testing.assert_close(a[0]["state"], b[0]["state"], atol=2e-5, rtol=1e-3)
     # Every tool takes them: averaging, evaluate, translate (search.translate_lines), export.
     average = average_run(fsdp, 2)
     scores = evaluate(hydra_task("evaluate", [f"ckpt={average}", "decoding=greedy"], tmp_path / "evaluate"))
