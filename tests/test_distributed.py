@@ -1,11 +1,10 @@
-"""Several processes on the CPU over gloo: FSDP (raw torch, and trainer=fsdp through Lightning), DDP,
-and jobs launched by torchrun and by a SLURM-like environment.
+"""Several processes on the CPU over gloo: FSDP (torch's fully_shard as trainer=fsdp applies it, and
+trainer=fsdp through Lightning), DDP, and jobs launched by torchrun and by a SLURM-like environment.
 
-FSDP really shards only with 2 or more processes (with one it silently becomes NO_SHARD). Lightning
-refuses the strategy name "fsdp" on a CPU accelerator; trainer=fsdp's own strategy class
-(training/sharding.py) runs there, so the tests below train with exactly what a GPU run uses, NCCL
-and CUDA aside. Each process wraps the model as trainer=fsdp does (one FSDP unit per
-encoder/decoder layer, the rest in the root unit)."""
+FSDP really shards only with 2 or more processes. trainer=fsdp's strategy class (training/sharding.py)
+runs on CPU processes over gloo, so the tests below train with exactly what a GPU run uses, NCCL and
+CUDA aside. Each process shards the model as trainer=fsdp does (sharding.shard: one FSDP2 unit per
+encoder/decoder layer, the rest in the root unit, the Transformer)."""
 
 import csv
 import json
@@ -20,8 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.utils.data import DataLoader
 
 from conftest import ROOT, hydra_task, random_batch, run_process, run_train, tiny_config, train_overrides
@@ -30,11 +27,12 @@ from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.data.batching import collate
 from transformer_mt.evaluate import evaluate
-from transformer_mt.model import DecoderLayer, EncoderLayer, Transformer, TransformerConfig
+from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.search import greedy, translate_lines
 from transformer_mt.tools.export import export
 from transformer_mt.training.module import TranslationModule
+from transformer_mt.training.sharding import LayerFSDP, full_copy, local, shard
 from transformer_mt.training.update import gradient_norm
 
 pytestmark = pytest.mark.slow  # processes
@@ -43,7 +41,7 @@ WORLD = 2
 
 
 class Step(torch.nn.Module):
-    """What Lightning's FSDP wrapper runs inside the root unit's forward: the loss, or greedy decoding."""
+    """What the training step runs (the loss), or validation (greedy decoding)."""
 
     def __init__(self, model: Transformer):
         super().__init__()
@@ -72,27 +70,30 @@ def sharded_step(rank: int, port: int, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        fsdp = FSDP(
-            Step(fresh_model()),
-            auto_wrap_policy=ModuleWrapPolicy({EncoderLayer, DecoderLayer}),
-            device_id=torch.device("cpu"),
-            use_orig_params=True,
-        )
-        local = sum(p.numel() for p in fsdp.parameters())  # outside forward: this rank's shards only
+        model = fresh_model()
+        shard(model, "cpu", WORLD, policy=None)  # as trainer=fsdp does, in fp32
+        local_size = sum(local(p).numel() for p in model.parameters())  # this rank's shards only
         src, tgt_in, tgt_out = batch()
         rows = slice(2 * rank, 2 * rank + 2)  # each rank its half of the batch
-        loss = fsdp(src[rows], tgt_in[rows], tgt_out[rows])
+        loss = Step(model)(src[rows], tgt_in[rows], tgt_out[rows])
         loss.backward()  # FSDP averages the gradients of the ranks
-        with FSDP.summon_full_params(fsdp, with_grads=True):
-            grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in fsdp.named_parameters()}
-        grad_norm = gradient_norm(fsdp.parameters(), sharded=True).item()  # outside summon: this rank's shards
-        decoded = fsdp(src)  # every rank decodes the same sentences: the same number of gathers
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        grad_norm = gradient_norm(model.parameters(), sharded=True).item()  # this rank's shards, then summed
+        decoded = Step(full_copy(model)).eval()(src)  # what validation decodes with
+        # trainer=fsdp in bf16: the layers compute in bf16, the shards and their reduced gradients stay fp32.
+        model = fresh_model()
+        shard(model, "cpu", WORLD, LayerFSDP(precision="bf16-mixed").mixed_precision_config)
+        outputs = []
+        model.encoder_layers[0].register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
+        Step(model)(src[rows], tgt_in[rows], tgt_out[rows]).backward()
+        dtypes = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()}
         results[rank] = {
             "loss": loss.item(),
             "grads": grads,
             "decoded": decoded,
             "grad_norm": grad_norm,
-            "local": local,
+            "local": local_size,
+            "bf16": (outputs, dtypes),
         }
     finally:
         dist.destroy_process_group()
@@ -122,11 +123,12 @@ def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_transla
     (sum(losses) / WORLD).backward()
     for rank in range(WORLD):
         assert results[rank]["loss"] == pytest.approx(losses[rank].item(), abs=1e-5)
-        for name, param in step.named_parameters():
+        for name, param in step.model.named_parameters():
             torch.testing.assert_close(results[rank]["grads"][name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
         assert results[rank]["decoded"] == step.eval()(src)
         # The gradient norm of the whole model on every rank, not of its shard (train/grad_norm, the NaN stop)
         assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters(), sharded=False).item())
+        assert results[rank]["bf16"] == ([torch.bfloat16], {torch.float32})
 
 
 # ---------------------------------------------------------------- launchers: torchrun and srun, 2 CPU processes
@@ -308,7 +310,7 @@ def weights(path) -> dict:
 
 
 def test_trainer_fsdp_on_two_processes_trains_validates_resumes_and_its_checkpoints_serve_every_tool(corpus, tmp_path):
-    """trainer=fsdp's strategy (Lightning's FSDP, one unit per layer) on 2 CPU processes: training with two
+    """trainer=fsdp's strategy (FSDP2, one unit per layer) on 2 CPU processes: training with two
     validations that decode greedily on each rank (through the sharded layers this hung: ranks decode
     different numbers of steps, each a collective), a resume, the same losses and weights as DDP, and
     checkpoints that average, evaluate, translate and export like any other."""
@@ -345,6 +347,11 @@ def test_trainer_fsdp_on_two_processes_trains_validates_resumes_and_its_checkpoi
             # the softmax cancels): Adam turns each run's rounding noise there into steps of the full rate.
             if not key.endswith("k_proj.bias"):
                 torch.testing.assert_close(a[key], b[key], atol=2e-5, rtol=1e-4, msg=f"{name} {key}")
+    # Adam's state too, keyed by parameter index as DDP's: what the resume above continued from.
+    a, b = (torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"] for run in (fsdp, ddp))
+    groups = [[{**group, "betas": tuple(group["betas"])} for group in s[0]["param_groups"]] for s in (a, b)]
+    assert groups[0] == groups[1] and a[0]["state"].keys() == b[0]["state"].keys()  # (FSDP's betas: a list)
+    torch.testing.assert_close(a[0]["state"], b[0]["state"], atol=2e-5, rtol=1e-3)
     # Every tool takes them: averaging, evaluate, translate (search.translate_lines), export.
     average = average_run(fsdp, 2)
     scores = evaluate(hydra_task("evaluate", [f"ckpt={average}", "decoding=greedy"], tmp_path / "evaluate"))

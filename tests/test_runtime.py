@@ -10,6 +10,7 @@ import torch
 from hydra.types import RunMode
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import transformer_mt.train
 import transformer_mt.training.update
@@ -20,11 +21,11 @@ from transformer_mt.train import make_strategy
 from transformer_mt.training.sharding import LayerFSDP
 
 
-def test_fsdp_in_bf16_reduces_gradients_and_keeps_buffers_in_fp32():
-    strategy = make_strategy("fsdp", "bf16-mixed")
-    mixed = strategy.mixed_precision_config
-    assert (mixed.param_dtype, mixed.reduce_dtype, mixed.buffer_dtype) == (torch.bfloat16, torch.float32, torch.float32)
-    assert make_strategy("fsdp", "32-true").mixed_precision is None  # fp32: no mixed precision at all
+def test_fsdp_is_fsdp2_and_in_bf16_reduces_gradients_in_fp32():
+    mixed = make_strategy("fsdp", "bf16-mixed").mixed_precision_config
+    assert isinstance(mixed, MixedPrecisionPolicy)  # fully_shard's (FSDP2), not FSDP1's MixedPrecision
+    assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)  # buffers: never cast
+    assert make_strategy("fsdp", "32-true").mixed_precision_config is None  # fp32: no mixed precision at all
 
 
 def test_ddp_broadcasts_no_buffers_and_sweeps_refuse_fsdp_that_would_relaunch_them(monkeypatch):

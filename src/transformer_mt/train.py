@@ -185,9 +185,9 @@ def make_strategy(name, precision: str | None = None, devices=1):
     if name == "fsdp":
         if shell_sweep and devices != 1:
             raise InputError(
-                "trainer=fsdp in a Hydra multirun (-m) started from a shell: Lightning's FSDP starts its other "
-                "ranks by re-running the command, which would re-run the whole sweep in each of them. Run the "
-                "jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
+                "trainer=fsdp in a Hydra multirun (-m) started from a shell: it starts its other ranks by "
+                "re-running the command (as Lightning's ddp), which would re-run the whole sweep in each of them. "
+                "Run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
             )
         return LayerFSDP(precision)
     if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job

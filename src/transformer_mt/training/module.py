@@ -110,7 +110,7 @@ class TranslationModule(L.LightningModule):
         # Under FSDP a plain copy of the whole model, gathered here on every rank alike: decoding through
         # the sharded layers would issue a rank-dependent number of collectives and hang.
         sharded = is_sharded(self.trainer.strategy) and self.trainer.world_size > 1
-        self._decoder = full_copy(self.trainer.model, self.model) if sharded else self.model
+        self._decoder = full_copy(self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._add_losses(batch)

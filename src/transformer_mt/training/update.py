@@ -27,7 +27,7 @@ from torch import Tensor
 
 from transformer_mt.errors import UserError
 from transformer_mt.model import training_flops
-from transformer_mt.training.sharding import is_sharded
+from transformer_mt.training.sharding import is_sharded, local
 
 # The stop signals ranks agree on (RunEnd), highest number first: SIGTERM (15) wins over SIGUSR1 (10), over SIGINT (2).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -195,7 +195,8 @@ def gradient_norm(parameters, sharded: bool) -> Tensor:
     summed across ranks, so that every rank logs and decides on the same norm (a NaN in one shard
     stops every rank alike, instead of one rank while the others wait). DDP's gradients are already
     the same on every rank."""
-    grads = [p.grad for p in parameters if p.grad is not None and p.grad.numel()]  # leaves: no detach to launch
+    grads = [local(p.grad) for p in parameters if p.grad is not None]  # leaves: no detach to launch
+    grads = [g for g in grads if g.numel()]  # a rank may hold none of a small parameter
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
     if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
         squares = norm.float().square()
