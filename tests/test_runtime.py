@@ -146,8 +146,9 @@ def test_training_bounds_onednns_primitive_cache_unless_the_environment_says_oth
     """runtime.bound_onednn_cache: capacity 0 (host memory stays bounded, docs/measurements.md), set before the
     first product by train(); a capacity the user exported is kept."""
     monkeypatch.delenv(runtime.ONEDNN_CACHE, raising=False)
+    monkeypatch.delenv(runtime.IDEEP_CACHE, raising=False)
     runtime.bound_onednn_cache()
-    assert os.environ[runtime.ONEDNN_CACHE] == "0"
+    assert (os.environ[runtime.ONEDNN_CACHE], os.environ[runtime.IDEEP_CACHE]) == ("0", "1")
     monkeypatch.setenv(runtime.ONEDNN_CACHE, "256")
     runtime.bound_onednn_cache()
     assert os.environ[runtime.ONEDNN_CACHE] == "256"

@@ -45,15 +45,18 @@ def libc() -> ctypes.CDLL | None:
 
 
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+IDEEP_CACHE = "LRU_CACHE_CAPACITY"  # ideep, PyTorch's layer over oneDNN: its own cache, 1,024 by default
 
 
 def bound_onednn_cache() -> None:
-    """oneDNN (PyTorch's bf16 and fp32 products on the CPU) keeps a compiled primitive for every input shape
-    it meets, up to 1,024, with its buffers; token buckets give almost every training batch a new shape, so
-    that cache grew the process by ~12 MiB per update (the Multi30k recipe on 2 CPU cores, bf16). Without it
-    (capacity 0): ~3 MiB per update and the same tokens/s (docs/measurements.md, host memory). Set before the
-    first product; a capacity already in the environment wins."""
+    """bf16 and fp32 products on the CPU go through ideep and oneDNN, and each keeps what it compiled for
+    every input shape it meets, up to 1,024 shapes, with its buffers; token buckets give almost every
+    training batch a new shape. oneDNN's cache grew the process by ~12 MiB per update (the Multi30k recipe
+    on 2 CPU cores, bf16) and ideep's by ~3 MiB more: capacity 0 for oneDNN and 1 for ideep (0 crashes it)
+    keep neither (docs/measurements.md, host memory). Set before the first product; a capacity already in
+    the environment wins."""
     os.environ.setdefault(ONEDNN_CACHE, "0")
+    os.environ.setdefault(IDEEP_CACHE, "1")
 
 
 def keep_freed_memory() -> bool:
