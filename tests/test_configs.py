@@ -263,9 +263,17 @@ def test_hub_failure_says_how_to_work_offline(tmp_path):
 
 
 def test_make_train_echoes_only_its_command_and_make_help_names_every_experiment():
-    train = subprocess.run(["make", "-n", "train", "ARGS=seed=1"], cwd=ROOT, capture_output=True, text=True, check=True)
+    train = subprocess.run(
+        ["make", "--no-print-directory", "-n", "train", "ARGS=seed=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert train.stdout.splitlines() == [".venv/bin/python -m transformer_mt.train seed=1 experiment=multi30k"]
-    help_text = subprocess.run(["make", "help"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    help_text = subprocess.run(
+        ["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     configs = next(line for line in help_text.splitlines() if line.startswith("CONFIG (make train):"))
     assert configs.split(":", 1)[1].split()[: len(EXPERIMENTS)] == EXPERIMENTS
 
