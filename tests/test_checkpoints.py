@@ -90,6 +90,29 @@ def test_resume_refuses_non_finite_weights_and_last_falls_back_to_the_newest_fin
     assert re.search(r"resuming from \S+step0000012.ckpt \(update 12\)", caplog.text)
 
 
+TRAINED = ["data.max_tokens=400", "trainer.val_check_interval=6", "checkpoint.every_n_train_steps=3"]  # trained_run's
+
+
+def test_a_run_resumed_in_a_moved_folder_keeps_best_ckpt_and_its_periodic_checkpoints(trained_run, tmp_path, caplog):
+    """Lightning's ModelCheckpoint forgets its best score and kept files when the saved folder is not the current
+    one: the first validation after resuming a moved (or copied) run would replace best.ckpt whatever its score,
+    and keep_last would lose count of the periodic checkpoints already there."""
+    run = tmp_path / "moved"
+    shutil.copytree(trained_run / "out", run)
+    before = dict(read_metrics(run)["val/bleu"])
+    best_step = load(run / "checkpoints" / "best.ckpt")["global_step"]
+    args = [f"data.path={trained_run / 'corpus'}", *TRAINED, "trainer.max_steps=18"]
+    with caplog.at_level("INFO"):  # a learning rate of 0 after update 13: update 18 is no better than best.ckpt
+        train_in_process([*args, "optim.lr_factor=0", "ckpt_path=last"], trained_run, run)
+    assert dict(read_metrics(run)["val/bleu"])[18] < max(before.values())
+    assert load(run / "checkpoints" / "best.ckpt")["global_step"] == best_step
+    kept = f"best.ckpt's val/bleu {max(before.values()):.2f} kept (the run was in {trained_run / 'out'})"
+    assert f"resumed in a moved folder: {kept}" in caplog.text
+    periodic = sorted(p.name for p in (run / "checkpoints").glob("step*.ckpt"))
+    assert periodic == [f"step{step:07d}.ckpt" for step in (6, 9, 12, 15, 18)]  # keep_last 5, counted across the move
+    assert sorted(p.name for p in (trained_run / "out" / "checkpoints").glob("step*.ckpt"))[0] == "step0000003.ckpt"
+
+
 def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lock_is_taken_over(corpus, tmp_path):
     run = tmp_path / "run"
     args = [f"data.path={corpus}", "trainer.max_steps=2"]
