@@ -13,7 +13,7 @@ import torch
 import transformer_mt.train
 import transformer_mt.training.update
 from conftest import load, train_in_process
-from transformer_mt.checkpoint import read_checkpoint, write_checkpoint
+from transformer_mt.checkpoint import read_checkpoint, run_checkpoints, write_checkpoint
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.files import RunFolderLock
 from transformer_mt.tools.plot import read_metrics
@@ -88,6 +88,53 @@ def test_resume_refuses_non_finite_weights_and_last_falls_back_to_the_newest_fin
         train_in_process([*args, "ckpt_path=last"], trained_run, run)
     assert re.search(r"not resuming from \S+last.ckpt: \S+ the weights are not finite", caplog.text)
     assert re.search(r"resuming from \S+step0000012.ckpt \(update 12\)", caplog.text)
+
+
+TRAINED = ["data.max_tokens=400", "trainer.val_check_interval=6", "checkpoint.every_n_train_steps=3"]  # trained_run's
+
+
+def test_a_run_resumed_in_a_moved_folder_keeps_best_ckpt_and_its_periodic_checkpoints(trained_run, tmp_path, caplog):
+    """Lightning's ModelCheckpoint forgets its best score and kept files when the saved folder is not the current
+    one: the first validation after resuming a moved (or copied) run would replace best.ckpt whatever its score,
+    and keep_last would lose count of the periodic checkpoints already there."""
+    run = tmp_path / "moved"
+    shutil.copytree(trained_run / "out", run)
+    before = dict(read_metrics(run)["val/bleu"])
+    best_step = load(run / "checkpoints" / "best.ckpt")["global_step"]
+    args = [f"data.path={trained_run / 'corpus'}", *TRAINED, "trainer.max_steps=18"]
+    with caplog.at_level("INFO"):  # a learning rate of 0 after update 13: update 18 is no better than best.ckpt
+        train_in_process([*args, "optim.lr_factor=0", "ckpt_path=last"], trained_run, run)
+    assert dict(read_metrics(run)["val/bleu"])[18] < max(before.values())
+    assert load(run / "checkpoints" / "best.ckpt")["global_step"] == best_step
+    kept = f"best.ckpt's val/bleu {max(before.values()):.2f} kept (the run was in {trained_run / 'out'})"
+    assert f"resumed in a moved folder: {kept}" in caplog.text
+    periodic = sorted(p.name for p in (run / "checkpoints").glob("step*.ckpt"))
+    assert periodic == [f"step{step:07d}.ckpt" for step in (6, 9, 12, 15, 18)]  # keep_last 5, counted across the move
+    assert sorted(p.name for p in (trained_run / "out" / "checkpoints").glob("step*.ckpt"))[0] == "step0000003.ckpt"
+
+
+def test_a_resume_sets_a_refused_checkpoint_aside_so_no_average_takes_it(trained_run, tmp_path, caplog):
+    """ckpt_path=last skips a damaged or non-finite checkpoint and renames it <name>.refused (nothing deleted):
+    the run summary's `make average`, make average itself and the end-of-run protocol no longer find it."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run / "out", run)
+    checkpoints = run / "checkpoints"
+    last = read_checkpoint(checkpoints / "last.ckpt")
+    last["state_dict"]["model.embed.tokens.weight"][7, 0] = float("inf")
+    write_checkpoint(last, checkpoints / "last.ckpt")
+    damaged = checkpoints / "step0000012.ckpt"
+    cut_short = damaged.read_bytes()[:5000]
+    damaged.write_bytes(cut_short)
+    args = [f"data.path={trained_run / 'corpus'}", *TRAINED, "trainer.max_steps=11", "ckpt_path=last"]
+    with caplog.at_level("INFO"):
+        train_in_process(args, trained_run, run)
+    assert re.search(r"resuming from \S+step0000009.ckpt \(update 9\)", caplog.text)
+    assert re.search(r"not resuming from \S+step0000012.ckpt: .* renamed to step0000012.ckpt.refused", caplog.text)
+    assert (checkpoints / "step0000012.ckpt.refused").read_bytes() == cut_short  # nothing lost
+    assert (checkpoints / "last.ckpt.refused").is_file() and load(checkpoints / "last.ckpt")["global_step"] == 11
+    assert [p.name for p in run_checkpoints(run)] == ["step0000003.ckpt", "step0000006.ckpt", "step0000009.ckpt"]
+    assert "3 periodic (step0000003.ckpt ... step0000009.ckpt)" in caplog.text
+    assert f"make average RUN={run} N=3" in caplog.text
 
 
 def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lock_is_taken_over(corpus, tmp_path):

@@ -15,6 +15,7 @@ Two rules keep a resume exact:
 
 from __future__ import annotations
 
+import logging
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -22,9 +23,12 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import write_checkpoint
 from transformer_mt.training.update import Update
+
+log = logging.getLogger(__name__)
 
 LAST = "last.ckpt"
 
@@ -49,7 +53,7 @@ def checkpoint_callbacks(
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False, enable_version_counter=False)
     best = []
     if best_monitor:
-        best.append(ModelCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common))
+        best.append(BestCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common))
     periodic = [
         UpdateCheckpoint(filename=name, save_top_k=keep_last, every=every, minutes=minutes, **common)
         for name, every, minutes in (
@@ -59,6 +63,48 @@ def checkpoint_callbacks(
         if every or minutes
     ]
     return [*best, *periodic, LastCheckpoint(checkpoint_dir / LAST, periodic)]
+
+
+class MovedFolder:
+    """A ModelCheckpoint that keeps its files and scores when the run folder was moved or copied. Lightning's
+    own forgets them when the saved folder is not the current one: the first validation after the resume
+    would replace best.ckpt whatever its score, and keep_last would lose count of the checkpoints there.
+    Here the files are re-rooted in the new folder, those that are there."""
+
+    moved_from: str | None = None  # the folder of the checkpoint resumed from, when it was another
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("dirpath", self.dirpath) == self.dirpath:
+            return super().load_state_dict(state)
+        kept = {}
+        for path, score in state.get("best_k_models", {}).items():
+            moved = Path(self.dirpath) / Path(path).name
+            if moved.is_file():
+                kept[str(moved)] = score
+        restored = dict(best_k_models=kept, best_model_path="", best_model_score=None, last_model_path="")
+        restored.update(kth_best_model_path=self.kth_best_model_path, kth_value=self.kth_value)  # else: as new
+        if kept:  # ModelCheckpoint's own choice of the best and the k-th best (the next to go)
+            best = (max if self.mode == "max" else min)(kept, key=kept.get)
+            kth = (min if self.mode == "max" else max)(kept, key=kept.get)
+            restored.update(best_model_path=best, best_model_score=kept[best], kth_best_model_path=kth)
+            restored.update(kth_value=kept[kth])
+        super().load_state_dict({**state, "dirpath": self.dirpath, **restored})
+        self.moved_from = state["dirpath"]
+
+
+class BestCheckpoint(MovedFolder, ModelCheckpoint):
+    """best.ckpt: the best validation value of `monitor` (a resume in a moved folder keeps it, and says so)."""
+
+    def _generate_state_key(self, **kwargs) -> str:
+        return f"ModelCheckpoint{kwargs!r}"  # Lightning's key for it: checkpoints written before this class resume
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.moved_from and self.best_model_score is not None and rank_zero_only.rank == 0:
+            score, was = float(self.best_model_score), Path(self.moved_from).parent
+            log.info(
+                "resumed in a moved folder: best.ckpt's %s %.2f kept (the run was in %s)", self.monitor, score, was
+            )
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
@@ -102,7 +148,7 @@ class AfterUpdate:
             self.write(trainer, module, *args)
 
 
-class UpdateCheckpoint(AfterUpdate, ModelCheckpoint):
+class UpdateCheckpoint(AfterUpdate, MovedFolder, ModelCheckpoint):
     """Lightning's ModelCheckpoint (which keeps the newest `save_top_k` by the update count), saving every
     `every` updates or every `minutes` of training, right after an update. A time-based save comes due on
     the update's clock (rank 0's, the same on every rank: training/update.py), not on Lightning's broadcast

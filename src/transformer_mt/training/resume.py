@@ -14,8 +14,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import check_finite, read_checkpoint
-from transformer_mt.errors import InputError, MissingInputError
+from transformer_mt.errors import InputError, MissingInputError, UserError
 from transformer_mt.model import TransformerConfig
+from transformer_mt.runtime import first_process
 
 log = logging.getLogger(__name__)
 
@@ -96,20 +97,42 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
             continue
         try:
             checkpoint = read_checkpoint(path, mmap=True, finite=False)  # tensors stay on disk until used
-        except InputError as e:
-            log.warning("not resuming from %s: %s", path, e)
+            modified = path.stat().st_mtime
+        except UserError as e:  # also one that another rank set aside meanwhile (MissingInputError)
+            refuse(path, e)
             continue
         if "optimizer_states" in checkpoint and "loops" in checkpoint:
-            found.append((checkpoint["global_step"], path.name == "last.ckpt", path.stat().st_mtime, path, checkpoint))
+            found.append((checkpoint["global_step"], path.name == "last.ckpt", modified, path, checkpoint))
     for *_, path, checkpoint in sorted(found, key=lambda item: item[:3], reverse=True):
         try:  # only the newest is read whole
             check_finite(path, checkpoint)
             return path, checkpoint
         except InputError as e:
-            log.warning("not resuming from %s: %s", path, e)
+            refuse(path, e)
     raise MissingInputError(
         f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}; continue a run with "
         "ckpt_path=last hydra.run.dir=<the run's folder>, or give ckpt_path=<a .ckpt file>"
+    )
+
+
+def refuse(path: Path, error: UserError) -> None:
+    """A checkpoint that ckpt_path=last will not continue from is renamed <name>.refused by the first process
+    (nothing deleted), so that no later glob of *.ckpt takes it: the run summary's `make average`, make average,
+    the end-of-run protocol, the next resume."""
+    if not first_process() or not path.is_file():
+        log.warning("not resuming from %s: %s", path, error)
+        return
+    aside, n = path.with_name(f"{path.name}.refused"), 1
+    while aside.exists():  # refused before: keep that one too
+        n += 1
+        aside = path.with_name(f"{path.name}.refused{n}")
+    try:
+        path.rename(aside)
+    except OSError as e:  # a read-only folder: this resume cannot write its checkpoints either
+        log.warning("not resuming from %s: %s (could not rename it aside: %s)", path, error, e)
+        return
+    log.warning(
+        "not resuming from %s: %s; renamed to %s, so that no average or resume takes it", path, error, aside.name
     )
 
 
