@@ -99,15 +99,23 @@ def test_a_run_resumed_in_a_moved_folder_keeps_best_ckpt_and_its_periodic_checkp
     and keep_last would lose count of the periodic checkpoints already there."""
     run = tmp_path / "moved"
     shutil.copytree(trained_run / "out", run)
-    before = dict(read_metrics(run)["val/bleu"])
     best_step = load(run / "checkpoints" / "best.ckpt")["global_step"]
-    args = [f"data.path={trained_run / 'corpus'}", *TRAINED, "trainer.max_steps=18"]
-    with caplog.at_level("INFO"):  # a learning rate of 0 after update 13: update 18 is no better than best.ckpt
-        train_in_process([*args, "optim.lr_factor=0", "ckpt_path=last"], trained_run, run)
-    assert dict(read_metrics(run)["val/bleu"])[18] < max(before.values())
+    # A best score no validation can reach (BLEU 99), as the run left it: whatever update 15 and 18 score, they
+    # are worse, so best.ckpt must stay (Lightning, having forgotten the score, saves the first validation).
+    last = read_checkpoint(run / "checkpoints" / "last.ckpt")
+    (key,) = [key for key in last["callbacks"] if "'monitor': 'val/bleu'" in key]  # best.ckpt's callback
+    state = last["callbacks"][key]
+    state["best_k_models"] = {path: torch.tensor(99.0) for path in state["best_k_models"]}  # best.ckpt's score
+    state["best_model_score"] = torch.tensor(99.0)
+    write_checkpoint(last, run / "checkpoints" / "last.ckpt")
+    args = [f"data.path={trained_run / 'corpus'}", *TRAINED, "trainer.max_steps=18", "ckpt_path=last"]
+    with caplog.at_level("INFO"):
+        train_in_process(args, trained_run, run)
+    assert sorted(dict(read_metrics(run)["val/bleu"])) == [6, 12, 18]  # update 18 validated (12 was before)
     assert load(run / "checkpoints" / "best.ckpt")["global_step"] == best_step
-    kept = f"best.ckpt's val/bleu {max(before.values()):.2f} kept (the run was in {trained_run / 'out'})"
-    assert f"resumed in a moved folder: {kept}" in caplog.text
+    assert f"resumed in a moved folder: best.ckpt's val/bleu 99.00 kept (the run was in {trained_run / 'out'})" in (
+        caplog.text
+    )
     periodic = sorted(p.name for p in (run / "checkpoints").glob("step*.ckpt"))
     assert periodic == [f"step{step:07d}.ckpt" for step in (6, 9, 12, 15, 18)]  # keep_last 5, counted across the move
     assert sorted(p.name for p in (trained_run / "out" / "checkpoints").glob("step*.ckpt"))[0] == "step0000003.ckpt"
