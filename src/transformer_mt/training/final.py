@@ -87,14 +87,20 @@ def evaluate_split(
 ) -> dict:
     """A split scored as `make evaluate` scores it (scoring.evaluate_translations: its source lines through
     search.translate_lines), and its teacher-forced loss and perplexity."""
-    texts = datamodule.splits[split].texts
-    translate = partial(translate_lines, model, tokenizer, **decoding)
-    *_, scores = evaluate_translations(translate, texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang)
+    scores = translation_scores(model, tokenizer, datamodule, split, decoding)
     return {**scores, **perplexity(model, datamodule.whole_split_loader(split), label_smoothing)}
 
 
+def translation_scores(model: Transformer, tokenizer: Tokenizer, datamodule, split: str, decoding: dict) -> dict:
+    """evaluate_split's translation scores alone (the perplexity does not depend on the decoding settings)."""
+    texts = datamodule.splits[split].texts
+    translate = partial(translate_lines, model, tokenizer, **decoding)
+    *_, scores = evaluate_translations(translate, texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang)
+    return scores
+
+
 def tune_and_score(
-    model: Transformer, tokenizer: Tokenizer, datamodule, path: Path, final: dict, decoding: dict, label_smoothing
+    model: Transformer, tokenizer: Tokenizer, datamodule, path: Path, final: dict, decoding: dict
 ) -> dict:
     """final.tune: make tune's grid on the validation split (tuning.py; never the test split), the choice stored
     beside the checkpoint (so that make translate / make evaluate use it), then final.splits at that choice."""
@@ -107,9 +113,7 @@ def tune_and_score(
         decoding, final["tune_alphas"], final["tune_beams"], report=lambda row: log.info("%s", table_row(row)),
     )  # fmt: skip
     save_tuned(path, chosen, rows, f"{datamodule.corpus.name} validation")
-    scores = {
-        split: evaluate_split(model, tokenizer, datamodule, split, chosen, label_smoothing) for split in final["splits"]
-    }
+    scores = {split: translation_scores(model, tokenizer, datamodule, split, chosen) for split in final["splits"]}
     return {"decoding": chosen, "chosen_on": "validation", "tune_seconds": round(time.monotonic() - start, 1), **scores}
 
 
@@ -176,9 +180,7 @@ def finish_run(
                 model, tokenizer, datamodule, split, decoding, label_smoothing
             )
         if final.get("tune"):
-            results.setdefault("tuned", {})[name] = tune_and_score(
-                model, tokenizer, datamodule, path, final, decoding, label_smoothing
-            )
+            results.setdefault("tuned", {})[name] = tune_and_score(model, tokenizer, datamodule, path, final, decoding)
     results["evaluation_seconds"] = round(time.monotonic() - start, 1)
     with atomic_write(run_dir / RESULTS) as tmp:
         tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -187,7 +189,8 @@ def finish_run(
 
 
 def final_metrics(results: dict) -> dict[str, float]:
-    """results.json's scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>."""
+    """results.json's scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl> (a tuned
+    split has no ppl of its own: the teacher-forced loss does not depend on the decoding settings)."""
     names = {"bleu": "bleu", "chrf": "chrf", "tokenized_bleu_compound_split": "tokenized_bleu", "ppl": "ppl"}
     scored = [(model, split, scores) for model, splits in results["models"].items() for split, scores in splits.items()]
     scored += [(f"{model}/tuned", split, scores) for model, tuned in results.get("tuned", {}).items()
@@ -197,6 +200,7 @@ def final_metrics(results: dict) -> dict[str, float]:
         for model, split, scores in scored
         if isinstance(scores, dict) and "bleu" in scores
         for key, short in names.items()
+        if key in scores
     }
 
 
