@@ -7,6 +7,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
+WORKERS ?= 2  # make test-slow: tests at a time (most of its processes keep one core busy, not two)
 
 .PHONY: help install test test-full lint format clean
 
@@ -29,8 +30,8 @@ install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this 
 test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (not marked slow or cuda)
 	$(PYTEST) -m "not slow and not cuda"
 
-test-slow:  ## Run the slow tier only: tests that launch trainings or processes (DDP, kill/resume, sweeps, CLIs)
-	$(PYTEST) -m "slow and not cuda"
+test-slow:  ## Run the slow tier only: tests that launch trainings or processes, WORKERS=2 at a time (pytest-xdist)
+	$(PYTEST) -m "slow and not cuda" -n $(WORKERS)
 
 test-full:  ## Run every test: the fast and slow tiers, and the cuda tier where a GPU is visible (make gpu-check)
 	$(PYTEST)

@@ -18,6 +18,13 @@ from transformer_mt.train import train
 from transformer_mt.translate import translate
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Under pytest-xdist (`make test-slow`: WORKERS tests at a time) each worker and every process it starts gets
+# its share of the cores: 2 tests of 2 torch threads each on 2 cores wait on each other's spinning threads
+# (the Multi30k test trained at a third of its speed beside another test), 1 thread each does not.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 CONF = ROOT / "conf"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -217,7 +224,10 @@ NOISE = [
 
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `cuda` skip, with the reason, where no CUDA GPU is visible; tests marked `real_data`
-    where ../shared/data is absent (a bare clone)."""
+    where ../shared/data is absent (a bare clone). The tests with a longer timeout mark than the default
+    run first (a stable sort): with several workers (`make test-slow`, pytest-xdist) the longest ones start
+    at once instead of ending the run alone."""
+    items.sort(key=lambda item: -timeout_of(item, config))
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     no_data = pytest.mark.skip(
         reason=f"real EN-DE text not found at {SHARED_DATA} (present on the project's machines, absent in a bare clone)"
@@ -227,6 +237,11 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(no_gpu)
         if item.get_closest_marker("real_data") and not SHARED_DATA.is_dir():
             item.add_marker(no_data)
+
+
+def timeout_of(item, config) -> float:
+    mark = item.get_closest_marker("timeout")
+    return float(mark.args[0]) if mark and mark.args else float(config.getini("timeout") or 0)
 
 
 def load(path: Path) -> dict:

@@ -53,17 +53,23 @@ def assert_same_training_state(expected: Path, actual: Path) -> None:
     assert a["lr_schedulers"] == b["lr_schedulers"]
 
 
+# Each chain is one run killed at every point in turn, each start after the first the documented resume
+# command (which the next point kills in its turn): a resume of a resume must be as exact as the first.
 KILLS = [
-    pytest.param(["write:last.ckpt:12"], id="during-the-last.ckpt-write"),
-    pytest.param(["update:10"], id="mid-epoch"),
-    pytest.param(["epoch-end:0"], id="at-the-epoch-boundary"),
-    pytest.param(["validation:20"], id="during-validation"),
-    # update 12 has a periodic checkpoint and a validation: the checkpoint waits for the validation
-    pytest.param(["validation:12"], id="during-the-validation-of-a-checkpointed-update"),
-    pytest.param(["write:step0000030.ckpt:30"], id="during-a-periodic-checkpoint-write"),
-    pytest.param(["update:25"], id="inside-the-second-epoch"),
-    pytest.param(["update:7", "update:31"], id="twice-in-one-run"),
-    # data=wmt14 loads with 2 persistent worker processes: the same batches, the same result
+    pytest.param(
+        [
+            "update:10",  # mid-epoch, after an update, before its checkpoints
+            "validation:12",  # update 12 has a periodic checkpoint and a validation: the checkpoint waits for it
+            "write:last.ckpt:12",  # its step0000012.ckpt is complete, last.ckpt cut short
+            "epoch-end:0",
+            "validation:20",
+            "update:25",  # inside the second epoch
+            "write:step0000030.ckpt:30",  # a periodic checkpoint cut short
+            "update:31",
+        ],
+        id="at-8-points-in-one-run",
+    ),
+    # data.num_workers=2: persistent loader worker processes give the same batches and the same result
     pytest.param(["epoch-end:0", "update:25"], id="with-2-loader-workers"),
 ]
 
@@ -103,25 +109,26 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         ["data.num_workers=2"] if "workers" in request.node.name else []
     )
     kill_at = str(ROOT / "tests" / "kill_at.py")
+    resumed_files = set()
+    proc = run_train(args, tmp_path, check=False, entry=(kill_at, kills[0]))
     for attempt, point in enumerate(kills):
-        # Every attempt after the first is the documented command: the same settings and folder, ckpt_path=last.
-        killed = run_train(
-            [*args, *(["ckpt_path=last"] if attempt else [])], tmp_path, check=False, entry=(kill_at, point)
-        )
+        killed = proc  # the start killed at this point: the first, or the resume of the point before
         assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]  # SIGKILL, really
         kind, *where = point.split(":")
         if kind == "write":  # the half-written file of the killed write is there, under its temporary name
             assert [p.name.split(".tmp-")[0] for p in checkpoints.glob(".*.tmp-*")] == [f".{where[0]}"]
-        if kind == "validation":  # killed inside it: that validation never reported
+        if kind == "validation":  # killed inside it: that validation never reported (the run has one there)
             done = [int(v) for v in re.findall(r"validation at update (\d+):", killed.stdout)]
-            assert done and all(v < int(where[0]) for v in done)
-        # What the next start resumes from: the newest complete checkpoint, at most one interval back.
+            assert all(v < int(where[0]) for v in done) and max(validation_lines(uninterrupted.parent)) > int(where[0])
+        # The next start, the documented command (the same settings and folder, ckpt_path=last), resumes from
+        # the newest complete checkpoint, at most one interval back; the next point, if any, kills it in its turn.
         following = kills[attempt + 1] if attempt + 1 < len(kills) else None
         if following is None:
             proc = run_train([*args, "ckpt_path=last"], tmp_path)
         else:
             proc = run_train([*args, "ckpt_path=last"], tmp_path, check=False, entry=(kill_at, following))
         name, step = resumed_from(proc)
+        resumed_files.add(name)
         if kind in ("update", "write"):
             assert int(where[-1]) - EVERY <= step <= int(where[-1]), step
         if point == "write:last.ckpt:12":  # last.ckpt was cut short; the step checkpoint of update 12 is complete
@@ -131,16 +138,17 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         for noise in ("not resumable", "unreliable results", "exists and is not empty", "Traceback"):
             assert noise not in proc.stdout + proc.stderr, noise
         if following is not None:
-            continue  # that run is killed in its turn, at the next point
+            continue
 
         assert_same_training_state(uninterrupted / "last.ckpt", checkpoints / "last.ckpt")
         periodic = f"step{MAX_STEPS:07d}.ckpt"
         assert_same_training_state(uninterrupted / periodic, checkpoints / periodic)
         # The same files as the uninterrupted run: the last 5 periodic ones, last, best. No stale temporary
         # file, no "-v1" copy beside a killed attempt's file, no periodic file beyond keep_last, except
-        # the file a run resumed from, which Lightning never deletes (here when last.ckpt was cut short).
-        expected = {p.name for p in uninterrupted.iterdir()} | {resumed_from(proc)[0]}
-        assert sorted(p.name for p in checkpoints.iterdir()) == sorted(expected)
+        # a file a run resumed from, which Lightning never deletes (here when last.ckpt was cut short).
+        expected = {p.name for p in uninterrupted.iterdir()}
+        files = {p.name for p in checkpoints.iterdir()}
+        assert expected <= files and files - expected <= resumed_files, (sorted(files), sorted(expected))
         best, expected_best = load(checkpoints / "best.ckpt"), load(uninterrupted / "best.ckpt")
         assert best["global_step"] == expected_best["global_step"]
         assert all(torch.equal(best["state_dict"][k], v) for k, v in expected_best["state_dict"].items())

@@ -170,8 +170,12 @@ def test_optuna_search_maximises_validation_bleu(corpus, tmp_path):
 @pytest.mark.real_data
 @pytest.mark.timeout(1800)
 def test_multi30k_experiment_learns_real_translation(tmp_path):
-    """300 updates of `make train CONFIG=multi30k` (~5 min on 2 cores): validation BLEU must climb (the recipe's
-    own curve: greedy BLEU ~3 at update 150-200, 12-14 at 300, docs/measurements.md)."""
+    """`make train CONFIG=multi30k` for 400 updates of half its batch: validation BLEU must climb, and the
+    averaged model's test BLEU pass 8. Half the batch because CI's time is bounded: on 2 cores of an AVX2-only
+    EPYC (fp32) the recipe's 4,096-token batches train at ~1,650 target tok/s and 2,048-token ones at ~2,900,
+    so 300 updates of the recipe took 12.5 minutes and this whole test 375 s. The model, schedule and pipeline
+    are the recipe's; its full runs are in docs/measurements.md. That machine's greedy validation BLEU: 2.2 at
+    update 200, 11.3 at 400."""
     cmd = [
         sys.executable,
         "-m",
@@ -180,8 +184,9 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
         f"data.path={SHARED_DATA / 'multi30k'}",
         "logger=csv",
         f"data.cache_dir={tmp_path / 'cache'}",
-        "trainer.max_steps=300",
-        "trainer.val_check_interval=150",
+        "data.max_tokens=2048",
+        "trainer.max_steps=400",
+        "trainer.val_check_interval=200",
         "checkpoint.every_n_train_steps=20",  # the average's 5 checkpoints within the last 80 updates
         "final.tune=false",  # the recipe's dev-set grid (9 decodes of 1,014 sentences): tested on test_protocol's run
         "val_bleu_sentences=300",
@@ -194,10 +199,10 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
     # the recipe's end: the last 5 periodic checkpoints averaged, test2016 decoded with beam 4
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert list(results["models"]) == ["average-last5"] and results["updates"] == 300
+    assert list(results["models"]) == ["average-last5"] and results["updates"] == 400
     assert results["models"]["average-last5"]["test"]["bleu"] > 8.0 and results["decoding"]["beam_size"] == 4
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
-    assert saved == [f"step{step:07d}.ckpt" for step in (220, 240, 260, 280, 300)]
+    assert saved == [f"step{step:07d}.ckpt" for step in (320, 340, 360, 380, 400)]
 
 
 def test_a_finite_divergence_is_warned_about_once_and_training_goes_on(corpus, tmp_path, caplog):
