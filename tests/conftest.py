@@ -18,15 +18,16 @@ from transformer_mt.train import train
 from transformer_mt.translate import translate
 
 ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+SHARED_DATA = ROOT.parent / "shared" / "data"
 
 # Under pytest-xdist (`make test-slow`: WORKERS tests at a time) each worker and every process it starts gets
 # its share of the cores: 2 tests of 2 torch threads each on 2 cores wait on each other's spinning threads
 # (the Multi30k test trained at a third of its speed beside another test), 1 thread each does not.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-CONF = ROOT / "conf"
-SHARED_DATA = ROOT.parent / "shared" / "data"
+    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
 
 
 # The one tiny shape of the tests, in-process models and training runs alike: 2+3 layers (an encoder
