@@ -12,7 +12,13 @@ Points:
                     has exited (it says so), or after 120 s if it has not (a rank 1 waiting for rank 0)
   signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
                     starts, inside the next update's accumulation window (rank 0 only): the run stops by itself;
-                    N = -1: as the sanity validation starts, before training (and this script's handlers) start
+                    N = -1: as the sanity validation starts, before training (and this script's handlers) start;
+                    NAME = SIGINT-twice: two Ctrl+C in a row
+  none:0            no kill (with KILL_AT_CLOCK: a run on the driven clock)
+
+KILL_AT_CLOCK=S in the environment drives the update clock (training/update.py's `clock`): every training
+micro-batch takes S seconds, validations none, whatever the machine does; a time budget then fixes the same
+horizon in every run.
 
 The process really dies by SIGKILL (exit status -9 for the caller): nothing runs after it, no
 `finally`, no atexit handler, exactly as when a node dies or the OOM killer strikes.
@@ -33,6 +39,7 @@ import transformer_mt.checkpoint
 import transformer_mt.runtime
 import transformer_mt.train
 import transformer_mt.training.final
+import transformer_mt.training.update
 
 
 def die() -> None:
@@ -57,7 +64,9 @@ class Killer(L.Callback):
         first = not getattr(self, "sent", False)
         if first and self.kind.startswith("SIG") and trainer.global_step == self.at and trainer.global_rank == 0:
             self.sent = True
-            os.kill(os.getpid(), getattr(signal, self.kind))
+            name, twice = self.kind.removesuffix("-twice"), self.kind.endswith("-twice")
+            for _ in range(2 if twice else 1):
+                os.kill(os.getpid(), getattr(signal, name))
 
     def on_train_epoch_end(self, trainer, module) -> None:
         if self.kind == "epoch-end" and trainer.current_epoch == self.at:
@@ -66,6 +75,17 @@ class Killer(L.Callback):
     def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self.kind == "validation" and not trainer.sanity_checking and trainer.global_step >= self.at:
             die()
+
+
+class DrivenClock(L.Callback):
+    """The update clock, driven: each training micro-batch advances it by `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.now = seconds, 0.0
+        transformer_mt.training.update.clock = lambda: self.now
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.now += self.seconds
 
 
 def kill_while_writing(name: str, step: int) -> None:
@@ -118,8 +138,10 @@ def main() -> None:
             kind, where = where[0], where[1:]
         make_callbacks = transformer_mt.train.make_callbacks
 
-        def with_killer(cfg, checkpoint_dir, startup):
-            return [Killer(kind, int(where[0])), *make_callbacks(cfg, checkpoint_dir, startup)]
+        driven = [DrivenClock(float(os.environ["KILL_AT_CLOCK"]))] if os.environ.get("KILL_AT_CLOCK") else []
+
+        def with_killer(*args):
+            return [*driven, Killer(kind, int(where[0])), *make_callbacks(*args)]
 
         transformer_mt.train.make_callbacks = with_killer
     transformer_mt.train.main()

@@ -3,6 +3,7 @@ fit their batch to the GPU and keep the update, and a CPU keeps the fallback."""
 
 import logging
 import math
+import re
 from types import SimpleNamespace
 from unittest import mock
 
@@ -10,11 +11,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import train_in_process, write_corpus
+from conftest import load, tiny_config, train_in_process, write_corpus
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.model import Transformer
 from transformer_mt.training import batch_fit
-from transformer_mt.training.batch_fit import MARGIN, FitBatch, fit_max_tokens, largest_fitting
+from transformer_mt.training.batch_fit import MARGIN, FitBatch, fastest, largest_fitting
 
 GiB = 2**30
 
@@ -43,41 +45,63 @@ def test_an_out_of_memory_step_does_not_fit_and_no_fitting_sentence_is_zero():
     assert largest_fitting(memory_model(250), budget=1 * GiB, ceiling=1000) == 0  # the weights alone exceed it
 
 
-def test_auto_on_a_cpu_keeps_the_fallback_and_says_why(caplog):
+def test_a_cpu_takes_the_fastest_batch_per_token_and_a_smaller_one_only_when_clearly_faster():
+    assert fastest({4096: 10.0, 2048: 9.8, 1024: 9.7}) == 4096  # within 5%: noise, the larger batch
+    assert fastest({4096: 10.0, 2048: 6.0, 1024: 5.9}) == 2048  # 2,048 clearly faster; 1,024 not clearly so again
+    assert fastest({4096: 10.0, 2048: 12.0, 1024: 5.0}) == 1024
+    assert fastest({4096: 10.0}) == 4096
+
+
+def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path, caplog):
+    """On the training split of a small corpus: each candidate (the fallback, its half and quarter, those that hold the
+    longest pair) timed on the same sentences; the random generators and the gradients as before the probe."""
+    corpus = write_corpus(tmp_path / "corpus")
+    datamodule = TranslationDataModule(name="text", path=str(corpus), vocab_size=400, max_tokens="auto",
+                                       text_files={"train": "train", "validation": "valid", "test": "test"},
+                                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    datamodule.build()
+    module = SimpleNamespace(model=Transformer(tiny_config(vocab_size=len(datamodule.tokenizer))))
+    state = torch.get_rng_state()
     with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
-        assert fit_max_tokens(None, torch.device("cpu"), "32-true", longest=50) == 4096
-        assert fit_max_tokens(None, torch.device("cpu"), "32-true", longest=50, fallback=2048) == 2048
-    assert (
-        "data.max_tokens=auto on cpu: 4,096 (data.max_tokens_fallback; the probe measures CUDA memory)" in caplog.text
+        chosen = batch_fit.fastest_max_tokens(module, datamodule, "32-true", fallback=400)
+    assert chosen in (400, 200, 100) and torch.equal(torch.get_rng_state(), state)
+    assert all(p.grad is None for p in module.model.parameters())
+    line = re.search(
+        r"data.max_tokens=auto on cpu: ([\d,]+) tokens per batch, .* by batch size: (.*); a smaller", caplog.text
     )
-    assert "data.max_tokens=auto on cpu: 2,048" in caplog.text
+    assert line and int(line.group(1).replace(",", "")) == chosen
+    assert [size for size, _ in re.findall(r"([\d,]+): ([\d,]+)", line.group(2))] == ["400", "200", "100"]
+    longest = datamodule.longest_training_pair()  # 22 tokens: a batch of 16 would leave pairs out; not tried
+    assert batch_fit.fastest_max_tokens(module, datamodule, "32-true", fallback=4 * (longest - 1)) == 4 * (longest - 1)
+
+
+def test_a_resumed_cpu_run_keeps_its_runs_choice_and_measures_nothing(monkeypatch, caplog):
+    _, datamodule, trainer = recipe_setup("base", "cpu", 1, monkeypatch)
+    monkeypatch.setattr(batch_fit, "fastest_max_tokens", lambda *args: pytest.fail("measured again"))
+    with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
+        FitBatch(saved=2048).setup(trainer, None, "fit")
+    assert datamodule.max_tokens == 2048 and trainer.accumulate_grad_batches == math.ceil(25_000 / 2048)
+    assert "data.max_tokens=auto on cpu: 2,048 tokens per batch, as the run chose at its start" in caplog.text
 
 
 def test_a_run_with_auto_batches_trains_with_the_probes_batch_and_the_configured_update(tmp_path, monkeypatch, caplog):
-    """The probe's answer (stubbed: this machine has no CUDA memory to measure) becomes data.max_tokens,
-    and the update keeps data.tokens_per_update: the accumulation follows from the batch found."""
+    """The probe's answer (stubbed, as on a CPU: 150 tokens) becomes data.max_tokens, the update keeps
+    data.tokens_per_update (the accumulation follows from the batch found), and the checkpoints keep the choice."""
     probed = {}
 
-    def probe(module, device, precision, longest, fallback):
-        probed.update(longest=longest, device=device.type)
-        return 3 * longest  # three sentences of the longest pair
+    def probe(module, datamodule, precision, fallback):
+        probed.update(fallback=fallback)
+        return 150
 
-    monkeypatch.setattr(batch_fit, "fit_max_tokens", probe)
+    monkeypatch.setattr(batch_fit, "fastest_max_tokens", probe)
     corpus = write_corpus(tmp_path / "corpus")
-    args = [f"data.path={corpus}", "data.max_tokens=auto", "data.tokens_per_update=600", "trainer.max_steps=2"]
+    args = [f"data.path={corpus}", "data.max_tokens=auto", "data.max_tokens_fallback=300",
+            "data.tokens_per_update=600", "trainer.max_steps=2"]  # fmt: skip
     with caplog.at_level(logging.INFO):
         train_in_process(args, tmp_path, tmp_path / "run")
-    longest = probed["longest"]
-    accumulation = math.ceil(600 / (3 * longest))
-    assert (
-        f"data.max_tokens=auto: {3 * longest:,} tokens per batch and device (3 sentences of {longest} tokens"
-        in caplog.text
-    )
-    assert (
-        f"tokens per update: accumulation {accumulation} x {math.ceil(600 / accumulation)} tokens x 1 device(s)"
-        in caplog.text
-    )
-    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    assert probed == {"fallback": 300}
+    assert "tokens per update: accumulation 4 x 150 tokens x 1 device(s) = 600 padded tokens" in caplog.text
+    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["max_tokens"] == 150
 
 
 def recipe_setup(experiment: str, device: str, devices: int, monkeypatch, longest: int = 251):
@@ -122,17 +146,23 @@ def test_the_recipes_fit_their_batch_to_the_gpu_and_keep_the_update(experiment, 
 
 
 @pytest.mark.parametrize(("experiment", "fallback"), [("base", 4096), ("big", 2048)])
-def test_the_recipes_on_a_cpu_keep_their_batch(experiment, fallback, monkeypatch, caplog):
-    """No CUDA memory to measure: base batches 4,096 tokens, big 2,048 (~2x base's memory per token), as
-    before the recipes took auto; the update holds data.tokens_per_update."""
+def test_the_recipes_on_a_cpu_take_the_fastest_batch_and_keep_the_update(experiment, fallback, monkeypatch):
+    """No CUDA memory to measure: the fastest per token of base's 4,096 or big's 2,048 (~2x base's memory per
+    token) and their halves and quarters (the probe stubbed: half the fallback); the update holds
+    data.tokens_per_update."""
     _, datamodule, trainer = recipe_setup(experiment, "cpu", 1, monkeypatch)
-    with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
-        FitBatch().setup(trainer, None, "fit")
-    assert datamodule.max_tokens == fallback
-    accumulation = math.ceil(25_000 / fallback)  # base 7, big 13
+    probed = {}
+
+    def probe(module, datamodule, precision, fallback):
+        probed["fallback"] = fallback
+        return fallback // 2
+
+    monkeypatch.setattr(batch_fit, "fastest_max_tokens", probe)
+    FitBatch().setup(trainer, None, "fit")
+    assert probed["fallback"] == fallback and datamodule.max_tokens == fallback // 2
+    accumulation = math.ceil(25_000 / (fallback // 2))  # base 13, big 25
     assert datamodule.update_shape(1) == (math.ceil(25_000 / accumulation), accumulation)
     assert trainer.accumulate_grad_batches == accumulation
-    assert f"data.max_tokens=auto on cpu: {fallback:,} (data.max_tokens_fallback" in caplog.text
 
 
 # ---------------------------------------------------------------- trainer.compile

@@ -16,8 +16,8 @@ import transformer_mt.train
 import transformer_mt.training.update
 from conftest import hydra_task, load, run_train, train_in_process, train_overrides
 from transformer_mt.configs import compose as compose_config
-from transformer_mt.runtime import Peak
-from transformer_mt.training.callbacks import ProgressLog, duration, unreached
+from transformer_mt.runtime import Peak, duration
+from transformer_mt.training.callbacks import ProgressLog, unreached
 from transformer_mt.training.checkpoints import UpdateCheckpoint
 from transformer_mt.training.logs import make_logger
 
@@ -172,3 +172,18 @@ def test_mfu_never_reads_above_100_percent_the_peak_is_raised_and_that_said_once
         mfus = [progress.utilisation(flops) for flops in (50e9, 230e9, 200e9, 300e9)]
     assert mfus == [0.5, 1.0, pytest.approx(200 / 230), 1.0]
     assert progress.peak.flops == 300e9 and caplog.text.count("above the peak (100 GFLOP/s fp32") == 1
+
+
+def test_a_cpu_peak_measured_low_at_a_busy_start_is_measured_again_when_training_nears_it(monkeypatch, caplog):
+    """The issue's run: the probe at a busy start measured 25 GFLOP/s, training reached 80: every line read MFU 100%.
+    Near the peak, it is measured again (here 132 GFLOP/s, a quiet CPU) and the better kept, at most 3 times."""
+    probes = iter([(132e9, 1.0), (120e9, 1.0), (140e9, 1.0), (150e9, 1.0)])
+    monkeypatch.setattr(transformer_mt.runtime, "matmul_peak", lambda dtype: next(probes))
+    progress = ProgressLog(100)
+    progress.peak = Peak(25e9, "25 GFLOP/s fp32, a 2048^3 matrix product timed on this CPU", 3.0, "fp32")
+    with caplog.at_level("INFO"):
+        assert progress.utilisation(80e9) == pytest.approx(80 / 132)
+        assert progress.utilisation(125e9) == pytest.approx(125 / 132)  # the second probe (120) was worse: kept 132
+        assert progress.utilisation(126e9) == pytest.approx(126 / 140)
+        assert progress.utilisation(139e9) == pytest.approx(139 / 140)  # no 4th probe
+    assert caplog.text.count("the peak FLOP/s measured again") == 2 and "above the peak" not in caplog.text

@@ -422,3 +422,72 @@ def test_a_resume_that_sees_fewer_gpus_restores_its_own_devices_random_state(mon
     resumed.install(monkeypatch)
     set_random_state(saved)
     assert torch.equal(resumed.states[0], torch.tensor([3], dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------- a time budget, killed, stopped and resumed
+
+# 100 s of training on the driven clock (kill_at.py: 1 s per micro-batch, whatever the machine does): the horizon,
+# measured over updates 10-30, is 30 + 70 x 0.95 = 96 (budget.py), the same in every run.
+BUDGETED = [
+    "model.dropout=0.1",
+    "trainer.max_time=00:00:01:40",
+    "trainer.max_steps=500",
+    "checkpoint.every_n_train_steps=3",
+]
+
+
+def test_a_budgeted_run_killed_stopped_and_resumed_continues_its_schedule_bit_identically(tmp_path):
+    """Killed at update 20, before the horizon is fixed; resumed, then stopped by Ctrl+C at update 40 (40% of its
+    budget, after the fix) and resumed again with the documented command: it trains the remaining updates of the
+    same schedule, to the horizon, and ends bit-identical to the uninterrupted run (weights, Adam, schedule)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    env = {"KILL_AT_CLOCK": "1.0"}
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    first = run_train(
+        [f"data.path={corpus}", *BUDGETED, f"hydra.run.dir={whole}"], tmp_path, env=env, entry=(kill_at, "none:0")
+    )
+    assert "time budget 0:01:40: ~96 updates" in first.stdout + first.stderr
+    args = [f"data.path={corpus}", *BUDGETED, f"hydra.run.dir={run}"]
+    killed = run_train(args, tmp_path, env=env, check=False, entry=(kill_at, "update:20"))
+    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    stopped = run_train([*args, "ckpt_path=last"], tmp_path, env=env, check=False, entry=(kill_at, "signal:SIGINT:39"))
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 130 and resumed_from(stopped) == ("last.ckpt", 18), output[-3000:]
+    assert "time budget 0:01:40: ~96 updates" in output  # fixed in this attempt: the kill came before
+    assert "stopped by SIGINT after update 40" in output
+    proc = run_train([*args, "ckpt_path=last"], tmp_path, env=env, entry=(kill_at, "none:0"))
+    assert resumed_from(proc) == ("last.ckpt", 40)
+    assert "0:00:40 used; the schedule ends at update 96 (fixed at update 30)" in proc.stdout + proc.stderr
+    a, b = load(whole / "checkpoints" / "last.ckpt"), load(run / "checkpoints" / "last.ckpt")
+    assert a["global_step"] == b["global_step"] == 96
+    for key, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][key], value), key
+    for param, state in a["optimizer_states"][0]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
+    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 96
+    assert a["totals"]["train_seconds"] == b["totals"]["train_seconds"] == 96.0  # the redone updates counted once
+
+
+def test_ctrl_c_between_validations_adds_none_and_a_second_one_exits_130_at_once(tmp_path):
+    """Ctrl+C after update 3 of a run that validates every 100 updates: update 4 ends, last.ckpt holds it, exit 130,
+    and no validation runs (Lightning validates whenever it is told to stop). Two in a row: 130 too, at once."""
+    corpus = write_corpus(tmp_path / "corpus")
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    args = [f"data.path={corpus}", "trainer.max_steps=12", "trainer.val_check_interval=100"]
+    once = run_train(
+        [*args, f"hydra.run.dir={tmp_path / 'once'}"], tmp_path, check=False, entry=(kill_at, "signal:SIGINT:3")
+    )
+    output = once.stdout + once.stderr
+    assert once.returncode == 130 and "stopped by SIGINT after update 4" in output, output[-3000:]
+    assert (
+        "validation at update" not in output
+        and load(tmp_path / "once" / "checkpoints" / "last.ckpt")["global_step"] == 4
+    )
+    assert not (tmp_path / "once" / "checkpoints" / "best.ckpt").exists()
+    twice = run_train([*args, f"hydra.run.dir={tmp_path / 'twice'}"], tmp_path, check=False,
+                      entry=(kill_at, "signal:SIGINT-twice:3"))  # fmt: skip
+    output = twice.stdout + twice.stderr
+    assert twice.returncode == 130 and "received SIGINT again: stopping now" in output, output[-3000:]
+    assert "Traceback" not in output and "validation at update" not in output

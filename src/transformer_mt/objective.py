@@ -1,5 +1,5 @@
 """The paper's objective and schedule as pure functions: label smoothing (§5.4), the teacher-forced
-loss of a batch, and the Noam learning rate (§5.3)."""
+loss of a batch, the Noam learning rate (§5.3), and the piecewise-linear rate of a time budget."""
 
 from __future__ import annotations
 
@@ -44,3 +44,16 @@ def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> 
     """§5.3: lrate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
     step = max(step, 1)
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def piecewise_linear(step: float, knots: list[tuple[float, float]]) -> float:
+    """The value at `step` of the line through `knots` ((step, value), steps increasing); flat outside them.
+    A time budget's schedule (training/budget.py): (0, 0), (warmup, peak), (horizon + 1, 0)."""
+    (first, value), *rest = knots
+    if step <= first:
+        return value
+    for after, next_value in rest:
+        if step <= after:
+            return value + (next_value - value) * (step - first) / (after - first)
+        first, value = after, next_value
+    return value

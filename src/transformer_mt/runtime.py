@@ -26,6 +26,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -194,6 +195,7 @@ class Peak:
     flops: float | None
     source: str
     spread: float = 1.0  # a measured peak's slowest product / its fastest: above DISTURBED, other work took the cores
+    fmt: str | None = None  # a CPU's measured peak: the format it was measured in (it can be measured again)
 
     DISTURBED = 2.0
 
@@ -208,6 +210,15 @@ class Peak:
     def raised(self, flops_per_second: float) -> Peak:
         """The peak once training ran faster than it: what training reached (a CPU's probe was disturbed)."""
         return Peak(flops_per_second, f"{flops_text(flops_per_second)}, the model FLOP/s training reached", self.spread)
+
+    def remeasured(self) -> Peak:
+        """A CPU's peak measured again; the better of the two (a probe disturbed by other work reads too low)."""
+        flops, spread = matmul_peak(torch.bfloat16 if self.fmt == "bf16" else torch.float32)
+        if not self.flops or flops <= self.flops:
+            return self
+        return Peak(
+            flops, f"{flops_text(flops)} {self.fmt}, a 2048^3 matrix product timed on this CPU", spread, self.fmt
+        )
 
 
 def matmul_format(precision: str, device: torch.device) -> str:
@@ -255,7 +266,7 @@ def device_peak(device: torch.device, precision: str) -> Peak:
     if device.type != "cpu":
         return Peak(None, f"no peak known for {device.type} devices: no MFU")
     flops, spread = cpu_peak(fmt)
-    return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU", spread)
+    return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU", spread, fmt)
 
 
 @functools.cache
@@ -263,6 +274,11 @@ def cpu_peak(fmt: str) -> tuple[float, float]:
     """matmul_peak in format `fmt` (bf16 or fp32), timed once per process: a second training in the same
     process (a sweep's job, a test) reuses it instead of spending another second."""
     return matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
+
+
+def duration(seconds: float) -> str:
+    """Seconds for a person, H:MM:SS (past a time limit, an ETA is 0:00:00, not "-1 day")."""
+    return str(timedelta(seconds=int(max(seconds, 0))))
 
 
 def flops_text(flops_per_second: float) -> str:

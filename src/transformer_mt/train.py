@@ -40,6 +40,7 @@ from transformer_mt.runtime import (
 )
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
+from transformer_mt.training.budget import TimeBudget, budget_seconds
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
 from transformer_mt.training.checkpoints import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.ema import ExponentialMovingAverage
@@ -60,6 +61,7 @@ def trainer_arguments(cfg: DictConfig) -> dict:
     """conf/trainer as lightning.Trainer arguments, checked against this machine before any work."""
     args = plain(cfg)
     args.pop("compile", None)  # the module's (TranslationModule.compile_training), not Lightning's
+    args.pop("max_time", None)  # a time budget (training/budget.py), not Lightning's Timer
     accelerator = args.get("accelerator", "auto")
     check_device(accelerator)
     known = trainer_parameters()
@@ -95,9 +97,12 @@ def trainer_parameters() -> set[str]:
     return set(inspect.signature(L.Trainer.__init__).parameters) - {"self"} | {"compile"}
 
 
-def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -> list:
-    """The checkpoints (training/checkpoints.py), optional early stopping on best.ckpt's metric, progress
-    lines and bar (the learning rate and training losses reach the loggers through training/update.py)."""
+def make_callbacks(
+    cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None
+) -> list:
+    """The checkpoints (training/checkpoints.py), optional early stopping on best.ckpt's metric, the batch size's
+    probe (a resumed run's: the choice it saved), the time budget, progress lines and bar (the learning rate and
+    training losses reach the loggers through training/update.py)."""
     callbacks = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
     best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
     if cfg.early_stopping_patience:
@@ -105,7 +110,9 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog) -
     if cfg.ema_decay:
         callbacks.append(ExponentialMovingAverage(cfg.ema_decay))
     if cfg.data.max_tokens == "auto":
-        callbacks.append(FitBatch())
+        callbacks.append(FitBatch(saved_max_tokens))
+    if budget := budget_seconds(cfg.trainer.get("max_time")):
+        callbacks.append(TimeBudget(budget, cfg.budget.margin, cfg.budget.average_span, cfg.checkpoint.keep_last))
     callbacks += [
         ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds),
         startup,
@@ -124,6 +131,9 @@ NUMBERS = {  # keys outside the model whose wrong type would fail late or silent
     "val_bleu_sentences": int,
     "progress_every_n_updates": int,
     "progress_every_seconds": float,
+    "budget.warmup": float,
+    "budget.average_span": float,
+    "budget.margin": float,
 }
 
 
@@ -149,6 +159,10 @@ def check_config(cfg: DictConfig) -> None:
             f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set "
             "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
         )
+    budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not at the end of the setup
+    for key in ("warmup", "average_span", "margin"):
+        if not cfg.budget[key] < 1:
+            raise InputError(f"budget.{key}={cfg.budget[key]}: a share, below 1 (e.g. 0.2)")
     if cfg.early_stopping_patience and not monitor:
         raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
     ema = cfg.ema_decay
@@ -234,6 +248,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         ckpt_path = "last"
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
     resume_path, resumed = resume_checkpoint(ckpt_path, checkpoint_dir) or (None, None)
+    saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
     if launched_rank() == 0:
         datamodule.build()  # the vocabulary size is known only after SentencePiece
@@ -247,6 +262,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         label_smoothing=cfg.label_smoothing,
         **plain(cfg.optim),
         val_bleu_sentences=cfg.val_bleu_sentences,
+        budget_warmup=cfg.budget.warmup if cfg.trainer.get("max_time") else None,
         config=plain(cfg),
         tokenizer=datamodule.tokenizer,
     )
@@ -258,9 +274,10 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         saved_update = resumed.get("update_tokens")  # None in checkpoints written before it was kept
+        saved_max_tokens = resumed.get("max_tokens")
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), run_dir)
-    callbacks = make_callbacks(cfg, checkpoint_dir, startup)
+    callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
     trainer = L.Trainer(
         **trainer_args,
         logger=loggers,

@@ -9,23 +9,19 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Timer, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
-from transformer_mt.runtime import Peak, device_peak, flops_text
+from transformer_mt.runtime import Peak, device_peak, duration, flops_text
 from transformer_mt.training import update as bookkeeping
-from transformer_mt.training.checkpoints import UpdateCheckpoint, validation_follows
+from transformer_mt.training.budget import TimeBudget
+from transformer_mt.training.checkpoints import UpdateCheckpoint, stop_after_this_update
 
 log = logging.getLogger(__name__)
-
-
-def duration(seconds: float) -> str:
-    return str(timedelta(seconds=int(max(seconds, 0))))  # past a time limit, an ETA is 0:00:00, not "-1 day"
 
 
 WINDOW_LOSS = "train/loss_window"  # the mean loss per target token of each progress line's window (every rank's)
@@ -44,9 +40,11 @@ class ProgressLog(L.Callback):
     update and the likely causes; training goes on (a non-finite gradient stops it, update.py)."""
 
     RISE = 3.0
+    NEAR, REPROBES = 0.9, 3  # a CPU's peak is measured again when training reaches NEAR x it, at most REPROBES times
 
     def __init__(self, every: int, every_seconds: float = 0.0):
         self.every, self.every_seconds = every, every_seconds
+        self.reprobes = self.REPROBES
         self.best_loss, self.warned = float("inf"), False
         self.peak: Peak | None = None  # rank 0's, found when training starts (None in ddp_spawn's main process)
 
@@ -120,7 +118,16 @@ class ProgressLog(L.Callback):
         self.loss_sum, self.tokens, self.flops, self.paused = 0.0, 0, 0.0, 0.0
 
     def utilisation(self, flops_per_second: float) -> float | None:
-        """MFU of one device's model FLOP/s; above the peak, the peak was too low: raised to them, said once."""
+        """MFU of one device's model FLOP/s. A CPU's peak is measured again when training comes near it (a start
+        disturbed by other work measures it too low; at most REPROBES times, ~1 s each), and the better kept;
+        above the peak even then, the peak was too low: raised to them, said once."""
+        near = self.peak and self.peak.fmt and self.peak.flops and flops_per_second > self.NEAR * self.peak.flops
+        if near and self.reprobes:
+            self.reprobes -= 1
+            before, self.peak = self.peak, self.peak.remeasured()
+            if self.peak is not before:
+                log.info("the peak FLOP/s measured again: %s (was %s: other work on the CPU at the start?)",
+                         flops_text(self.peak.flops), flops_text(before.flops))  # fmt: skip
         if self.peak and self.peak.flops and flops_per_second > self.peak.flops:
             if not self.peak.source.endswith("training reached"):
                 log.warning(
@@ -171,14 +178,19 @@ class StartupLog(L.Callback):
 
 
 def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> float | None:
-    """Time left until max_steps at the rate so far, or until trainer.max_time if that comes first."""
+    """Time left until max_steps (a budget's horizon, once fixed) at the rate so far, or until the time budget
+    runs out if that comes first."""
     candidates = []
     if trainer.max_steps > 0 and updates_per_second > 0:
         candidates.append((trainer.max_steps - step) / updates_per_second)
-    timer = next((c for c in trainer.callbacks if isinstance(c, Timer)), None)
-    if timer is not None and timer.time_remaining() is not None:
-        candidates.append(timer.time_remaining())
+    budget = time_budget(trainer)
+    if budget is not None:
+        candidates.append(budget.remaining())
     return min(candidates) if candidates else None
+
+
+def time_budget(trainer: L.Trainer) -> TimeBudget | None:
+    return next((c for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
 
 
 def unreached(trainer: L.Trainer) -> list[str]:
@@ -287,8 +299,9 @@ class RunEnd(L.Callback):
             self._note(signal.SIGTERM, None)
 
     def _note(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl+C: now
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # a second Ctrl+C: now, still 128 + SIGINT
+            log.warning("received SIGINT again: stopping now, inside the update; the newest checkpoint holds the run")
+            raise SystemExit(128 + signal.SIGINT)
         if not self.received:
             log.warning(
                 "received %s: stopping at the end of the update in progress (last.ckpt is written there)%s",
@@ -303,9 +316,7 @@ class RunEnd(L.Callback):
         if update is None:  # inside an accumulation window: no signal to act on yet
             return
         if self._stop_signal(trainer, module, update.signal):
-            trainer.should_stop = True  # last.ckpt is written at this update (checkpoints.LastCheckpoint)
-            if not validation_follows(trainer):  # Lightning would validate when told to stop: not an update
-                trainer.fit_loop.epoch_loop._skip_next_val = True  # that is due one
+            stop_after_this_update(trainer)  # last.ckpt is written at this update; no validation that was not due
 
     def _stop_signal(self, trainer: L.Trainer, module: L.LightningModule, received: int | None = None) -> bool:
         """Whether any rank received a stop signal; every rank gets the same answer: the update's (its one
@@ -337,6 +348,8 @@ class RunEnd(L.Callback):
                 self.checkpoint_dir.parent,
             )
             return
+        if cut := schedule_cut(trainer):
+            log.warning("%s", cut)
         if not self.summary_later:
             self.log_summary(trainer, trainer.global_step)
 
@@ -358,6 +371,23 @@ class RunEnd(L.Callback):
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
         self._handlers = {}
+
+
+def schedule_cut(trainer: L.Trainer) -> str | None:
+    """One line when training ended before its schedule did (the time budget ran out first, early stopping,
+    max_epochs): how far it got, and what to change; None when the schedule ended."""
+    done, end = trainer.global_step, trainer.max_steps
+    if end <= 0 or done >= end:
+        return None
+    budget = time_budget(trainer)
+    advice = budget.advice(trainer) if budget is not None else None
+    if advice:
+        return advice
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    return (
+        f"training ended at update {done:,}, {done / end:.0%} of its schedule's {end:,} (trainer.max_steps), at "
+        f"learning rate {lr:.3g} (early stopping, or trainer.max_epochs): the schedule did not end"
+    )
 
 
 def requeue_slurm_job() -> None:

@@ -114,6 +114,15 @@ def validation_follows(trainer: L.Trainer) -> bool:
     return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
+def stop_after_this_update(trainer: L.Trainer) -> None:
+    """End the run after the update that just ended (last.ckpt is written there), with no validation that was not
+    due at it: Lightning validates whenever it is told to stop, so whether one follows is asked before telling it."""
+    due = validation_follows(trainer)
+    trainer.should_stop = True
+    if not due:
+        trainer.fit_loop.epoch_loop._skip_next_val = True
+
+
 class AfterUpdate:
     """A save decided when an update ends (`due`), written then (`write`) or, at an update that is also
     validated, after the validation's end."""
@@ -151,24 +160,39 @@ class AfterUpdate:
 class UpdateCheckpoint(AfterUpdate, MovedFolder, ModelCheckpoint):
     """Lightning's ModelCheckpoint (which keeps the newest `save_top_k` by the update count), saving every
     `every` updates or every `minutes` of training, right after an update. A time-based save comes due on
-    the update's clock (rank 0's, the same on every rank: training/update.py), not on Lightning's broadcast
-    of a Python object at every update, a wait of its own."""
+    the update clock (rank 0's, the same on every rank: training/update.py), not on Lightning's broadcast
+    of a Python object at every update, a wait of its own. A time budget (budget.py) realigns the saves by
+    update count once it knows where the schedule ends (`align`)."""
 
     def __init__(self, every: int | None = None, minutes: float | None = None, **kwargs):
         self.every, self.interval = every, timedelta(minutes=minutes).total_seconds() if minutes else None
-        # Lightning saves every update this callback lets through (`every` also names its state in checkpoints);
-        # save_on_train_epoch_end: right after update N, never deferred to a later validation (which Lightning
-        # does at an epoch's last batch for a checkpoint with a monitor).
-        kwargs.update(every_n_train_steps=every or 1, monitor="step", mode="max", save_on_train_epoch_end=True)
+        self.offset = 0  # saved when step % every == offset
+        self._configured_every = every or 1  # names this callback's state in checkpoints (Lightning's key)
+        # Lightning saves every update this callback lets through (`due` decides); save_on_train_epoch_end: right
+        # after update N, never deferred to a later validation (which Lightning does at an epoch's last batch for a
+        # checkpoint with a monitor).
+        kwargs.update(every_n_train_steps=1, monitor="step", mode="max", save_on_train_epoch_end=True)
         super().__init__(**kwargs)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            monitor=self.monitor, mode=self.mode, every_n_train_steps=self._configured_every,
+            every_n_epochs=self._every_n_epochs, train_time_interval=self._train_time_interval,
+        )  # fmt: skip
+
+    def align(self, every: int, end: int) -> None:
+        """Saves by update count every `every` updates from now on, one of them at update `end`."""
+        if self.every:
+            self.every, self.offset = every, end % every
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_train_start(trainer, module)
-        self._saved_at = 0.0  # the update clock's seconds at the last time-based save of this attempt
+        self._saved_at = module.updates.totals["train_seconds"]  # the update clock at the last time-based save
 
     def due(self, trainer: L.Trainer, update: Update) -> bool:
         if self.every:
-            return update.step % self.every == 0
+            return update.step % self.every == self.offset
         if update.clock - self._saved_at < self.interval:
             return False
         self._saved_at = update.clock

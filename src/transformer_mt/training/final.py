@@ -28,11 +28,10 @@ from transformer_mt.errors import MissingInputError
 from transformer_mt.files import RESULTS, atomic_write
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
-from transformer_mt.runtime import Peak, flops_text, use_tf32
+from transformer_mt.runtime import Peak, duration, flops_text, use_tf32
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import Tokenizer
-from transformer_mt.training.callbacks import duration
 from transformer_mt.tuning import TABLE_HEADER, save_tuned, search_grid, table_row
 
 log = logging.getLogger(__name__)

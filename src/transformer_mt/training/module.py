@@ -1,4 +1,5 @@
-"""The LightningModule: trains with objective.py's loss and Noam schedule (Adam, §5.3); validation loss,
+"""The LightningModule: trains with objective.py's loss and Noam schedule (Adam, §5.3), or a time budget's
+(budget.py); validation loss,
 greedy BLEU and chrF. A split is scored with beam search in one place, scoring.evaluate_translations (the
 end-of-run protocol, make evaluate)."""
 
@@ -16,6 +17,7 @@ from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
 from transformer_mt.tokenizer import Tokenizer
+from transformer_mt.training.budget import BudgetSchedule
 from transformer_mt.training.sharding import full_copy, is_sharded
 from transformer_mt.training.update import UpdateBookkeeping
 
@@ -38,6 +40,7 @@ class TranslationModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         eps: float = 1e-9,
         val_bleu_sentences: int = 500,
+        budget_warmup: float | None = None,  # a time budget's warmup share of its horizon (budget.py); None: Noam
         config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
         tokenizer: Tokenizer | None = None,  # None when restored from a checkpoint: it carries its own
     ):
@@ -51,6 +54,7 @@ class TranslationModule(L.LightningModule):
         self._decoder: Transformer | None = None  # what validation decodes with (sharding.py)
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
         self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
+        self.schedule: BudgetSchedule | None = None  # a time budget's learning rate (configure_optimizers)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
@@ -97,9 +101,13 @@ class TranslationModule(L.LightningModule):
         optimizer = torch.optim.Adam(self.parameters(), lr=1.0, betas=tuple(h.betas), eps=h.eps, fused=True)
         d_model = self.model.cfg.d_model
         # LambdaLR calls this with the number of updates done so far; update n (from 1) uses noam(n).
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda done: noam_lr(done + 1, d_model, h.warmup_steps, h.lr_factor)
-        )
+        rate = lambda done: noam_lr(done + 1, d_model, h.warmup_steps, h.lr_factor)  # noqa: E731
+        if h.budget_warmup is not None:  # the peak of the Noam schedule at optim.warmup_steps, over the budget
+            ceiling = self.trainer.max_steps
+            provisional = round(h.budget_warmup * ceiling) if ceiling > 0 else h.warmup_steps
+            peak = noam_lr(h.warmup_steps, d_model, h.warmup_steps, h.lr_factor)
+            rate = self.schedule = BudgetSchedule(peak, h.budget_warmup, max(provisional, 1))
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
     # -- validation: loss on every batch, greedy BLEU/chrF on the first val_bleu_sentences sentences
@@ -177,6 +185,7 @@ class TranslationModule(L.LightningModule):
             checkpoint["sentencepiece"] = self.tokenizer.proto
         # the update's padded tokens per side (batch_fit.shape_updates): a resume keeps it (resume.check_update_size)
         checkpoint["update_tokens"] = getattr(self.trainer.datamodule, "update_tokens", None)
+        checkpoint["max_tokens"] = getattr(self.trainer.datamodule, "max_tokens", None)  # data.max_tokens=auto's choice
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is None and "sentencepiece" in checkpoint:

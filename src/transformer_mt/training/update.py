@@ -5,8 +5,9 @@ loss sums (device tensors, never read there). Before the optimizer step the upda
 normalised by its target tokens over every micro-batch and rank, its norm computed, and a non-finite
 norm makes fused Adam skip the step on the device (optimizer.found_inf, as torch's GradScaler does), so
 no weight and no checkpoint ever holds NaN. With several ranks one all-reduce carries the tokens,
-FLOPs, loss sums, stop signals and rank 0's clock. After the step, the first part of the run that asks
-(`finished`) reads it all in one transfer: the update's `Update` record, which progress lines, the
+FLOPs, loss sums, stop signals and rank 0's clock (the update clock: seconds of training over every
+attempt of the run, validations left out, which time-based checkpoints and the time budget decide on).
+After the step, the first part of the run that asks (`finished`) reads it all in one transfer: the update's `Update` record, which progress lines, the
 loggers, the stop decision and time-based checkpoints use, every rank alike.
 
 On a GPU every read of a device value drains the kernel queue, and so does a device tensor built from
@@ -54,7 +55,7 @@ class Update:
     nll_sum: float
     grad_norm: float  # of the whole normalised gradient
     signal: int  # the stop signal any rank had received by this update's reduction (0: none)
-    clock: float  # seconds of training in this attempt, rank 0's: decides time-based checkpoints everywhere alike
+    clock: float  # seconds of training over every attempt, validations left out, rank 0's: the same on every rank
     seconds: float  # this process's wall time since the previous update ended
 
     @property
@@ -71,13 +72,17 @@ class UpdateBookkeeping(L.Callback):
 
     The module hands in each micro-batch (`add`); every other part asks `finished(trainer)`, which reads
     the device once per update and returns the same Update to every caller. `totals` (tokens, FLOPs,
-    seconds over every attempt of the run) travel in checkpoints for results.json."""
+    seconds over every attempt of the run: the update clock) travel in checkpoints, for results.json and the time
+    budget of a resumed run."""
 
     def __init__(self):
         self.totals = {"target_tokens": 0, "model_flops": 0.0, "train_seconds": 0.0}
         self.signal = 0  # a stop signal's number, noted on this rank by RunEnd
         self.current: Update | None = None  # the update that ended with the micro-batch in progress, once read
-        self._clock: float | None = None  # when train_seconds was last brought up to date
+        self._start = 0.0  # when this attempt's training started (clock())
+        self._before = 0.0  # seconds of training of the attempts before this one (from the checkpoint)
+        self._paused = 0.0  # seconds of this attempt spent in validations
+        self._validation_began: float | None = None
         self._sums: Tensor | None = None  # loss and NLL sums of this update's micro-batches (device)
         self._host = [0, 0.0]  # target tokens and FLOPs of this update's micro-batches, this rank
         self.norm: Tensor | None = None  # the update's gradient norm (device), known before its step
@@ -95,7 +100,8 @@ class UpdateBookkeeping(L.Callback):
         self._host = [self._host[0] + tokens, self._host[1] + flops]
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self._start = self._last_end = self._clock = clock()
+        self._start = self._last_end = clock()
+        self._before, self._paused = self.totals["train_seconds"], 0.0
         device = trainer.strategy.root_device
         buffer = torch.zeros(HOST_FIELDS, dtype=torch.float64)
         self._buffer = buffer.pin_memory() if device.type == "cuda" else buffer
@@ -115,7 +121,7 @@ class UpdateBookkeeping(L.Callback):
         counts = [0.0] * len(SIGNALS)
         if self.signal in SIGNALS:
             counts[SIGNALS.index(self.signal)] = 1.0
-        elapsed = clock() - self._start if trainer.global_rank == 0 else 0.0
+        elapsed = self.training_clock() if trainer.global_rank == 0 else 0.0
         self._buffer.copy_(torch.tensor([tokens, flops, elapsed, *counts], dtype=torch.float64))
         sums = self._sums if self._sums is not None else torch.zeros(2, device=device)
         self._sums = None
@@ -145,7 +151,7 @@ class UpdateBookkeeping(L.Callback):
         received = next((int(s) for s, n in zip(SIGNALS, counts) if n), 0)
         now = clock()
         if trainer.world_size == 1:
-            received, elapsed = self.signal, now - self._start
+            received, elapsed = self.signal, self.training_clock()
         update = Update(
             trainer.global_step, int(tokens), flops, loss_sum, nll_sum, norm, received, elapsed, now - self._last_end
         )
@@ -153,6 +159,7 @@ class UpdateBookkeeping(L.Callback):
         self._last_end = now
         self.totals["target_tokens"] += int(tokens)
         self.totals["model_flops"] += flops
+        self.totals["train_seconds"] = elapsed
         if trainer.precision != "16-mixed" and not math.isfinite(norm):
             raise TrainingDiverged(
                 f"training diverged at update {trainer.global_step}: the gradient norm is {norm}. "
@@ -174,17 +181,25 @@ class UpdateBookkeeping(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         self.finished(trainer)  # read even when no other part asked (the divergence stop, the loggers)
 
-    # -- totals in checkpoints (results.json's tokens/s and MFU over every attempt)
+    # -- the update clock
 
-    def training_totals(self) -> dict:
-        now = clock()
-        if self._clock is not None:
-            self.totals["train_seconds"] += now - self._clock
-            self._clock = now
-        return dict(self.totals)
+    def training_clock(self) -> float:
+        """Seconds of training over every attempt of the run, this process's: validations are left out."""
+        return self._before + clock() - self._start - self._paused
+
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validation_began = clock()
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self._validation_began is not None:
+            self._paused += clock() - self._validation_began
+            self._validation_began = None
+
+    # -- totals in checkpoints (results.json's tokens/s and MFU over every attempt; the clock of a resumed run)
 
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint["totals"] = self.training_totals()
+        checkpoint["totals"] = dict(self.totals)  # as of the update that just ended: saves come right after one
 
     def on_load_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict) -> None:
         self.totals = {**self.totals, **checkpoint.get("totals", {})}  # older checkpoints lack model_flops

@@ -1,0 +1,191 @@
+"""training/budget.py: a time budget (trainer.max_time) whose schedule ends inside it. The horizon is estimated on a
+driven clock (every training micro-batch takes a fixed number of seconds, whatever the machine does), so these
+tests count updates and schedule values, never seconds."""
+
+import logging
+import re
+from datetime import timedelta
+
+import lightning as L
+import pytest
+import torch
+
+import transformer_mt.train
+from conftest import load, train_in_process, write_corpus
+from transformer_mt.errors import InputError
+from transformer_mt.objective import noam_lr
+from transformer_mt.training import update as bookkeeping
+from transformer_mt.training.budget import (
+    MEASURE_FROM,
+    MEASURE_UPDATES,
+    BudgetSchedule,
+    budget_seconds,
+    horizon,
+)
+
+PEAK = noam_lr(600, 256, 600)  # the Multi30k recipe's: the Noam peak at warmup 600, d_model 256
+
+
+def test_budget_seconds_reads_lightnings_forms_and_refuses_others_in_one_line():
+    assert budget_seconds("00:00:26:00") == 26 * 60
+    assert budget_seconds({"hours": 1, "minutes": 30}) == 5400
+    assert budget_seconds(None) is None
+    for wrong in ("26 minutes", "00:26:00", "00:00:00:00", {"hour": 1}):
+        with pytest.raises(InputError, match=r"trainer.max_time=.*DD:HH:MM:SS"):
+            budget_seconds(wrong)
+
+
+def test_the_horizon_is_what_fits_the_rest_of_the_budget_less_the_margin_and_at_most_max_steps():
+    # update 30 after 60 s of training at 0.5 updates/s: 1,500 s left, 5% of them unplanned -> 712 more updates
+    assert horizon(30, 60.0, 0.5, 1560.0, 0.05, ceiling=2000) == 30 + 712
+    assert horizon(30, 60.0, 0.5, 1560.0, 0.05, ceiling=500) == 500  # a fast machine: max_steps bounds it
+    assert horizon(30, 60.0, 0.5, 1560.0, 0.05, ceiling=-1) == 742  # no max_steps
+    assert horizon(30, 2000.0, 0.5, 1560.0, 0.05, ceiling=2000) == 30  # the budget is spent already
+
+
+def rates(schedule: BudgetSchedule, last: int) -> list[float]:
+    """The rate of updates 1..last, as LambdaLR asks (updates done, from 0)."""
+    return [schedule(done) for done in range(last)]
+
+
+def test_the_schedule_warms_up_fixes_its_horizon_without_a_jump_and_ends_near_zero():
+    schedule = BudgetSchedule(PEAK, warmup_share=0.2, provisional_warmup=400)  # 0.2 x max_steps 2,000
+    before = rates(schedule, 30)
+    assert before == pytest.approx([PEAK * n / 400 for n in range(1, 31)])  # the warmup of the longest horizon
+    schedule.fix(30, 800)
+    after = rates(schedule, 800)
+    assert after[:30] == pytest.approx(before)  # the updates before the fix keep their rates
+    assert after[159] == pytest.approx(PEAK) and max(after) == pytest.approx(PEAK)  # the peak at 0.2 x 800
+    assert all(a < b for a, b in zip(after[:159], after[1:160]))  # rising to it ...
+    assert all(a > b for a, b in zip(after[159:], after[160:]))  # ... then falling to the horizon
+    steps = [b - a for a, b in zip(after[30:159], after[31:160])]
+    assert max(steps) == pytest.approx(min(steps))  # a straight line from update 30's rate to the peak
+    assert after[-1] == pytest.approx(PEAK / (800 + 1 - 160)) and after[-1] < PEAK / 10  # update 800: near 0
+    assert schedule.warmup == 160
+
+
+def test_a_horizon_fixed_after_the_warmup_decays_from_the_rate_it_had():
+    schedule = BudgetSchedule(PEAK, warmup_share=0.2, provisional_warmup=10)
+    schedule.fix(30, 40)  # a tiny budget: 0.2 x 40 = 8 updates of warmup, already behind
+    after = rates(schedule, 40)
+    assert after[29] == pytest.approx(PEAK) and after[30] < after[29] and after[-1] == pytest.approx(PEAK / 11)
+
+
+def test_the_schedule_travels_in_the_schedulers_state():
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    schedule = BudgetSchedule(PEAK, 0.2, 400)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam([parameter], lr=1.0), schedule)
+    schedule.fix(30, 800)
+    state = lambda_lr.state_dict()
+    fresh = BudgetSchedule(PEAK, 0.2, 400)
+    resumed = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam([parameter], lr=1.0), fresh)
+    resumed.load_state_dict(state)
+    assert (fresh.horizon, fresh.fixed_at, fresh.fixed_rate) == (800, 30, schedule.fixed_rate)
+
+
+# ---------------------------------------------------------------- runs on the driven clock
+
+
+class DrivenClock(L.Callback):
+    """Each training micro-batch advances the update clock by the seconds `per_batch` gives for the update it
+    belongs to (a machine that slows down: more seconds from some update on)."""
+
+    def __init__(self, per_batch):
+        self.per_batch, self.now = per_batch, 0.0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.now += self.per_batch(trainer.global_step + 1)
+
+
+@pytest.fixture
+def driven(monkeypatch):
+    """driven(per_batch): the next run's update clock, driven."""
+
+    def drive(per_batch):
+        clock = DrivenClock(per_batch)
+        monkeypatch.setattr(bookkeeping, "clock", lambda: clock.now)
+        make_callbacks = transformer_mt.train.make_callbacks
+        monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [clock, *make_callbacks(*args)])
+        return clock
+
+    return drive
+
+
+BUDGET = [
+    "trainer.max_time=00:00:00:50",
+    "trainer.max_steps=500",
+    "trainer.val_check_interval=15",
+    "checkpoint.keep_last=4",
+]
+
+
+def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_schedule_inside(
+    driven, tmp_path, caplog
+):
+    """50 s of training at 1 s per update: measured over updates 10-30, the horizon is 30 + 20 x 0.95 = 49; the
+    schedule warms up to 0.2 x 49 updates and decays to near 0 at update 49, where training ends; the 4
+    checkpoints kept span the last 20% of it, the last at update 49."""
+    driven(lambda update: 1.0)
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [f"data.path={corpus}", *BUDGET, "checkpoint.every_n_train_steps=10"]
+    with caplog.at_level(logging.INFO):
+        train_in_process(args, tmp_path, tmp_path / "run")
+    fixed_at = MEASURE_FROM + MEASURE_UPDATES
+    assert "time budget 0:00:50: ~49 updates at 60.0 updates/min" in caplog.text
+    assert "warmup 10, peak 0.0884, linear decay to 0, ends at update 49; checkpoints every 2 updates" in caplog.text
+    last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 49
+    schedule = last["lr_schedulers"][0]["lr_lambdas"][0]
+    assert (schedule["horizon"], schedule["fixed_at"]) == (49, fixed_at)
+    rate = last["optimizer_states"][0]["param_groups"][0]["lr"]  # what update 50 would use: past the horizon, 0
+    assert rate == pytest.approx(0.0, abs=1e-12) and last["totals"]["train_seconds"] == 49.0
+    steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    assert steps == [f"step{s:07d}.ckpt" for s in (43, 45, 47, 49)]
+    assert "ran out" not in caplog.text and "schedule did not end" not in caplog.text
+
+
+def test_a_machine_that_slows_down_runs_out_of_budget_and_the_run_says_so_in_one_line(driven, tmp_path, caplog):
+    """Measured at 1 s per update, then 3 s from update 35: the budget runs out before the horizon (49), the run
+    stops at an update's end and one warning says how far the schedule got."""
+    driven(lambda update: 1.0 if update < 35 else 3.0)
+    corpus = write_corpus(tmp_path / "corpus")
+    with caplog.at_level(logging.INFO):
+        train_in_process([f"data.path={corpus}", *BUDGET], tmp_path, tmp_path / "run")
+    # 34 s by update 34, then 3 s each: 50 s are reached at update 40 (34 + 6 x 3 = 52)
+    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 40
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "ran out" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text[-3000:]
+    expected = r"the time budget \(0:00:50 of training\) ran out at update 40, 82% of the schedule's 49: the learning"
+    assert re.match(expected, warnings[0])
+    validated = [int(u) for u in re.findall(r"validation at update (\d+)", caplog.text)]
+    assert validated == [15, 30]  # none added at the stop
+
+
+def test_validations_are_not_counted_in_the_budget(driven, tmp_path, caplog, monkeypatch):
+    """A validation that takes 1,000 driven seconds leaves the budget as it was: the same horizon as without."""
+    clock = driven(lambda update: 1.0)
+
+    class SlowValidation(L.Callback):
+        def on_validation_end(self, trainer, module):
+            if not trainer.sanity_checking:
+                clock.now += 1000.0
+
+    make_callbacks = transformer_mt.train.make_callbacks
+    monkeypatch.setattr(
+        transformer_mt.train, "make_callbacks", lambda *args: [SlowValidation(), *make_callbacks(*args)]
+    )
+    corpus = write_corpus(tmp_path / "corpus")
+    with caplog.at_level(logging.INFO):
+        train_in_process([f"data.path={corpus}", *BUDGET], tmp_path, tmp_path / "run")
+    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 49
+    assert "validation at update 45" in caplog.text
+
+
+def test_without_a_budget_the_schedule_is_noam_exactly(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    train_in_process([f"data.path={corpus}", "trainer.max_steps=6"], tmp_path, tmp_path / "run")
+    last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert last["lr_schedulers"][0]["lr_lambdas"] == [None]  # a plain function: nothing to keep
+    rate = last["optimizer_states"][0]["param_groups"][0]["lr"]
+    assert rate == pytest.approx(noam_lr(7, 32, 4))  # TINY_RUN: d_model 32, warmup 4; update 7's rate
+    assert timedelta(seconds=last["totals"]["train_seconds"]) > timedelta(0)
