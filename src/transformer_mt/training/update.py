@@ -7,8 +7,9 @@ norm makes fused Adam skip the step on the device (optimizer.found_inf, as torch
 no weight and no checkpoint ever holds NaN. With several ranks one all-reduce carries the tokens,
 FLOPs, loss sums, stop signals and rank 0's clock (the update clock: seconds of training over every
 attempt of the run, validations left out, which time-based checkpoints and the time budget decide on).
-After the step, the first part of the run that asks (`finished`) reads it all in one transfer: the update's `Update` record, which progress lines, the
-loggers, the stop decision and time-based checkpoints use, every rank alike.
+After the step, the first part of the run that asks (`finished`) reads it all in one transfer: the
+update's `Update` record, which progress lines, the loggers, the stop decision and time-based
+checkpoints use, every rank alike.
 
 On a GPU every read of a device value drains the kernel queue, and so does a device tensor built from
 Python values (a pageable copy, then a synchronisation): nothing here does either inside an update.
