@@ -22,6 +22,7 @@ from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids, translate_lines
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from transformer_mt.tools.export import export, marian_order
+from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
 from transformer_mt.tools.plot import find, read_metrics
 from transformer_mt.training.checkpoints import UpdateCheckpoint
 
@@ -190,7 +191,8 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
     entry = {"checkpoint": "/elsewhere/run/checkpoints/average-last5.ckpt"}  # written before the folder moved
     entry |= {"validation": scores(21.37, 48.2, 1014), "test": scores(23.05, 51.9, 1000)}
     results = {"updates": 1625, "train_seconds": 1572.0, "target_tokens": 5_400_000, "devices": 1}
-    results |= {"decoding": {"beam_size": 4, "alpha": 0.6}, "overrides": ["data.path=m30k"], "models": {"a": entry}}
+    overrides = [f"data.path={tmp_path}/m30k", f"hydra.run.dir={tmp_path}/run", "optim.lr_factor=2"]
+    results |= {"decoding": {"beam_size": 4, "alpha": 0.6}, "overrides": overrides, "models": {"a": entry}}
     chosen = {"beam_size": 8, "alpha": 1.5, "max_len_a": 1.0, "max_len_b": 50}  # final.tune's
     results["tuned"] = {"a": {"decoding": chosen, "tune_seconds": 3.0, "test": scores(24.12, 52.7, 1000)}}
     (tmp_path / "run" / "results.json").write_text(json.dumps(results), encoding="utf-8")
@@ -203,9 +205,14 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
         for split in ("validation", "test")
         for metric in ("bleu", "chrf")
     }
-    assert "1625" in card.text and "data.path=m30k" in card.text and "not comparable" in card.text
+    assert "1625" in card.text and "`optim.lr_factor=2` (local paths left out)" in card.text
+    assert str(tmp_path) not in str(card) and "not comparable" in card.text  # no local path, front matter included
+    assert card.data.license == "other" and card.data.license_name == LICENSE_NAME  # the user's to set: said
+    assert "At the export, checked: the exported tokenizer gives our ids and the model our logits" in card.text
     assert "| test, beam 8 and alpha 1.5, chosen on validation | 1,000 | 24.12 |" in card.text
-    snippet = card.text.split("```python\n")[1].split("```")[0]  # the card's usage code, run as written
+    snippet = card.text.split("```python\n")[1].split("```")[0]  # the card's usage code, run with the folder
+    assert f'repository = "{REPOSITORY}"' in snippet
+    snippet = snippet.replace(REPOSITORY, str(out))
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert namespace["model"].config.d_model == tiny_config().d_model
@@ -218,6 +225,8 @@ def test_an_export_of_a_checkpoint_without_a_run_says_it_has_no_scores(random_ch
 
     card = ModelCard.load(export(str(random_checkpoint), "ct2", str(tmp_path / "ct2")) / "README.md")
     assert not card.data.eval_results and "No scores" in card.text and "ctranslate2.Translator" in card.text
+    assert "greedy translations of the probe sentences are ours, token for token" in card.text
+    assert "logits" not in card.text and card.data.license == "other"
 
 
 @pytest.mark.slow

@@ -218,6 +218,24 @@ def test_evaluate_files_and_data_test_split(trained_run, tmp_path, capsys):
     assert evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "split"))["bleu"] == result["bleu"]
 
 
+@pytest.mark.slow
+def test_two_make_evaluate_started_at_once_keep_both_results(trained_run, tmp_path):
+    """Two `make evaluate` started in the same second (here the same moment) write folders of their own under
+    outputs/evaluate/, each with its hypotheses and scores."""
+    ckpt, corpus = trained_run / "out" / "checkpoints" / "last.ckpt", trained_run / "corpus"
+    command = [sys.executable, "-m", "transformer_mt.evaluate", f"ckpt={ckpt}", f"src={corpus / 'test.en'}",
+               f"ref={corpus / 'test.de'}"]  # fmt: skip
+    processes = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]  # fmt: skip
+    for process in processes:
+        _, stderr = process.communicate(timeout=280)
+        assert process.returncode == 0, stderr[-3000:]
+    folders = sorted((tmp_path / "outputs" / "evaluate").iterdir())
+    assert len(folders) == 2 and all(
+        (f / "scores.json").is_file() and (f / "hypotheses.txt").is_file() for f in folders
+    )
+
+
 def test_a_sacrebleu_test_set_that_cannot_be_downloaded_ends_in_one_line_naming_the_fix(tmp_path, monkeypatch):
     """Offline, `testset=wmt14/full` is one line naming local files (src=/ref=) or where sacreBLEU wants its
     download, not urllib's traceback; an unknown test set or language pair is one line too."""

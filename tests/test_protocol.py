@@ -308,3 +308,23 @@ def test_the_collector_orders_rows_as_table_3_and_marks_differences_beyond_the_b
     assert [r[9] for r in rows] == ["", "", "-1.25*", "+2.75*"]  # Δ test against 31.25, spread 0.50
     assert "dev_bleu 1.00" in text and "4 runs, 4 minutes of training" in text
     assert (first / "table3.md").read_text() == text
+
+
+def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(variant_run, tmp_path, caplog):
+    """make finish on a run that has its results.json (with the dev-set choice of final.tune): the new one is written,
+    the earlier kept beside it as results.1.json, tuned block and all, and the log says so; again: results.2.json."""
+    from transformer_mt.finish import finish  # noqa: PLC0415
+
+    run = tmp_path / "run"
+    shutil.copytree(variant_run, run)
+    earlier = json.loads((run / "results.json").read_text())
+    assert "tuned" in earlier
+    with caplog.at_level(logging.WARNING):
+        finish(run, device="cpu", tune=False)
+    assert json.loads((run / "results.1.json").read_text()) == earlier
+    assert json.loads((run / "results.json").read_text())["finished_by"] == "make finish"
+    assert (
+        f"{run / 'results.json'} was there already (an earlier end of this run): kept as results.1.json" in caplog.text
+    )
+    finish(run, device="cpu", tune=False)
+    assert json.loads((run / "results.1.json").read_text()) == earlier and (run / "results.2.json").is_file()

@@ -3,6 +3,7 @@ installed), and composing them outside an entry point (scripts, tests) exactly a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from difflib import get_close_matches
@@ -22,7 +23,14 @@ def run_folder() -> str:
     return launch_id() or datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
 
 
+def own_folder() -> str:
+    """${own_folder:} in make evaluate's and make tune's hydra.run.dir: <date>_<time>-<process id>, so that two
+    commands started in the same second write to folders of their own."""
+    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}"
+
+
 OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
+OmegaConf.register_new_resolver("own_folder", own_folder, replace=True)
 
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:

@@ -26,7 +26,7 @@ from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.length_penalties import HF_LENGTH_PENALTY
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from transformer_mt.tools.model_card import model_card
+from transformer_mt.tools.model_card import LICENSE_NAME, model_card
 
 EXTRA = 'pip install -e ".[export]"'
 PROBE = [  # sentences the export is checked on (any vocabulary covers them: unseen characters become bytes)
@@ -287,7 +287,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
         if fmt == "hf":
             write_hf(model, tokenizer, tmp, languages)
             fp32, fp64 = check_hf(model, tokenizer, tmp)
-            print(
+            checked = (
                 "checked: the exported tokenizer gives our ids and the model our logits "
                 f"(max abs difference {fp32:.1e} in float32, {fp64:.1e} in float64)"
             )
@@ -297,10 +297,15 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
                 write_ct2(Path(hf_dir), tmp, quantization)
             if not quantization or quantization == "float32":
                 check_ct2(model, tokenizer, tmp)
-                print("checked: CTranslate2's greedy translations of the probe sentences are ours, token for token")
+                checked = "checked: CTranslate2's greedy translations of the probe sentences are ours, token for token"
             else:
-                print(f"not checked against ours: {quantization} weights change the outputs a little")
-        (tmp / "README.md").write_text(model_card(Path(ckpt), checkpoint, fmt, str(out_dir)), encoding="utf-8")
+                checked = f"not checked against ours: {quantization} weights change the outputs a little"
+        print(checked)
+        (tmp / "README.md").write_text(model_card(Path(ckpt), checkpoint, fmt, checked), encoding="utf-8")
+    print(
+        f"the model card's license is `other` ({LICENSE_NAME}): set it to the terms of the data the model was "
+        f"trained on before you upload it (license: in {out_dir / 'README.md'})"
+    )
     kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
     print(f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")
     return out_dir

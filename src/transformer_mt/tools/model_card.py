@@ -14,6 +14,10 @@ from pathlib import Path
 
 from transformer_mt.files import RESULTS
 
+# The weights' terms follow the training data's (Multi30k's, WMT14's corpora each have their own), not this project's
+# MIT license: a placeholder the user replaces before uploading, which the export says.
+LICENSE_NAME = "set-to-the-training-data-terms"
+REPOSITORY = "<your-name>/<this-model>"  # the usage snippet's Hub repository: where the user uploads the folder
 METRICS = {"bleu": "sacreBLEU", "chrf": "chrF"}  # results.json's key -> the card's name; signatures beside them
 BLEU_NOTE = (
     "sacreBLEU is detokenized BLEU with its standard 13a tokenization, comparable across papers that state the "
@@ -71,6 +75,8 @@ def card_data(config: dict, name: str, scores: tuple[Path, dict, dict] | None):
         pipeline_tag="translation",
         model_name=name,
         eval_results=results or None,
+        license="other",
+        license_name=LICENSE_NAME,
     )
 
 
@@ -95,23 +101,27 @@ def recipe_lines(checkpoint: dict, config: dict, scores: tuple[Path, dict, dict]
             f"- training: {took}, {results['target_tokens']:,} target tokens on {results.get('devices', 1)} "
             f"device(s)" + (f"; {machine}" if machine else "")
         )
-        lines.append(f"- command-line overrides: `{' '.join(results.get('overrides', [])) or '(none)'}`")
+        overrides = [o for o in results.get("overrides", []) if not o.split("=")[0].endswith(("path", "dir"))]
+        lines.append(f"- command-line overrides: `{' '.join(overrides) or '(none)'}` (local paths left out)")
     return lines
 
 
-def usage(fmt: str, folder: str) -> str:
+def usage(fmt: str) -> str:
+    """The card's snippet: loads the model from its Hub repository (REPOSITORY, a placeholder; or a local folder)."""
     if fmt == "hf":
         return (
             "```python\nfrom transformers import MarianMTModel, MarianTokenizer\n\n"
-            f'tokenizer = MarianTokenizer.from_pretrained("{folder}")\n'
-            f'model = MarianMTModel.from_pretrained("{folder}")\n'
+            f'repository = "{REPOSITORY}"  # or the folder\'s path\n'
+            "tokenizer = MarianTokenizer.from_pretrained(repository)\n"
+            "model = MarianMTModel.from_pretrained(repository)\n"
             'batch = tokenizer(["A man is riding a bike."], return_tensors="pt")\n'
             "print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))\n```"
         )
     return (
-        "```python\nimport ctranslate2, sentencepiece\n\n"
-        f'sp = sentencepiece.SentencePieceProcessor(model_file="{folder}/sentencepiece.model")\n'
-        f'translator = ctranslate2.Translator("{folder}")\n'
+        "```python\nimport ctranslate2, sentencepiece\nfrom huggingface_hub import snapshot_download\n\n"
+        f'folder = snapshot_download("{REPOSITORY}")  # or the folder\'s path\n'
+        'sp = sentencepiece.SentencePieceProcessor(model_file=f"{folder}/sentencepiece.model")\n'
+        "translator = ctranslate2.Translator(folder)\n"
         'pieces = sp.encode(["A man is riding a bike."], out_type=str)\n'
         "results = translator.translate_batch(pieces, beam_size=4, length_penalty=0.45)\n"
         "print([sp.decode_pieces(r.hypotheses[0]) for r in results])\n```"
@@ -123,8 +133,8 @@ def score_row(label: str, s: dict) -> str:
     return f"| {label} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | {tokenized:.2f} |"
 
 
-def model_card(ckpt: Path, checkpoint: dict, fmt: str, folder: str) -> str:
-    """README.md for an export of ckpt (fmt hf or ct2) that users load from `folder`."""
+def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
+    """README.md for an export of ckpt (fmt hf or ct2); `checked`: what the export checked against ours."""
     config = checkpoint["hyper_parameters"].get("config") or {}
     scores = run_scores(ckpt)
     name = f"transformer-mt {config.get('data', {}).get('name', '')} {ckpt.stem}".replace("  ", " ")
@@ -133,7 +143,7 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, folder: str) -> str:
         f"# {name}",
         "",
         f"A Transformer (Vaswani et al., 2017, base architecture family) trained with transformer-mt, "
-        f"exported from `{ckpt.name}` as {kind}: the export gives the checkpoint's logits (checked when written).",
+        f"exported from `{ckpt.name}` as {kind}. At the export, {checked}.",
         "",
         "## Training",
         *recipe_lines(checkpoint, config, scores),
@@ -164,5 +174,5 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, folder: str) -> str:
             "No scores: this checkpoint's run folder has no results.json that scored it (it was not the end-of-run "
             "protocol's model, or the checkpoint was moved out of its run). Score it with `make evaluate CKPT=...`."
         )
-    lines += ["", "## Use", "", usage(fmt, folder), ""]
+    lines += ["", "## Use", "", usage(fmt), ""]
     return f"---\n{card_data(config, name, scores).to_yaml()}\n---\n\n" + "\n".join(lines)

@@ -181,10 +181,24 @@ def finish_run(
         if final.get("tune"):
             results.setdefault("tuned", {})[name] = tune_and_score(model, tokenizer, datamodule, path, final, decoding)
     results["evaluation_seconds"] = round(time.monotonic() - start, 1)
+    keep_earlier_results(run_dir / RESULTS)
     with atomic_write(run_dir / RESULTS) as tmp:
         tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     log.info("%s", results_block(results, run_dir / RESULTS))
     return results
+
+
+def keep_earlier_results(path: Path) -> Path | None:
+    """An earlier results.json of the run (make finish on a finished run, a run extended and finished again) is
+    kept beside the new one as results.<n>.json, the first free n, and the log says so: nothing is overwritten."""
+    if not path.is_file():
+        return None
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(kept)
+    log.warning("%s was there already (an earlier end of this run): kept as %s, beside the new one", path, kept.name)
+    return kept
 
 
 def final_metrics(results: dict) -> dict[str, float]:
