@@ -37,7 +37,7 @@ from transformer_mt.runtime import set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
 from transformer_mt.tune import tune
-from transformer_mt.tuning import read_tuned, tuned_path
+from transformer_mt.tuning import read_tuned, search_grid, table_row, tuned_path
 
 # ---------------------------------------------------------------- averaging
 
@@ -414,6 +414,28 @@ def test_engines_imports_without_torch_as_the_ct2_path_needs():
 
 
 # ---------------------------------------------------------------- make tune: decoding chosen on the development set
+
+
+def test_a_grid_row_whose_translations_run_away_is_abandoned_early_and_never_chosen():
+    """A weak model under a strong length penalty decodes to the length limit (984 s for one row once): with
+    translations 3x the references' and the first row's length, alpha 2.0's row stops after a fifth of the split."""
+    sources = [f"source {i}" for i in range(100)]
+    references = ["ein kurzer Satz ."] * 100
+    asked = []
+
+    def translate(lines, alpha, **settings):
+        asked.append((alpha, len(lines)))
+        return [" ".join(["ein kurzer Satz ."] * (3 if alpha == 2.0 else 1)) for _ in lines]
+
+    reported = []
+    decoding = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
+    chosen, rows = search_grid(translate, sources, references, "de", decoding, [0.6, 2.0], [4], reported.append)
+    runaway = next(r for r in rows if r["alpha"] == 2.0)
+    assert runaway["bleu"] is None and runaway["abandoned"].startswith(
+        "abandoned: 3.00x the usual length after 20 of 100"
+    )
+    assert [n for alpha, n in asked if alpha == 2.0] == [20]  # one fifth translated, then abandoned
+    assert chosen["alpha"] == 0.6 and reported == rows and "abandoned" in table_row(runaway)
 
 
 def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_use_its_choice(

@@ -86,6 +86,12 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
     assert f"results ({variant_run / 'results.json'}): 6 updates" in log
     assert re.search(r"target tok/s, [\d,.]+ GFLOP/s \(MFU [\d.]+%\), ", log)
     assert log.count("tokenized compound-split BLEU") == 4  # 2 models x 2 splits
+    # a line per decode as it ends, with its time; and the protocol, longer than this run's 6 updates, says so
+    assert re.search(
+        r"average-last3 on validation: 30 sentences decoded \(beam 4, alpha 0.6\) and scored in [\d.]+ s", log
+    )
+    assert len(re.findall(r"sentences decoded \(beam 4, alpha 0.6\) and scored in", log)) == 4
+    assert re.search(r"the end of the run took [\d:]+, longer than its [\d:]+ of training: final.tune's grid", log)
 
 
 def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, capsys):

@@ -42,11 +42,13 @@ def tune(cfg: DictConfig) -> dict:
         )  # fmt: skip
     best = next(r for r in rows if all(r[k] == v for k, v in chosen.items()))
     paper = [r for r in rows if all(r[k] == v for k, v in {**decoding, **PAPER}.items() if k in chosen)]
-    print(f"signature: {rows[0]['bleu_signature']}; {time.perf_counter() - start:.0f} s for {len(rows)} decodes")
+    scored = [r for r in rows if r["bleu"] is not None]
+    signature = f"signature: {scored[0]['bleu_signature']}; " if scored else "every setting ran away; "
+    print(f"{signature}{time.perf_counter() - start:.0f} s for {len(rows)} decodes")
     print(
         f"chosen: beam {chosen['beam_size']}, alpha {chosen['alpha']}, max length {chosen['max_len_a']:g} x source + "
-        f"{chosen['max_len_b']}: sacreBLEU {best['bleu']:.2f}"
-        + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu']:.2f})" if paper else "")
+        f"{chosen['max_len_b']}: sacreBLEU {best['bleu'] or 0:.2f}"
+        + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu'] or 0:.2f})" if paper else "")
     )
     path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}")
     print(f"wrote {path}: make translate and make evaluate use these settings for this checkpoint (tuned=false: not)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -19,6 +20,31 @@ PAPER = {"beam_size": 4, "alpha": 0.6}  # §6.1, conf/decoding/beam.yaml
 ALPHAS = (0.0, 0.3, 0.6, 1.0, 1.5, 2.0)
 BEAMS = (2, 4, 8)
 DETAIL = re.compile(r"BP = ([\d.]+) ratio = ([\d.]+)")
+# A setting whose translations run away (a weak model under a strong length penalty decodes to the length limit,
+# 7x the time of alpha 0.6 once) is abandoned as soon as a part of the split (one of CHUNKS) ends RUNAWAY times
+# longer, in words, than both the references and the grid's first row on the same sentences; it cannot win.
+RUNAWAY, CHUNKS = 2.0, 5
+
+
+class RunAway(Exception):
+    """A grid row's translations ran away (RUNAWAY): the row is abandoned."""
+
+
+def checked_for_runaway(translate: Callable[[list[str]], list], lengths: Sequence[int]) -> Callable:
+    """`translate` over the split in CHUNKS parts; raises RunAway when what is translated so far, before the last
+    part, is RUNAWAY times longer in words than `lengths` (per sentence) on the same sentences."""
+
+    def run(lines: list[str]) -> list:
+        size, done = max(1, -(-len(lines) // CHUNKS)), []
+        for start in range(0, len(lines), size):
+            done += translate(lines[start : start + size])
+            words, usual = sum(len(h.split()) for h in done), max(sum(lengths[: len(done)]), 1)
+            if len(done) < len(lines) and words > RUNAWAY * usual:
+                raise RunAway(f"abandoned: {words / usual:.2f}x the usual length after {len(done):,} of "
+                              f"{len(lines):,} sentences")  # fmt: skip
+        return done
+
+    return run
 
 
 def tuned_path(ckpt: str | Path) -> Path:
@@ -41,15 +67,26 @@ def search_grid(
 ) -> tuple[dict, list[dict]]:
     """(the chosen decoding settings, every row scored). `translate(lines, **settings)`; `decoding` holds the
     settings not searched (max_len_a, max_len_b) and the starting beam. The best sacreBLEU wins; a tie goes
-    to the paper's settings, then to the smaller beam and alpha. Each row reaches `report` as it is scored."""
+    to the paper's settings, then to the smaller beam and alpha. Each row reaches `report` as it is scored; a row
+    whose translations run away (RUNAWAY) is abandoned early, with bleu None and why."""
     rows: list[dict] = []
     outputs: list[list[str]] = []  # rows[i]'s translations
 
     def run(**changes) -> dict:
         settings = {k: v for k, v in {**decoding, **changes}.items() if k in SETTINGS}
-        _, best, scores = evaluate_translations(
-            lambda lines: translate(lines, **settings), sources, references, tgt_lang
-        )
+        start = time.perf_counter()
+        row_translate = lambda lines: translate(lines, **settings)  # noqa: E731
+        if outputs:  # the grid's first row sets the usual length (with the references'); the others are checked
+            usual = [max(len(r.split()), len(h.split())) for r, h in zip(references, outputs[0])]
+            row_translate = checked_for_runaway(row_translate, usual)
+        try:
+            _, best, scores = evaluate_translations(row_translate, sources, references, tgt_lang)
+        except RunAway as e:
+            row = {**settings, "bleu": None, "abandoned": str(e), "seconds": round(time.perf_counter() - start, 1)}
+            rows.append(row)
+            outputs.append(None)
+            report(row)
+            return row
         bp, ratio = map(float, DETAIL.search(scores["bleu_detail"]).groups())
         row = {**settings, "bleu": scores["bleu"], "bleu_signature": scores["bleu_signature"]}
         row |= {"chrf": scores["chrf"], "brevity_penalty": bp, "length_ratio": ratio, "seconds": scores["seconds"]}
@@ -60,7 +97,7 @@ def search_grid(
 
     def key(row: dict):
         paper = row["beam_size"] == PAPER["beam_size"] and row["alpha"] == PAPER["alpha"]
-        return (row["bleu"], paper, -row["beam_size"], -row["alpha"])
+        return (-1.0 if row["bleu"] is None else row["bleu"], paper, -row["beam_size"], -row["alpha"])
 
     for alpha in alphas:
         run(alpha=alpha)
@@ -112,6 +149,8 @@ TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chr
 def table_row(r: dict) -> str:
     """One setting of the grid for a person: its sacreBLEU, chrF, brevity penalty, length ratio and seconds."""
     limit = f"{r['max_len_a']:g}x+{r['max_len_b']}"
+    if r["bleu"] is None:
+        return f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['abandoned']} ({r['seconds']:.1f} s)"
     return (
         f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['bleu']:>9.2f} {r['chrf']:>6.2f} "
         f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}"

@@ -9,8 +9,9 @@ state that Adam allocates at its first update, stays under the device's memory l
 then halving the last interval.
 
 On a CPU, memory rarely limits the batch and speed per token need not grow with it (caches, the allocator):
-the fastest per target token among data.max_tokens_fallback and its half and quarter, each timed on the same
-training sentences (forward and backward, the run's precision). A resumed run keeps its run's choice.
+the fastest per target token among data.max_tokens_fallback (at most data.tokens_per_update) and its half and
+quarter, each timed on the same training sentences (forward and backward, the run's precision). A resumed run
+keeps its run's choice.
 """
 
 from __future__ import annotations
@@ -173,8 +174,9 @@ class FitBatch(L.Callback):
         elif self.saved:
             tokens = self.saved
             log.info("data.max_tokens=auto on cpu: %s tokens per batch, as the run chose at its start", f"{tokens:,}")
-        else:
-            tokens = fastest_max_tokens(module, datamodule, trainer.precision, fallback)
+        else:  # no micro-batch larger than the update
+            largest = min(fallback, datamodule.tokens_per_update or fallback)
+            tokens = fastest_max_tokens(module, datamodule, trainer.precision, largest)
         if trainer.world_size > 1:
             tokens = least_over_ranks(tokens, device)
         datamodule.max_tokens = tokens

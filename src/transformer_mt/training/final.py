@@ -175,12 +175,21 @@ def finish_run(
         results["parameters"] = sum(p.numel() for p in model.parameters())
         results["models"][name] = {"checkpoint": str(path)}
         for split in final["splits"]:
-            results["models"][name][split] = evaluate_split(
-                model, tokenizer, datamodule, split, decoding, label_smoothing
-            )
+            scores = evaluate_split(model, tokenizer, datamodule, split, decoding, label_smoothing)
+            results["models"][name][split] = scores
+            log.info("%s on %s: %s sentences decoded (beam %s, alpha %s) and scored in %.1f s: sacreBLEU %.2f",
+                     name, split, f"{scores['sentences']:,}", decoding.get("beam_size"), decoding.get("alpha"),
+                     scores["seconds"], scores["bleu"])  # fmt: skip
         if final.get("tune"):
             results.setdefault("tuned", {})[name] = tune_and_score(model, tokenizer, datamodule, path, final, decoding)
     results["evaluation_seconds"] = round(time.monotonic() - start, 1)
+    if results["evaluation_seconds"] > seconds:
+        log.warning(
+            "the end of the run took %s, longer than its %s of training%s",
+            duration(results["evaluation_seconds"]), duration(seconds),
+            ": final.tune's grid decodes the validation split up to 9 times (final.tune=false, or fewer "
+            "final.tune_alphas / final.tune_beams, shortens it)" if final.get("tune") else "",
+        )  # fmt: skip
     keep_earlier_results(run_dir / RESULTS)
     with atomic_write(run_dir / RESULTS) as tmp:
         tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
