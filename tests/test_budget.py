@@ -3,6 +3,7 @@ driven clock (every training micro-batch takes a fixed number of seconds, whatev
 tests count updates and schedule values, never seconds."""
 
 import logging
+import math
 import re
 from datetime import timedelta
 
@@ -48,36 +49,41 @@ def rates(schedule: BudgetSchedule, last: int) -> list[float]:
     return [schedule(done) for done in range(last)]
 
 
-def test_the_schedule_warms_up_fixes_its_horizon_without_a_jump_and_ends_near_zero():
-    schedule = BudgetSchedule(PEAK, warmup_share=0.2, provisional_warmup=400)  # 0.2 x max_steps 2,000
+def test_the_schedule_warms_up_fixes_its_horizon_without_a_jump_decays_as_noam_and_cools_down_near_zero():
+    schedule = BudgetSchedule(PEAK, warmup_share=0.2, cooldown_share=0.2, provisional_warmup=400)  # 0.2 x 2,000
     before = rates(schedule, 30)
     assert before == pytest.approx([PEAK * n / 400 for n in range(1, 31)])  # the warmup of the longest horizon
     schedule.fix(30, 800)
     after = rates(schedule, 800)
     assert after[:30] == pytest.approx(before)  # the updates before the fix keep their rates
     assert after[159] == pytest.approx(PEAK) and max(after) == pytest.approx(PEAK)  # the peak at 0.2 x 800
-    assert all(a < b for a, b in zip(after[:159], after[1:160]))  # rising to it ...
-    assert all(a > b for a, b in zip(after[159:], after[160:]))  # ... then falling to the horizon
-    steps = [b - a for a, b in zip(after[30:159], after[31:160])]
-    assert max(steps) == pytest.approx(min(steps))  # a straight line from update 30's rate to the peak
-    assert after[-1] == pytest.approx(PEAK / (800 + 1 - 160)) and after[-1] < PEAK / 10  # update 800: near 0
+    steps = [b - a for a, b in zip(after[29:159], after[30:160])]
+    assert min(steps) > 0 and max(steps) == pytest.approx(min(steps))  # a straight line from update 30's rate
+    # then the paper's Noam schedule with a warmup of 160 (its shape, at this peak), to update 640 ...
+    noam = [PEAK * noam_lr(n, 256, 160) / noam_lr(160, 256, 160) for n in range(160, 641)]
+    assert after[159:640] == pytest.approx(noam)
+    # ... and a line from there to 0 one update after the horizon: update 800's rate is 1/161 of update 640's
+    cool = [b - a for a, b in zip(after[639:799], after[640:800])]
+    assert max(cool) < 0 and max(cool) == pytest.approx(min(cool))
+    assert after[-1] == pytest.approx(after[639] / 161) and after[-1] < PEAK / 10
     assert schedule.warmup == 160
 
 
 def test_a_horizon_fixed_after_the_warmup_decays_from_the_rate_it_had():
-    schedule = BudgetSchedule(PEAK, warmup_share=0.2, provisional_warmup=10)
+    schedule = BudgetSchedule(PEAK, warmup_share=0.2, cooldown_share=0.2, provisional_warmup=10)
     schedule.fix(30, 40)  # a tiny budget: 0.2 x 40 = 8 updates of warmup, already behind
     after = rates(schedule, 40)
-    assert after[29] == pytest.approx(PEAK) and after[30] < after[29] and after[-1] == pytest.approx(PEAK / 11)
+    assert after[29] == pytest.approx(PEAK) and after[31] == pytest.approx(PEAK * math.sqrt(30 / 32))
+    assert after[-1] == pytest.approx(after[31] / 9)  # updates 33-40 cool down from update 32's rate
 
 
 def test_the_schedule_travels_in_the_schedulers_state():
     parameter = torch.nn.Parameter(torch.zeros(1))
-    schedule = BudgetSchedule(PEAK, 0.2, 400)
+    schedule = BudgetSchedule(PEAK, 0.2, 0.2, 400)
     lambda_lr = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam([parameter], lr=1.0), schedule)
     schedule.fix(30, 800)
     state = lambda_lr.state_dict()
-    fresh = BudgetSchedule(PEAK, 0.2, 400)
+    fresh = BudgetSchedule(PEAK, 0.2, 0.2, 400)
     resumed = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam([parameter], lr=1.0), fresh)
     resumed.load_state_dict(state)
     assert (fresh.horizon, fresh.fixed_at, fresh.fixed_rate) == (800, 30, schedule.fixed_rate)
@@ -123,7 +129,7 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     driven, tmp_path, caplog
 ):
     """50 s of training at 1 s per update: measured over updates 10-30, the horizon is 30 + 20 x 0.95 = 49; the
-    schedule warms up to 0.2 x 49 updates and decays to near 0 at update 49, where training ends; the 4
+    schedule warms up to 0.2 x 49 updates, cools down to near 0 at update 49, where training ends; the 4
     checkpoints kept span the last 20% of it, the last at update 49."""
     driven(lambda update: 1.0)
     corpus = write_corpus(tmp_path / "corpus")
@@ -132,7 +138,10 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
         train_in_process(args, tmp_path, tmp_path / "run")
     fixed_at = MEASURE_FROM + MEASURE_UPDATES
     assert "time budget 0:00:50: ~49 updates at 60.0 updates/min" in caplog.text
-    assert "warmup 10, peak 0.0884, linear decay to 0, ends at update 49; checkpoints every 2 updates" in caplog.text
+    expected = (
+        "warmup 10 to 0.0884, Noam's decay, from update 39 a linear cool-down to 0 at update 49; checkpoints every 2"
+    )
+    assert expected in caplog.text
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 49
     schedule = last["lr_schedulers"][0]["lr_lambdas"][0]

@@ -1,7 +1,9 @@
 """The paper's objective and schedule as pure functions: label smoothing (§5.4), the teacher-forced
-loss of a batch, the Noam learning rate (§5.3), and the piecewise-linear rate of a time budget."""
+loss of a batch, the Noam learning rate (§5.3), and a time budget's Noam schedule with a cool-down."""
 
 from __future__ import annotations
+
+import math
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,14 +48,16 @@ def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> 
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
-def piecewise_linear(step: float, knots: list[tuple[float, float]]) -> float:
-    """The value at `step` of the line through `knots` ((step, value), steps increasing); flat outside them.
-    A time budget's schedule (training/budget.py): (0, 0), (warmup, peak), (horizon + 1, 0)."""
-    (first, value), *rest = knots
-    if step <= first:
-        return value
-    for after, next_value in rest:
-        if step <= after:
-            return value + (next_value - value) * (step - first) / (after - first)
-        first, value = after, next_value
-    return value
+def budget_lr(step: int, start: tuple[int, float], peak: tuple[int, float], horizon: int, cooldown: int) -> float:
+    """A time budget's learning rate (training/budget.py), the Noam schedule fitted to `horizon` updates: a line from
+    `start` (update, rate) up to `peak` (update, rate), then Noam's decay rate x sqrt(peak update / step), then over
+    the last `cooldown` updates a line to 0 one update after the horizon. Given a `start` at or past the peak's
+    update, the decay starts from `start` (a horizon fixed after the warmup)."""
+    (first, low), (top, high) = start, peak
+    if first >= top:
+        top, high = first, low
+    if step <= top:
+        return low + (high - low) * max(step - first, 0) / max(top - first, 1)
+    cool = max(horizon - cooldown, top)
+    decayed = high * math.sqrt(top / min(step, cool))
+    return decayed if step <= cool else decayed * max(horizon + 1 - step, 0) / (horizon + 1 - cool)

@@ -132,6 +132,7 @@ NUMBERS = {  # keys outside the model whose wrong type would fail late or silent
     "progress_every_n_updates": int,
     "progress_every_seconds": float,
     "budget.warmup": float,
+    "budget.cooldown": float,
     "budget.average_span": float,
     "budget.margin": float,
 }
@@ -160,7 +161,7 @@ def check_config(cfg: DictConfig) -> None:
             "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
         )
     budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not at the end of the setup
-    for key in ("warmup", "average_span", "margin"):
+    for key in ("warmup", "cooldown", "average_span", "margin"):
         if not cfg.budget[key] < 1:
             raise InputError(f"budget.{key}={cfg.budget[key]}: a share, below 1 (e.g. 0.2)")
     if cfg.early_stopping_patience and not monitor:
@@ -262,7 +263,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         label_smoothing=cfg.label_smoothing,
         **plain(cfg.optim),
         val_bleu_sentences=cfg.val_bleu_sentences,
-        budget_warmup=cfg.budget.warmup if cfg.trainer.get("max_time") else None,
+        budget={k: cfg.budget[k] for k in ("warmup", "cooldown")} if cfg.trainer.get("max_time") else None,
         config=plain(cfg),
         tokenizer=datamodule.tokenizer,
     )

@@ -4,9 +4,10 @@ A schedule sized in updates for a faster machine is cut wherever the clock stops
 Multi30k recipe stopped at its peak learning rate, right after warmup, 10 BLEU below the same recipe on a faster
 CPU. Budgeted training (Li, Yumer and Ramanan, ICLR 2020) ends the schedule with the budget instead. So a run with
 a budget measures its speed over its first updates, fixes its horizon once (how many updates fit the rest of the
-budget, less a margin, at most trainer.max_steps), and then follows objective.budget_schedule to that horizon:
-warmup a share of it, a linear decay to near zero at its end. Its periodic checkpoints are spaced so that the
-last checkpoint.keep_last of them span the end of the schedule (what the end-of-run protocol averages).
+budget, less a margin, at most trainer.max_steps), and then follows objective.budget_lr to that horizon: the
+Noam schedule with its warmup a share of the horizon, and a linear cool-down to near zero at its end. Its
+periodic checkpoints are spaced so that the last checkpoint.keep_last of them span the end of the schedule (what
+the end-of-run protocol averages).
 
 The budget counts training: the update clock (training/update.py: rank 0's seconds of training over every attempt
 of the run, validations left out, carried in checkpoints), never the start-up, validations, a stop, or the
@@ -25,7 +26,7 @@ from datetime import timedelta
 import lightning as L
 
 from transformer_mt.errors import InputError
-from transformer_mt.objective import piecewise_linear
+from transformer_mt.objective import budget_lr
 from transformer_mt.runtime import duration
 from transformer_mt.training.checkpoints import stop_after_this_update
 from transformer_mt.training.update import Update
@@ -63,29 +64,25 @@ class BudgetSchedule:
     not a function: LambdaLR keeps its fields in every checkpoint, so a resume continues the same schedule.
 
     Until the horizon is fixed, the warmup climbs as it would for the longest horizon (`provisional_warmup`
-    updates to the peak); once fixed at update `fixed_at`, it goes on from the rate of that update to the peak
-    at warmup_share x horizon, then decays linearly to 0 one update after the horizon (objective.budget_schedule).
-    """
+    updates to the peak); once fixed after update `fixed_at`, objective.budget_lr: from that update's rate up to
+    the peak at warmup_share x horizon, Noam's decay, and over the last cooldown_share a line to 0 one update after
+    the horizon."""
 
     peak: float
     warmup_share: float
+    cooldown_share: float
     provisional_warmup: int
     horizon: int | None = None
     fixed_at: int = 0
     fixed_rate: float = 0.0
 
-    def knots(self) -> list[tuple[float, float]]:
-        if self.horizon is None:
-            return [(0, 0.0), (self.provisional_warmup, self.peak)]
-        warmup = max(1, round(self.warmup_share * self.horizon))
-        knots = [(0, 0.0), (self.fixed_at, self.fixed_rate)]
-        if warmup > self.fixed_at:
-            knots.append((warmup, self.peak))
-        return [*knots, (self.horizon + 1, 0.0)]
-
     def __call__(self, done: int) -> float:
         """The rate of update done + 1 (LambdaLR counts the updates done)."""
-        return piecewise_linear(done + 1, self.knots())
+        step = done + 1
+        if self.horizon is None or step <= self.fixed_at:
+            return self.peak * min(step / self.provisional_warmup, 1.0)
+        cooldown = round(self.cooldown_share * self.horizon)
+        return budget_lr(step, (self.fixed_at, self.fixed_rate), (self.warmup, self.peak), self.horizon, cooldown)
 
     def fix(self, step: int, horizon: int) -> None:
         """The horizon, fixed after update `step`: the updates after it follow the budget's schedule."""
@@ -164,10 +161,11 @@ class TimeBudget(L.Callback):
             limit = " (trainer.max_steps)" if end == self.ceiling else ""
             log.info(
                 "time budget %s: ~%s updates at %s updates/min (%s target tok/s at update %s), %s of it left; "
-                "schedule: warmup %s, peak %.3g, linear decay to 0, ends at update %s%s; checkpoints every %s updates",
+                "schedule: warmup %s to %.3g, Noam's decay, from update %s a linear cool-down to 0 at update %s%s; "
+                "checkpoints every %s updates",
                 duration(self.seconds), f"{end:,}", f"{60 * rate:,.1f}", f"{tokens:,.0f}", f"{update.step:,}",
-                duration(self.seconds - update.clock), f"{self.schedule.warmup:,}", self.schedule.peak, f"{end:,}",
-                limit, self.every,
+                duration(self.seconds - update.clock), f"{self.schedule.warmup:,}", self.schedule.peak,
+                f"{end - round(self.schedule.cooldown_share * end):,}", f"{end:,}", limit, self.every,
             )  # fmt: skip
 
     def apply(self, trainer: L.Trainer) -> None:

@@ -40,7 +40,7 @@ class TranslationModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         eps: float = 1e-9,
         val_bleu_sentences: int = 500,
-        budget_warmup: float | None = None,  # a time budget's warmup share of its horizon (budget.py); None: Noam
+        budget: dict | None = None,  # a time budget's schedule: {warmup, cooldown} shares of its horizon; None: Noam
         config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
         tokenizer: Tokenizer | None = None,  # None when restored from a checkpoint: it carries its own
     ):
@@ -102,11 +102,11 @@ class TranslationModule(L.LightningModule):
         d_model = self.model.cfg.d_model
         # LambdaLR calls this with the number of updates done so far; update n (from 1) uses noam(n).
         rate = lambda done: noam_lr(done + 1, d_model, h.warmup_steps, h.lr_factor)  # noqa: E731
-        if h.budget_warmup is not None:  # the peak of the Noam schedule at optim.warmup_steps, over the budget
-            ceiling = self.trainer.max_steps
-            provisional = round(h.budget_warmup * ceiling) if ceiling > 0 else h.warmup_steps
+        if h.budget is not None:  # the peak of the Noam schedule at optim.warmup_steps, over the budget
+            ceiling, warmup = self.trainer.max_steps, h.budget["warmup"]
+            provisional = round(warmup * ceiling) if ceiling > 0 else h.warmup_steps
             peak = noam_lr(h.warmup_steps, d_model, h.warmup_steps, h.lr_factor)
-            rate = self.schedule = BudgetSchedule(peak, h.budget_warmup, max(provisional, 1))
+            rate = self.schedule = BudgetSchedule(peak, warmup, h.budget["cooldown"], max(provisional, 1))
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
