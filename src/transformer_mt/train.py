@@ -240,15 +240,8 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
     """The run in its folder: what to resume from, the data, the module, the Trainer, then fit; a run
     stopped by a signal exits with 128 + its number."""
     checkpoint_dir = run_dir / "checkpoints"
-    for path in remove_stale_temporaries(checkpoint_dir):
-        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
-    ckpt_path = cfg.ckpt_path
-    if ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
-        # a launched job restarted (torchrun --max-restarts) or requeued (SLURM): its own folder, continued
-        log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
-        ckpt_path = "last"
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
-    resume_path, resumed = resume_checkpoint(ckpt_path, checkpoint_dir) or (None, None)
+    resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
     saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
     if launched_rank() == 0:
@@ -308,6 +301,17 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         return finish(cfg, run_dir, trainer, datamodule, loggers)
     finally:
         finish_wandb(loggers)
+
+
+def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
+    """ckpt_path as configured, or `last` for a launched job restarted (torchrun --max-restarts) or requeued
+    (SLURM) into its own folder; a killed write's temporary files go first."""
+    for path in remove_stale_temporaries(checkpoint_dir):
+        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
+    if cfg.ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
+        log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
+        return "last"
+    return cfg.ckpt_path
 
 
 def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:

@@ -1,6 +1,6 @@
 """Training with Lightning. A map of the wing:
 
-module.py       the LightningModule: the loss, Adam with the Noam schedule, validation (loss, greedy BLEU/chrF)
+module.py       the LightningModule: the loss, Adam with the Noam schedule (or a budget's), validation
 update.py       the optimizer update's bookkeeping (tokens, gradient normalisation and norm, stop signals) and
                 its one wait for the device; every callback asks it whether an update just ended
 checkpoints.py  every checkpoint written during training (periodic, best, last.ckpt), atomically, at update ends
@@ -9,6 +9,7 @@ callbacks.py    what a run tells a person (progress lines, start-up line, update
 logs.py         where a run's lines and metrics go: the log file, CSV, TensorBoard, Weights & Biases
 final.py        the end-of-run protocol (§6.1): average, beam-decode and score the splits, results.json
 ema.py          an exponential moving average of the weights, beside them
-batch_fit.py    data.max_tokens=auto: the largest micro-batch the device's memory holds
+batch_fit.py    data.max_tokens=auto: the largest micro-batch a GPU's memory holds, the fastest per token on a CPU
+budget.py       trainer.max_time as a time budget: the schedule's horizon from the measured speed, ending inside it
 sharding.py     FSDP, one unit per layer, and a whole copy of the model for decoding
 """

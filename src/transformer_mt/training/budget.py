@@ -193,3 +193,24 @@ class TimeBudget(L.Callback):
             "machine trained slower than at the start (other work on it?); on a quiet machine, or in a new run with a "
             "larger trainer.max_time or budget.margin, the schedule ends inside the budget"
         )
+
+
+def time_budget(trainer: L.Trainer) -> TimeBudget | None:
+    return next((c for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
+
+
+def schedule_cut(trainer: L.Trainer) -> str | None:
+    """One line when training ended before its schedule did (the time budget ran out first, early stopping,
+    max_epochs): how far it got, and what to change; None when the schedule ended."""
+    done, end = trainer.global_step, trainer.max_steps
+    if end <= 0 or done >= end:
+        return None
+    budget = time_budget(trainer)
+    advice = budget.advice(trainer) if budget is not None else None
+    if advice:
+        return advice
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    return (
+        f"training ended at update {done:,}, {done / end:.0%} of its schedule's {end:,} (trainer.max_steps), at "
+        f"learning rate {lr:.3g} (early stopping, or trainer.max_epochs): the schedule did not end"
+    )

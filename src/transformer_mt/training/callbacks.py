@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.runtime import Peak, device_peak, duration, flops_text
 from transformer_mt.training import update as bookkeeping
-from transformer_mt.training.budget import TimeBudget
+from transformer_mt.training.budget import schedule_cut, time_budget
 from transformer_mt.training.checkpoints import UpdateCheckpoint, stop_after_this_update
 
 log = logging.getLogger(__name__)
@@ -187,10 +187,6 @@ def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> flo
     if budget is not None:
         candidates.append(budget.remaining())
     return min(candidates) if candidates else None
-
-
-def time_budget(trainer: L.Trainer) -> TimeBudget | None:
-    return next((c for c in trainer.callbacks if isinstance(c, TimeBudget)), None)
 
 
 def unreached(trainer: L.Trainer) -> list[str]:
@@ -371,23 +367,6 @@ class RunEnd(L.Callback):
         for signum, handler in self._handlers.items():
             signal.signal(signum, handler)
         self._handlers = {}
-
-
-def schedule_cut(trainer: L.Trainer) -> str | None:
-    """One line when training ended before its schedule did (the time budget ran out first, early stopping,
-    max_epochs): how far it got, and what to change; None when the schedule ended."""
-    done, end = trainer.global_step, trainer.max_steps
-    if end <= 0 or done >= end:
-        return None
-    budget = time_budget(trainer)
-    advice = budget.advice(trainer) if budget is not None else None
-    if advice:
-        return advice
-    lr = trainer.optimizers[0].param_groups[0]["lr"]
-    return (
-        f"training ended at update {done:,}, {done / end:.0%} of its schedule's {end:,} (trainer.max_steps), at "
-        f"learning rate {lr:.3g} (early stopping, or trainer.max_epochs): the schedule did not end"
-    )
 
 
 def requeue_slurm_job() -> None:
