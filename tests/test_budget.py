@@ -122,6 +122,7 @@ BUDGET = [
     "trainer.max_steps=500",
     "trainer.val_check_interval=15",
     "checkpoint.keep_last=4",
+    "budget.average_span=0.16",
 ]
 
 
@@ -130,7 +131,7 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
 ):
     """50 s of training at 1 s per update: measured over updates 10-30, the horizon is 30 + 20 x 0.95 = 49; the
     schedule warms up to 0.2 x 49 updates, cools down to near 0 at update 49, where training ends; the 4
-    checkpoints kept span the last 20% of it, the last at update 49."""
+    checkpoints kept span the last 16% of it (budget.average_span), the last at update 49."""
     driven(lambda update: 1.0)
     corpus = write_corpus(tmp_path / "corpus")
     args = [f"data.path={corpus}", *BUDGET, "checkpoint.every_n_train_steps=10"]
