@@ -115,17 +115,28 @@ def fastest(seconds: dict[int, float], tie: float = CPU_TIE) -> int:
     return chosen
 
 
+def probe_sentences(split, tokens: int) -> np.ndarray:
+    """~`tokens` target tokens of training pairs, those nearest the median lengths on both sides: what one bucket
+    of the real sampler holds (sentences of about one length), so that no batch size pads more than another. (A
+    random sample holds all lengths: its largest batch pads every sentence to the longest and is slower per token
+    for that alone, which a training batch is not.)"""
+    src, tgt = np.asarray(split.src_lens), np.asarray(split.tgt_lens)
+    distance = np.abs(src - np.median(src)) + np.abs(tgt - np.median(tgt))
+    order = np.argsort(distance, kind="stable")
+    return order[: int(np.searchsorted(np.cumsum(tgt[order] + 1), tokens)) + 1]
+
+
 def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int:
     """data.max_tokens on a CPU: the fastest per target token of fallback / CPU_SHARES that holds the longest training
-    pair, each timed on the same training sentences (~fallback target tokens, a forward and backward step). The
-    random generators are left as they were (dropout draws from them): a run trains as it would without the probe."""
+    pair, each timed on the same training sentences (~fallback target tokens of median-length pairs, a forward and
+    backward step). The random generators are left as they were (dropout draws from them): a run trains as it
+    would without the probe."""
     split = datamodule.splits["train"]
     longest = datamodule.longest_training_pair()
     sizes = sorted({fallback // share for share in CPU_SHARES if fallback // share >= longest}, reverse=True)
     if len(sizes) < 2:
         return fallback
-    order = np.random.default_rng(datamodule.seed).permutation(len(split))
-    sample = order[: int(np.searchsorted(np.cumsum(split.tgt_lens[order] + 1), fallback)) + 1]
+    sample = probe_sentences(split, fallback)
     batches = {
         size: [collate([split[i] for i in b]) for b in TokenBucketSampler(
             split.src_lens, split.tgt_lens, size, shuffle=False, indices=sample)]
@@ -150,7 +161,8 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
     speeds = ", ".join(f"{size:,}: {tokens / best[size]:,.0f}" for size in sizes)
     log.info(
         "data.max_tokens=auto on cpu: %s tokens per batch, the fastest per token here (target tok/s of a forward "
-        "and backward step on the same %s tokens, by batch size: %s; a smaller batch must be %d%% faster)",
+        "and backward step on the same %s tokens of median-length pairs, by batch size: %s; a smaller batch must be %d%% "
+        "faster)",
         f"{chosen:,}", f"{tokens:,}", speeds, round(100 * CPU_TIE),
     )  # fmt: skip
     return chosen
