@@ -126,6 +126,21 @@ BUDGET = [
 ]
 
 
+def test_a_refit_at_the_cool_downs_start_moves_its_end_without_a_jump():
+    schedule = BudgetSchedule(PEAK, warmup_share=0.2, cooldown_share=0.2, provisional_warmup=400)
+    schedule.fix(30, 800)
+    planned = rates(schedule, 800)
+    assert schedule.cooldown_start == 640
+    schedule.refit(640, 700)  # slower than measured: 60 updates of cool-down instead of 160
+    moved = rates(schedule, 702)
+    assert moved[:640] == pytest.approx(planned[:640])  # nothing before the cool-down changes
+    # a line from update 640's rate down to 0 at update 701
+    assert moved[640:700] == pytest.approx([planned[639] * (701 - n) / 61 for n in range(641, 701)])
+    assert moved[700] == 0.0 and moved[699] < PEAK / 10
+    schedule.refit(640, 640)  # no room at all: still one update of cool-down
+    assert schedule.horizon == 641
+
+
 def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_schedule_inside(
     driven, tmp_path, caplog
 ):
@@ -154,19 +169,42 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     assert "ran out" not in caplog.text and "schedule did not end" not in caplog.text
 
 
-def test_a_machine_that_slows_down_runs_out_of_budget_and_the_run_says_so_in_one_line(driven, tmp_path, caplog):
-    """Measured at 1 s per update, then 3 s from update 35: the budget runs out before the horizon (49), the run
-    stops at an update's end and one warning says how far the schedule got."""
-    driven(lambda update: 1.0 if update < 35 else 3.0)
+def test_a_machine_slower_after_the_fix_has_its_cool_down_moved_to_end_inside_the_budget(driven, tmp_path, caplog):
+    """Measured at 1 s per update (horizon 49), then 1.5 s from update 31 (a laptop that throttles): where the
+    cool-down begins (update 39, 13.5 s after the fix at 30 for 9 updates, 6.5 s of budget left) the horizon is
+    corrected to 39 + floor(6.5 x 0.95 x 9 / 13.5) = 43, and the cool-down ends there, at 0, inside the budget."""
+    driven(lambda update: 1.0 if update <= 30 else 1.5)
+    corpus = write_corpus(tmp_path / "corpus")
+    with caplog.at_level(logging.INFO):
+        train_in_process(
+            [f"data.path={corpus}", *BUDGET, "checkpoint.every_n_train_steps=10"], tmp_path, tmp_path / "run"
+        )
+    assert "so the cool-down from update 39 ends at update 43 (planned: 49)" in caplog.text
+    last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    schedule = last["lr_schedulers"][0]["lr_lambdas"][0]
+    assert (last["global_step"], schedule["horizon"], schedule["cool_from"]) == (43, 43, 39)
+    assert last["totals"]["train_seconds"] == 30 + 13 * 1.5 <= 50  # inside the budget
+    assert last["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    steps = sorted(int(p.stem[4:]) for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    assert steps == [37, 39, 41, 43]  # every round(0.16 x 43 / 4) = 2, the last at the corrected horizon
+    assert "ran out" not in caplog.text
+
+
+def test_a_machine_that_slows_down_in_the_cool_down_runs_out_of_budget_and_the_run_says_so(driven, tmp_path, caplog):
+    """Measured at 1 s per update, then 3 s from update 42, after the cool-down's correction (at 39, nothing to
+    correct): the budget runs out before the horizon (49), the run stops at an update's end and one warning says
+    how far the schedule got."""
+    driven(lambda update: 1.0 if update < 42 else 3.0)
     corpus = write_corpus(tmp_path / "corpus")
     with caplog.at_level(logging.INFO):
         train_in_process([f"data.path={corpus}", *BUDGET], tmp_path, tmp_path / "run")
-    # 34 s by update 34, then 3 s each: 50 s are reached at update 40 (34 + 6 x 3 = 52)
-    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 40
+    # 41 s by update 41, then 3 s each: 50 s are reached at update 44 (41 + 3 x 3 = 50)
+    assert load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 44
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "ran out" in r.getMessage()]
     assert len(warnings) == 1, caplog.text[-3000:]
-    expected = r"the time budget \(0:00:50 of training\) ran out at update 40, 82% of the schedule's 49: the learning"
+    expected = r"the time budget \(0:00:50 of training\) ran out at update 44, 90% of the schedule's 49: the learning"
     assert re.match(expected, warnings[0])
+    assert "planned" not in caplog.text  # the correction found the horizon right
     validated = [int(u) for u in re.findall(r"validation at update (\d+)", caplog.text)]
     assert validated == [15, 30]  # none added at the stop
 

@@ -161,8 +161,8 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
     speeds = ", ".join(f"{size:,}: {tokens / best[size]:,.0f}" for size in sizes)
     log.info(
         "data.max_tokens=auto on cpu: %s tokens per batch, the fastest per token here (target tok/s of a forward "
-        "and backward step on the same %s tokens of median-length pairs, by batch size: %s; a smaller batch must be %d%% "
-        "faster)",
+        "and backward step on the same %s tokens of median-length pairs, by batch size: %s; a smaller batch must be "
+        "%d%% faster)",
         f"{chosen:,}", f"{tokens:,}", speeds, round(100 * CPU_TIE),
     )  # fmt: skip
     return chosen

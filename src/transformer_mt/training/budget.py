@@ -5,7 +5,9 @@ Multi30k recipe stopped at its peak learning rate, right after warmup, 10 BLEU b
 CPU. Budgeted training (Li, Yumer and Ramanan, ICLR 2020) ends the schedule with the budget instead. So a run with
 a budget measures its speed over its first updates, fixes its horizon once (how many updates fit the rest of the
 budget, less a margin, at most trainer.max_steps), and then follows objective.budget_lr to that horizon: the
-Noam schedule with its warmup a share of the horizon, and a linear cool-down to near zero at its end. Its
+Noam schedule with its warmup a share of the horizon, and a linear cool-down to near zero at its end. Where the
+cool-down begins, the horizon is corrected once with the speed since it was fixed (a laptop that throttles, a
+machine that other work slows down): the cool-down then ends with the budget. Its
 periodic checkpoints are spaced so that the last checkpoint.keep_last of them span the end of the schedule (what
 the end-of-run protocol averages).
 
@@ -75,22 +77,40 @@ class BudgetSchedule:
     horizon: int | None = None
     fixed_at: int = 0
     fixed_rate: float = 0.0
+    peak_at: int | None = None  # the warmup's end, a share of the horizon as fixed (a refit leaves it)
+    cool_from: int | None = None  # where the cool-down began, once the horizon was corrected there (refit)
 
     def __call__(self, done: int) -> float:
         """The rate of update done + 1 (LambdaLR counts the updates done)."""
         step = done + 1
         if self.horizon is None or step <= self.fixed_at:
             return self.peak * min(step / self.provisional_warmup, 1.0)
-        cooldown = round(self.cooldown_share * self.horizon)
+        cooldown = self.horizon - (self.cool_from or self.cooldown_start)
         return budget_lr(step, (self.fixed_at, self.fixed_rate), (self.warmup, self.peak), self.horizon, cooldown)
 
     def fix(self, step: int, horizon: int) -> None:
         """The horizon, fixed after update `step`: the updates after it follow the budget's schedule."""
         self.fixed_rate, self.fixed_at, self.horizon = self(step - 1), step, horizon
+        self.peak_at = max(1, round(self.warmup_share * horizon))
+
+    def refit(self, step: int, horizon: int) -> None:
+        """The horizon, corrected where the cool-down begins (update `step`): the cool-down goes on from this update's
+        rate, with no jump, down to 0 one update after the new horizon (at least one update after `step`)."""
+        self.cool_from, self.horizon = step, max(horizon, step + 1)
+
+    @property
+    def cooldown_start(self) -> int:
+        """The update after which the cool-down begins: cooldown_share of the horizon before its end, or where a
+        refit began it."""
+        return self.cool_from or self.horizon - round(self.cooldown_share * self.horizon)
 
     @property
     def warmup(self) -> int:
-        return max(1, round(self.warmup_share * self.horizon)) if self.horizon else self.provisional_warmup
+        return (
+            (self.peak_at or max(1, round(self.warmup_share * self.horizon)))
+            if self.horizon
+            else self.provisional_warmup
+        )
 
 
 def horizon(step: int, clock: float, rate: float, budget: float, margin: float, ceiling: int) -> int:
@@ -107,14 +127,15 @@ class TimeBudget(L.Callback):
     def __init__(self, seconds: float, margin: float, average_span: float, keep_last: int):
         self.seconds, self.margin, self.average_span, self.keep_last = seconds, margin, average_span, keep_last
         self.measured_from: tuple[int, float] | None = None  # (update, clock) where the speed's measurement began
+        self.fixed: tuple[int, float] | None = None  # (update, clock) where the horizon was fixed
         self.ran_out: Update | None = None  # the update at which the budget ran out before the horizon
         self.clock = 0.0  # the update clock at the latest update (seconds of training, every attempt)
 
     def state_dict(self) -> dict:
-        return {"measured_from": self.measured_from}
+        return {"measured_from": self.measured_from, "fixed": self.fixed}
 
     def load_state_dict(self, state: dict) -> None:
-        self.measured_from = state["measured_from"]
+        self.measured_from, self.fixed = state["measured_from"], state.get("fixed")
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.schedule: BudgetSchedule = module.schedule
@@ -139,6 +160,8 @@ class TimeBudget(L.Callback):
         self.clock = update.clock
         if self.schedule.horizon is None:
             self.measure(trainer, update)
+        elif self.schedule.cool_from is None and update.step >= self.schedule.cooldown_start:
+            self.refit(trainer, update)
         if update.clock >= self.seconds and update.step < trainer.max_steps and not trainer.should_stop:
             self.ran_out = update
             stop_after_this_update(trainer)
@@ -155,6 +178,7 @@ class TimeBudget(L.Callback):
         rate = (update.step - start) / measured
         end = horizon(update.step, update.clock, rate, self.seconds, self.margin, self.ceiling)
         self.schedule.fix(update.step, end)
+        self.fixed = (update.step, update.clock)
         self.apply(trainer)
         if trainer.is_global_zero:
             tokens = update.tokens / max(update.seconds, 1e-9)
@@ -165,7 +189,25 @@ class TimeBudget(L.Callback):
                 "checkpoints every %s updates",
                 duration(self.seconds), f"{end:,}", f"{60 * rate:,.1f}", f"{tokens:,.0f}", f"{update.step:,}",
                 duration(self.seconds - update.clock), f"{self.schedule.warmup:,}", self.schedule.peak,
-                f"{end - round(self.schedule.cooldown_share * end):,}", f"{end:,}", limit, self.every,
+                f"{self.schedule.cooldown_start:,}", f"{end:,}", limit, self.every,
+            )  # fmt: skip
+
+    def refit(self, trainer: L.Trainer, update: Update) -> None:
+        """Where the cool-down begins: the horizon again, from the speed since it was fixed (all that runs at each
+        update counted: checkpoints, logs, the machine's own drift), so that the cool-down ends inside the budget."""
+        (start, began), planned = self.fixed or (self.schedule.fixed_at, 0.0), self.schedule.horizon
+        rate = (update.step - start) / max(update.clock - began, 1e-9)
+        self.schedule.refit(
+            update.step, horizon(update.step, update.clock, rate, self.seconds, self.margin, self.ceiling)
+        )
+        self.apply(trainer)
+        end = self.schedule.horizon
+        if trainer.is_global_zero and end != planned:
+            log.info(
+                "time budget %s: %s updates/min since update %s, so the cool-down from update %s ends at update %s "
+                "(planned: %s), %s of the budget left",
+                duration(self.seconds), f"{60 * rate:,.1f}", f"{start:,}", f"{update.step:,}", f"{end:,}",
+                f"{planned:,}", duration(self.seconds - update.clock),
             )  # fmt: skip
 
     def apply(self, trainer: L.Trainer) -> None:
