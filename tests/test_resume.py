@@ -427,7 +427,8 @@ def test_a_resume_that_sees_fewer_gpus_restores_its_own_devices_random_state(mon
 # ---------------------------------------------------------------- a time budget, killed, stopped and resumed
 
 # 100 s of training on the driven clock (kill_at.py: 1 s per micro-batch, whatever the machine does): the horizon,
-# measured over updates 10-30, is 30 + 70 x 0.95 = 96 (budget.py), the same in every run.
+# measured over updates 10-30, is 30 + 70 x 0.95 = 96 (budget.py), the same in every run; corrected where the
+# cool-down begins (update 96 - 19 = 77) to 77 + floor(23 x 0.95) = 98: the margin of the time already spent returns.
 BUDGETED = [
     "model.dropout=0.1",
     "trainer.max_time=00:00:01:40",
@@ -459,15 +460,16 @@ def test_a_budgeted_run_killed_stopped_and_resumed_continues_its_schedule_bit_id
     proc = run_train([*args, "ckpt_path=last"], tmp_path, env=env, entry=(kill_at, "none:0"))
     assert resumed_from(proc) == ("last.ckpt", 40)
     assert "0:00:40 used; the schedule ends at update 96 (fixed at update 30)" in proc.stdout + proc.stderr
+    assert "so the cool-down from update 77 ends at update 98 (planned: 96)" in proc.stdout + proc.stderr
     a, b = load(whole / "checkpoints" / "last.ckpt"), load(run / "checkpoints" / "last.ckpt")
-    assert a["global_step"] == b["global_step"] == 96
+    assert a["global_step"] == b["global_step"] == 98
     for key, value in a["state_dict"].items():
         assert torch.equal(b["state_dict"][key], value), key
     for param, state in a["optimizer_states"][0]["state"].items():
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
-    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 96
-    assert a["totals"]["train_seconds"] == b["totals"]["train_seconds"] == 96.0  # the redone updates counted once
+    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 98
+    assert a["totals"]["train_seconds"] == b["totals"]["train_seconds"] == 98.0  # the redone updates counted once
 
 
 def test_ctrl_c_between_validations_adds_none_and_a_second_one_exits_130_at_once(tmp_path):
