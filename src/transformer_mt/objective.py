@@ -48,16 +48,16 @@ def noam_lr(step: int, d_model: int, warmup_steps: int, factor: float = 1.0) -> 
     return factor * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
-def budget_lr(step: int, start: tuple[int, float], peak: tuple[int, float], horizon: int, cooldown: int) -> float:
+def budget_lr(step: int, start: tuple[int, float], peak: tuple[int, float], horizon: int, cool_from: int) -> float:
     """A time budget's learning rate (training/budget.py), the Noam schedule fitted to `horizon` updates: a line from
-    `start` (update, rate) up to `peak` (update, rate), then Noam's decay rate x sqrt(peak update / step), then over
-    the last `cooldown` updates a line to 0 one update after the horizon. Given a `start` at or past the peak's
+    `start` (update, rate) up to `peak` (update, rate), then Noam's decay rate x sqrt(peak update / step), then after
+    update `cool_from` a line to 0 one update after the horizon. Given a `start` at or past the peak's
     update, the decay starts from `start` (a horizon fixed after the warmup)."""
     (first, low), (top, high) = start, peak
     if first >= top:
         top, high = first, low
     if step <= top:
         return low + (high - low) * max(step - first, 0) / max(top - first, 1)
-    cool = max(horizon - cooldown, top)
+    cool = max(cool_from, top)
     decayed = high * math.sqrt(top / min(step, cool))
     return decayed if step <= cool else decayed * max(horizon + 1 - step, 0) / (horizon + 1 - cool)

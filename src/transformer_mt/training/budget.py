@@ -85,8 +85,9 @@ class BudgetSchedule:
         step = done + 1
         if self.horizon is None or step <= self.fixed_at:
             return self.peak * min(step / self.provisional_warmup, 1.0)
-        cooldown = self.horizon - (self.cool_from or self.cooldown_start)
-        return budget_lr(step, (self.fixed_at, self.fixed_rate), (self.warmup, self.peak), self.horizon, cooldown)
+        return budget_lr(
+            step, (self.fixed_at, self.fixed_rate), (self.warmup, self.peak), self.horizon, self.cooldown_start
+        )
 
     def fix(self, step: int, horizon: int) -> None:
         """The horizon, fixed after update `step`: the updates after it follow the budget's schedule."""
