@@ -472,6 +472,24 @@ def test_a_budgeted_run_killed_stopped_and_resumed_continues_its_schedule_bit_id
     assert a["totals"]["train_seconds"] == b["totals"]["train_seconds"] == 98.0  # the redone updates counted once
 
 
+def test_a_budget_on_two_ddp_ranks_is_decided_on_rank_0s_clock_by_both(tmp_path):
+    """2 DDP ranks over gloo, one micro-batch per update each, the driven clock: both ranks fix the horizon at 96
+    and correct it to 98 on rank 0's clock (it travels in the update's one all-reduce), and both end there (ranks
+    that disagreed would hang at the next all-reduce)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [f"data.path={corpus}", *BUDGETED, "trainer.strategy=ddp", "trainer.devices=2", "data.tokens_per_update=600"]
+    kill_at = str(ROOT / "tests" / "kill_at.py")
+    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env={"KILL_AT_CLOCK": "1.0"},
+                     entry=(kill_at, "none:0"))  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert "accumulation 1 x 300 tokens x 2 device(s)" in output
+    assert "time budget 0:01:40: ~96 updates" in output
+    assert "so the cool-down from update 77 ends at update 98 (planned: 96)" in output
+    last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 98 and last["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 98
+    assert "ran out" not in output
+
+
 def test_ctrl_c_between_validations_adds_none_and_a_second_one_exits_130_at_once(tmp_path):
     """Ctrl+C after update 3 of a run that validates every 100 updates: update 4 ends, last.ckpt holds it, exit 130,
     and no validation runs (Lightning validates whenever it is told to stop). Two in a row: 130 too, at once."""
