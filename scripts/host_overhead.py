@@ -38,8 +38,8 @@ from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import cpu_has_native_bf16, describe_machine
 from transformer_mt.tokenizer import PAD_ID
-from transformer_mt.train import make_callbacks, trainer_arguments
 from transformer_mt.training.callbacks import StartupLog
+from transformer_mt.training.fit import make_callbacks, trainer_arguments
 from transformer_mt.training.logs import make_loggers
 from transformer_mt.training.module import TranslationModule
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, open_dict
 
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.train import train
+from transformer_mt.training.fit import train
 from transformer_mt.translate import translate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import transformer_mt.train as entry
+import transformer_mt.training.fit as entry
 from transformer_mt.data.batching import collate
 
 MODEL = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.1)

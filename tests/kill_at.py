@@ -36,9 +36,10 @@ import lightning as L
 import torch
 
 import transformer_mt.checkpoint
-import transformer_mt.runtime
+import transformer_mt.launcher
 import transformer_mt.train
 import transformer_mt.training.final
+import transformer_mt.training.fit
 import transformer_mt.training.update
 
 
@@ -107,11 +108,11 @@ def protocol_after_rank_1() -> None:
     """Rank 1 names its process in a file; rank 0's protocol waits for that process's exit (an event: its pidfd
     becomes readable; at most 120 s), then says whether it came."""
     named = Path("rank-1.pid")
-    if transformer_mt.runtime.launched_rank() == 1:
+    if transformer_mt.launcher.launched_rank() == 1:
         named.with_suffix(".tmp").write_text(str(os.getpid()))
         named.with_suffix(".tmp").rename(named)
         return
-    finish_run = transformer_mt.train.finish_run
+    finish_run = transformer_mt.training.fit.finish_run
 
     def after_rank_1(*args, **kwargs):
         pidfd = os.pidfd_open(int(named.read_text()))
@@ -119,7 +120,7 @@ def protocol_after_rank_1() -> None:
         print(f"rank 0's protocol starts; rank 1 {'has exited' if exited else 'is still running'}", flush=True)
         return finish_run(*args, **kwargs)
 
-    transformer_mt.train.finish_run = after_rank_1
+    transformer_mt.training.fit.finish_run = after_rank_1
 
 
 def main() -> None:
@@ -136,14 +137,14 @@ def main() -> None:
     else:
         if kind == "signal":
             kind, where = where[0], where[1:]
-        make_callbacks = transformer_mt.train.make_callbacks
+        make_callbacks = transformer_mt.training.fit.make_callbacks
 
         driven = [DrivenClock(float(os.environ["KILL_AT_CLOCK"]))] if os.environ.get("KILL_AT_CLOCK") else []
 
         def with_killer(*args):
             return [*driven, Killer(kind, int(where[0])), *make_callbacks(*args)]
 
-        transformer_mt.train.make_callbacks = with_killer
+        transformer_mt.training.fit.make_callbacks = with_killer
     transformer_mt.train.main()
 
 

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-import transformer_mt.train
+import transformer_mt.training.fit
 from conftest import load, train_in_process, write_corpus
 from transformer_mt.errors import InputError
 from transformer_mt.objective import noam_lr
@@ -110,8 +110,10 @@ def driven(monkeypatch):
     def drive(per_batch):
         clock = DrivenClock(per_batch)
         monkeypatch.setattr(bookkeeping, "clock", lambda: clock.now)
-        make_callbacks = transformer_mt.train.make_callbacks
-        monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [clock, *make_callbacks(*args)])
+        make_callbacks = transformer_mt.training.fit.make_callbacks
+        monkeypatch.setattr(
+            transformer_mt.training.fit, "make_callbacks", lambda *args: [clock, *make_callbacks(*args)]
+        )
         return clock
 
     return drive
@@ -218,9 +220,9 @@ def test_validations_are_not_counted_in_the_budget(driven, tmp_path, caplog, mon
             if not trainer.sanity_checking:
                 clock.now += 1000.0
 
-    make_callbacks = transformer_mt.train.make_callbacks
+    make_callbacks = transformer_mt.training.fit.make_callbacks
     monkeypatch.setattr(
-        transformer_mt.train, "make_callbacks", lambda *args: [SlowValidation(), *make_callbacks(*args)]
+        transformer_mt.training.fit, "make_callbacks", lambda *args: [SlowValidation(), *make_callbacks(*args)]
     )
     corpus = write_corpus(tmp_path / "corpus")
     with caplog.at_level(logging.INFO):

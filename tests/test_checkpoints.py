@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-import transformer_mt.train
+import transformer_mt.training.fit
 import transformer_mt.training.update
 from conftest import load, train_in_process
 from transformer_mt.checkpoint import read_checkpoint, run_checkpoints, write_checkpoint
@@ -52,8 +52,8 @@ def test_a_time_based_checkpoint_that_comes_due_inside_an_update_waits_for_its_e
     # checkpoint would not hold. It must wait for update 2's end (micro-batch 3), and not come again at update 3.
     slow = SlowBatch(2, 2.5)
     monkeypatch.setattr(transformer_mt.training.update, "clock", slow.clock)
-    make_callbacks = transformer_mt.train.make_callbacks
-    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
+    make_callbacks = transformer_mt.training.fit.make_callbacks
+    monkeypatch.setattr(transformer_mt.training.fit, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
     args = [f"data.path={corpus}", "data.tokens_per_update=600", "trainer.max_steps=3"]
     train_in_process([*args, f"checkpoint.train_time_interval_minutes={2 / 60}"], tmp_path, tmp_path / "run")
     (saved,) = (tmp_path / "run" / "checkpoints").glob("time-step*.ckpt")

@@ -1,6 +1,7 @@
 """The Hydra configs (conf/) and train.py's checks of them: every experiment and group composes, the paper's
 values, unknown keys and settings that would fail late are refused first, in one line, leaving no run folder."""
 
+import inspect
 import os
 import re
 import shutil
@@ -15,13 +16,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, run_process, run_train
-from transformer_mt.configs import check_command_line
+from transformer_mt.commandline import check_command_line, check_device, trainer_parameters
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.train import check_config, check_device, make_callbacks, trainer_arguments, trainer_parameters
 from transformer_mt.training.callbacks import StartupLog
+from transformer_mt.training.fit import check_config, make_callbacks, trainer_arguments
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -77,6 +78,9 @@ def test_unknown_config_keys_are_rejected(tmp_path):
         (["experiment=bse"], "experiment=bse: no such option; did you mean experiment=base? (the options: base, "),
         (["+trainer.foo=1"], "trainer.foo: no such setting; trainer has accelerator, accumulate_grad_batches"),
         (["trainer.limit_val_batches=2"], "trainer.limit_val_batches is not in the config; add it with a plus: +"),
+        # the README's own commands carry hydra.run.dir: the check does not step aside for a hydra.* override
+        (["trainer.max_step=5", "hydra.run.dir=outputs/m30k"], "trainer.max_step: no such setting; did you mean "),
+        (["hydra.run.dir=x", "+data.max_tokns=5"], "data.max_tokns: no such setting; did you mean data.max_tokens?"),
     ],
 )
 def test_a_misspelled_key_in_any_group_is_refused_in_one_line_with_the_closest_key(argv, message):
@@ -96,6 +100,11 @@ def test_what_hydra_answers_itself_or_a_new_key_passes_the_command_line_check():
         trainer_arguments(args)
 
 
+def test_the_trainer_arguments_read_from_lightnings_source_are_its_signatures():
+    signature = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+    assert trainer_parameters() == signature | {"compile"} and {"max_steps", "precision", "devices"} <= signature
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_a_gpu_recipe_without_a_gpu_points_at_the_cpu_recipe():
     with pytest.raises(InputError) as error:
@@ -111,6 +120,21 @@ def test_a_refused_start_is_one_line_before_any_data_and_leaves_no_run_folder(ar
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
     assert proc.stderr.startswith("error: ") and not proc.stdout
     assert list(tmp_path.iterdir()) == []  # no outputs/<date>/<time>/, nothing in the data cache
+
+
+@pytest.mark.slow
+def test_a_misspelled_key_is_refused_before_torch_or_lightning_is_imported(tmp_path):
+    """The typo check costs Hydra's import, not torch's and Lightning's (~10 s on a 2-core machine, 50 s busy)."""
+    check = (
+        "import sys\nfrom transformer_mt.train import main\n"
+        "sys.argv = ['train', 'experiment=multi30k', 'trainer.max_step=5', 'hydra.run.dir=run']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n"
+        "    print(e.code, sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))\n"
+    )
+    proc = run_process([sys.executable, "-c", check], tmp_path)
+    assert proc.stdout.split("\n")[0] == "1 []", proc.stdout + proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: trainer.max_step: no such setting; did you mean trainer.max_steps?")
+    assert not (tmp_path / "run").exists()
 
 
 def test_base_and_big_carry_the_papers_values(tmp_path):
@@ -167,7 +191,7 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
 def test_cpu_precision_auto_is_bf16_only_where_the_cpu_computes_it(tmp_path, monkeypatch):
     cfg = compose_train(["trainer=cpu"], tmp_path).trainer
     for native, expected in [(True, "bf16-mixed"), (False, "32-true")]:
-        monkeypatch.setattr("transformer_mt.train.cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr("transformer_mt.training.fit.cpu_has_native_bf16", lambda native=native: native)
         assert trainer_arguments(cfg)["precision"] == expected
     cfg.precision = "bf16-mixed"  # an explicit choice is kept
     assert trainer_arguments(cfg)["precision"] == "bf16-mixed"

@@ -110,7 +110,7 @@ def test_greedy_and_beam_search_give_the_cpus_tokens(seed):
 
 
 def test_fp32_training_on_cuda_uses_tf32(record_property):
-    from transformer_mt.train import trainer_arguments  # noqa: PLC0415
+    from transformer_mt.training.fit import trainer_arguments  # noqa: PLC0415
 
     a, b = torch.randn(2048, 2048, device="cuda"), torch.randn(2048, 2048, device="cuda")
     exact = (a.double() @ b.double()).float()

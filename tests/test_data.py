@@ -33,9 +33,9 @@ from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_t
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import read_lines
+from transformer_mt.launcher import launch_id, launched_rank
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
-from transformer_mt.runtime import launch_id, launched_rank
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 
 TEXT_FILES = {"train": "train", "validation": "valid", "test": "test"}

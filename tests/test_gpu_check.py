@@ -16,12 +16,12 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-import transformer_mt.train
+import transformer_mt.training.fit
 from conftest import ROOT, TINY_RUN, TINY_SHAPE, run_process, write_corpus
 from test_cuda_runs import GLOO_TRAIN, free_port, run_ranks, two_rank_launch
 from test_cuda_trainer import Speed, figures, made_up_corpus, progress_speed, trainer_command, update_shape
 from transformer_mt.configs import compose
-from transformer_mt.train import trainer_arguments
+from transformer_mt.training.fit import trainer_arguments
 from transformer_mt.training.sharding import LayerFSDP
 
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -340,7 +340,7 @@ def test_on_one_gpu_each_process_of_the_launch_is_its_rank_on_cuda_0_over_gloo(s
     which would refuse a second rank on the same device)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(transformer_mt.train, "use_tf32", lambda: None)  # no global switch from a test
+    monkeypatch.setattr(transformer_mt.training.fit, "use_tf32", lambda: None)  # no global switch from a test
     monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)  # each Trainer sets it; restored after
     for strategy_class in (DDPStrategy, FSDPStrategy):  # GLOO_TRAIN's patch, undone after
         monkeypatch.setattr(strategy_class, "__init__", strategy_class.__init__)

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import transformer_mt.runtime
-import transformer_mt.train
+import transformer_mt.training.fit
 import transformer_mt.training.update
 from conftest import hydra_task, load, run_train, train_in_process, train_overrides
 from transformer_mt.configs import compose as compose_config
@@ -133,8 +133,8 @@ def test_a_slow_machine_shows_a_progress_line_with_an_eta_after_its_first_update
     slow = SlowMachine()
     monkeypatch.setattr(transformer_mt.training.update, "clock", slow.clock)
     monkeypatch.setattr(transformer_mt.runtime, "cpu_peak", lambda fmt: (1e9, 3.0))  # products 3x apart
-    make_callbacks = transformer_mt.train.make_callbacks
-    monkeypatch.setattr(transformer_mt.train, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
+    make_callbacks = transformer_mt.training.fit.make_callbacks
+    monkeypatch.setattr(transformer_mt.training.fit, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
     args = [f"data.path={corpus}", "trainer.max_steps=3", "trainer.val_check_interval=100"]
     with caplog.at_level("INFO"):  # progress_every_n_updates: 100, progress_every_seconds: 60 (conf/train.yaml)
         train_in_process([*args, "progress_every_n_updates=100", "progress_every_seconds=60"], tmp_path, tmp_path / "r")

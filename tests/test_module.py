@@ -18,7 +18,7 @@ from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.errors import InputError
 from transformer_mt.objective import noam_lr
-from transformer_mt.train import check_config
+from transformer_mt.training.fit import check_config
 from transformer_mt.training.module import TranslationModule
 
 

@@ -12,12 +12,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import transformer_mt.train
+import transformer_mt.training.fit
 import transformer_mt.training.update
 from transformer_mt import runtime
 from transformer_mt.errors import InputError
 from transformer_mt.runtime import device_peak, end_process_group, use_tf32
-from transformer_mt.train import make_strategy
+from transformer_mt.training.fit import make_strategy
 from transformer_mt.training.sharding import LayerFSDP
 
 
@@ -43,7 +43,7 @@ def test_ddp_broadcasts_no_buffers_and_sweeps_refuse_fsdp_that_would_relaunch_th
         def get():
             return OmegaConf.create({"mode": RunMode.MULTIRUN})
 
-    monkeypatch.setattr(transformer_mt.train, "HydraConfig", Sweep)
+    monkeypatch.setattr(transformer_mt.training.fit, "HydraConfig", Sweep)
     for key in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
     assert make_strategy("ddp")._start_method == "spawn"

@@ -18,8 +18,10 @@ core
     files.py                atomic writes, stale temporaries, UTF-8 line reading
     runtime.py              devices, threads, CPU features, glibc's allocator
     configs.py              where the Hydra configs live; composing them outside an entry point
+    commandline.py          an entry point's command line checked before torch: typos, Trainer arguments, GPU
+    launcher.py             which launcher started the process (torchrun, srun) and its job's name
 front doors (make train/evaluate/tune/translate/finish/average; transformer-mt-* commands)
-    train.py  evaluate.py  tune.py  translate.py  averaging.py  finish.py
+    train.py  evaluate.py  tune.py  translate.py  averaging.py  finish.py  (train.py runs training/fit.py)
     engines.py      evaluate/translate's decoder: ours, or CTranslate2 (engine=ct2) in ct2_worker.py's process
 data/               corpus reading and cleaning, token-bucket batching, the LightningDataModule
 training/           the LightningModule, callbacks (progress, run end), logs, exact resume, FSDP

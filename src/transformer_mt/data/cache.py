@@ -30,7 +30,7 @@ from transformer_mt.data.batching import TokenizedSplit
 from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, length_filter
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
-from transformer_mt.runtime import launched_rank
+from transformer_mt.launcher import launched_rank
 from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)

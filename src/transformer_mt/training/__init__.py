@@ -1,5 +1,6 @@
 """Training with Lightning. A map of the wing:
 
+fit.py          one run from its composed config: the Trainer's arguments, data, module, callbacks, fit, the end
 module.py       the LightningModule: the loss, Adam with the Noam schedule (or a budget's), validation
 update.py       the optimizer update's bookkeeping (tokens, gradient normalisation and norm, stop signals) and
                 its one wait for the device; every callback asks it whether an update just ended

@@ -15,8 +15,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import check_finite, read_checkpoint
 from transformer_mt.errors import InputError, MissingInputError, UserError
+from transformer_mt.launcher import first_process
 from transformer_mt.model import TransformerConfig
-from transformer_mt.runtime import first_process
 
 log = logging.getLogger(__name__)
 

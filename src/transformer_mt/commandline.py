@@ -1,0 +1,114 @@
+"""The command line of an entry point, checked before torch and Lightning are imported (a misspelled key or
+option is one line within a second or two, not after ~10 s of imports): the closest name for a typo,
+lightning.Trainer's arguments read from its source, a GPU recipe refused on a machine without one."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from collections.abc import Iterable, Sequence
+from difflib import get_close_matches
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from transformer_mt.configs import compose
+from transformer_mt.errors import InputError
+
+
+def trainer_parameters() -> set[str]:
+    """What conf/trainer may hold: lightning.Trainer's arguments, read from Lightning's source without importing
+    it (8 s on a 2-core machine), and compile (the module's)."""
+    spec = importlib.util.find_spec("lightning")  # a top-level package is found, not imported
+    source = Path(spec.submodule_search_locations[0]) / "pytorch" / "trainer" / "trainer.py"
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    init = next(n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"} | {"compile"}
+
+
+def check_device(accelerator: str) -> None:
+    """A GPU recipe on a machine without one is refused, pointing a CPU user at the recipe made for a CPU."""
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch  # noqa: PLC0415 (only a GPU recipe asks; the typo check has already run)
+
+    if not torch.cuda.is_available():
+        raise InputError(
+            f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here. On a CPU, train the "
+            'Multi30k recipe (~26 minutes on 2 cores): make train CONFIG=multi30k [ARGS="data.path=<folder with '
+            'train.en, train.de, ...>"]; only to force this config onto the CPU (days for base) add trainer=cpu'
+        )
+
+
+def check_command_line(
+    config_name: str, argv: Sequence[str], addable: dict[str, set[str]] | None = None
+) -> DictConfig | None:
+    """The config an entry point's command line composes, checked before Hydra starts a run (no run folder yet).
+    A misspelled key or group option (trainer.max_step=5, +trainer.max_step=5, experiment=bse) is refused in one
+    line with the closest name: Hydra's own answer is several lines, and its `+key=` hint turns a typo into a
+    Trainer's TypeError. A `+key` is a typo when it is close to an existing key, or when its section is read by a
+    signature (addable, e.g. trainer: lightning.Trainer's arguments) that does not take it. None where Hydra
+    answers itself: --help, --info, --cfg, another config, a syntax error; sweep and hydra.* overrides are left out."""
+    from hydra._internal.utils import get_args_parser  # noqa: PLC0415 (Hydra only where configs are composed)
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException  # noqa: PLC0415
+
+    args, _ = get_args_parser().parse_known_args(list(argv))
+    if any(vars(args)[k] for k in ("help", "hydra_help", "info", "cfg", "shell_completion", "experimental_rerun")):
+        return None
+    if args.config_path or args.config_name or args.config_dir:
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
+        return None
+    kept = [o for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+    try:
+        cfg = compose(config_name, [o.input_line for o in kept])
+    except MissingConfigException as e:  # experiment=bse: conf/experiment/bse.yaml does not exist
+        group, _, option = (e.missing_cfg_file or "").rpartition("/")
+        if not any(o.key_or_group == group for o in kept) or not e.options:  # not a choice on the command line
+            return None
+        match = closest(option, e.options)
+        hint = f"did you mean {group}={match}? " if match else ""
+        raise InputError(f"{group}={option}: no such option; {hint}(the options: {', '.join(e.options)})") from None
+    except ConfigCompositionException as e:  # trainer.max_step=5: a key the config does not have
+        key = getattr(e.__cause__, "full_key", None)
+        if not key or any(o.is_sweep_override() for o in parsed):  # a sweep left out may add the key: Hydra decides
+            return None
+        given = next((o for o in kept if o.key_or_group == key), None)
+        if given is None:
+            return None
+        others = compose(config_name, [o.input_line for o in kept if o is not given])
+        raise InputError(unknown_key(key, others, given.get_value_element_as_str(), addable or {})) from None
+    for given in (o for o in kept if o.is_add()):  # +trainer.max_step=5: composes, but nothing reads it
+        parent, _, name = given.key_or_group.rpartition(".")
+        if name in (addable or {}).get(parent, ()):  # +trainer.limit_val_batches=2: a Trainer argument
+            continue
+        problem = unknown_key(given.key_or_group, cfg, given.get_value_element_as_str(), addable or {})
+        if problem and (parent in (addable or {}) or "did you mean" in problem):  # else a new key: the user's own
+            raise InputError(problem)
+    return cfg
+
+
+def unknown_key(key: str, cfg: DictConfig, value: str, addable: dict[str, set[str]]) -> str | None:
+    """One line for a key that is not in cfg, beside it: the closest existing key, or what there is (None: cfg has
+    it). addable: per section, the keys its reader also takes (a Trainer argument conf/trainer does not list)."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    siblings = set(node) - {name} if isinstance(node, DictConfig) else set()
+    known = siblings | addable.get(parent, set())
+    if name in known:
+        return None if name in siblings else f"{key} is not in the config; add it with a plus: +{key}={value}"
+    match = closest(name, known)
+    if match is None:
+        return f"{key}: no such setting; {parent or 'the top level'} has {', '.join(sorted(known))}"
+    group = match in siblings and isinstance(node[match], DictConfig)  # trainr=cpu: the group trainer
+    return f"{key}: no such setting; did you mean {parent + '.' if parent else ''}{match}{('=' + value) * group}?"
+
+
+def closest(name: str, options: Iterable[str]) -> str | None:
+    """The option closest to a misspelled name, if one is close (difflib's ratio >= 0.6)."""
+    match = get_close_matches(name, list(options), n=1)
+    return match[0] if match else None

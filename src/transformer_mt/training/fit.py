@@ -1,0 +1,333 @@
+"""One training run from its composed config: the Trainer's arguments checked, the data, the module, the callbacks,
+the fit, then the end of the run (transformer_mt.train is the command that calls it)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+import traceback
+import warnings
+from dataclasses import fields
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import DictConfig, OmegaConf
+
+from transformer_mt.commandline import check_device, closest, trainer_parameters
+from transformer_mt.data.datamodule import TranslationDataModule
+from transformer_mt.errors import InputError
+from transformer_mt.files import RunFolderLock, remove_stale_temporaries
+from transformer_mt.launcher import first_process, launch_id, launched_rank
+from transformer_mt.model import TransformerConfig
+from transformer_mt.runtime import (
+    bound_onednn_cache,
+    cpu_has_native_bf16,
+    end_process_group,
+    keep_freed_memory,
+    use_tf32,
+)
+from transformer_mt.tokenizer import PAD_ID
+from transformer_mt.training.batch_fit import FitBatch, shape_updates
+from transformer_mt.training.budget import TimeBudget, budget_seconds
+from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
+from transformer_mt.training.checkpoints import AtomicCheckpointIO, checkpoint_callbacks
+from transformer_mt.training.ema import ExponentialMovingAverage
+from transformer_mt.training.final import final_metrics, finish_run
+from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
+from transformer_mt.training.module import TranslationModule
+from transformer_mt.training.resume import RandomState, check_resume, check_update_size, resume_checkpoint
+from transformer_mt.training.sharding import LayerFSDP
+
+log = logging.getLogger(__name__)
+
+
+def plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def trainer_arguments(cfg: DictConfig) -> dict:
+    """conf/trainer as lightning.Trainer arguments, checked against this machine before any work."""
+    args = plain(cfg)
+    args.pop("compile", None)  # the module's (TranslationModule.compile_training), not Lightning's
+    args.pop("max_time", None)  # a time budget (training/budget.py), not Lightning's Timer
+    accelerator = args.get("accelerator", "auto")
+    check_device(accelerator)
+    known = trainer_parameters()
+    unknown = sorted(set(args) - known)  # +trainer.max_step=5 would end in the Trainer's TypeError
+    if unknown:
+        match = closest(unknown[0], known)
+        hint = f"; did you mean trainer.{match}?" if match else ""
+        raise InputError(f"trainer.{unknown[0]}: not a lightning.Trainer argument{hint}")
+    if args.get("precision") == "auto":  # trainer=cpu: bf16 only where the CPU computes it natively
+        on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+        args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
+        if args["precision"] == "32-true":
+            log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
+    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1))
+    if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() and "32" in str(args["precision"]):
+        use_tf32()
+        log.info("precision %s on CUDA: fp32 matrix products in TF32 (runtime.use_tf32)", args["precision"])
+    return args
+
+
+def make_callbacks(
+    cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None
+) -> list:
+    """The checkpoints (training/checkpoints.py), optional early stopping on best.ckpt's metric, the batch size's
+    probe (a resumed run's: the choice it saved), the time budget, progress lines and bar (the learning rate and
+    training losses reach the loggers through training/update.py)."""
+    callbacks = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
+    best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
+    if cfg.early_stopping_patience:
+        callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
+    if cfg.ema_decay:
+        callbacks.append(ExponentialMovingAverage(cfg.ema_decay))
+    if cfg.data.max_tokens == "auto":
+        callbacks.append(FitBatch(saved_max_tokens))
+    if budget := budget_seconds(cfg.trainer.get("max_time")):
+        callbacks.append(TimeBudget(budget, cfg.budget.margin, cfg.budget.average_span, cfg.checkpoint.keep_last))
+    callbacks += [
+        ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds),
+        startup,
+        RandomState(),
+        RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled),
+    ]
+    return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
+
+
+NUMBERS = {  # keys outside the model whose wrong type would fail late or silently, and what each must be
+    "seed": int,
+    "label_smoothing": float,
+    "optim.lr_factor": float,
+    "optim.warmup_steps": int,
+    "optim.eps": float,
+    "val_bleu_sentences": int,
+    "progress_every_n_updates": int,
+    "progress_every_seconds": float,
+    "budget.warmup": float,
+    "budget.cooldown": float,
+    "budget.average_span": float,
+    "budget.margin": float,
+}
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Settings that only fail late (after the data is built, or at the first validation) are refused
+    before any work."""
+    for key, kind in NUMBERS.items():
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value < 0:
+            what = "a number" if kind is float else "a whole number"
+            raise InputError(f"{key}={value!r}: must be {what}, 0 or more")
+    known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
+    unknown = sorted(set(cfg.model) - known)
+    if unknown:
+        raise InputError(f"model.{unknown[0]}: not a model setting; the model takes {', '.join(sorted(known))}")
+    try:  # the model's own checks (types, positive sizes, heads dividing d_model); the vocabulary comes later
+        TransformerConfig(**plain(cfg.model), vocab_size=PAD_ID + 1, pad_id=PAD_ID)
+    except ValueError as e:
+        raise InputError(f"model.{e}") from None
+    monitor = cfg.checkpoint.best_monitor
+    if monitor and monitor.removeprefix("val/") in ("bleu", "chrf") and not cfg.val_bleu_sentences:
+        raise InputError(
+            f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set "
+            "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
+        )
+    budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not at the end of the setup
+    for key in ("warmup", "cooldown", "average_span", "margin"):
+        if not cfg.budget[key] < 1:
+            raise InputError(f"budget.{key}={cfg.budget[key]}: a share, below 1 (e.g. 0.2)")
+    if cfg.early_stopping_patience and not monitor:
+        raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
+    ema = cfg.ema_decay
+    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
+        raise InputError(f"ema_decay={ema!r}: must be a number in (0, 1), e.g. 0.9999, or null (off)")
+    if ema and cfg.trainer.get("strategy") == "fsdp":
+        raise InputError("ema_decay with trainer=fsdp: the moving average needs whole weights on every rank; use ddp")
+    compile_step = cfg.trainer.get("compile", False)
+    if not isinstance(compile_step, bool):
+        raise InputError(f"trainer.compile={compile_step!r}: must be true or false")
+    if compile_step and cfg.trainer.get("strategy") == "fsdp":
+        raise InputError(
+            "trainer.compile with trainer=fsdp is not supported (untested); use ddp, or trainer.compile=false"
+        )
+    final = cfg.final
+    if final.enabled:
+        splits = final.splits
+        if not OmegaConf.is_list(splits) or not splits or any(s not in ("validation", "test") for s in splits):
+            raise InputError(
+                f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]"
+            )
+        average = final.average_last
+        if isinstance(average, bool) or not isinstance(average, int) or average < 0:
+            raise InputError(f"final.average_last={average!r}: must be a whole number, 0 (no averaging) or more")
+
+
+def make_strategy(name, precision: str | None = None, devices=1):
+    """String strategies from trainer configs: FSDP wrapped per encoder/decoder layer (sharding.py); DDP
+    without the per-forward broadcast of buffers (the sinusoid table is the same on every rank)."""
+    launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
+    # Lightning's ddp and fsdp start the other ranks by re-running sys.argv, which under `-m` from a
+    # shell would re-run the whole sweep in every child.
+    shell_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN and not launched_outside
+    if name == "fsdp":
+        if shell_sweep and devices != 1:
+            raise InputError(
+                "trainer=fsdp in a Hydra multirun (-m) started from a shell: it starts its other ranks by "
+                "re-running the command (as Lightning's ddp), which would re-run the whole sweep in each of them. "
+                "Run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
+            )
+        return LayerFSDP(precision)
+    if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job
+        log.warning("Hydra multirun: using strategy=ddp_spawn instead of ddp (ddp would re-launch the sweep)")
+        name = "ddp_spawn"
+    if name in ("ddp", "ddp_spawn"):
+        return DDPStrategy(start_method="spawn" if name == "ddp_spawn" else "popen", broadcast_buffers=False)
+    return name
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Fit one run; returns the last validation BLEU (the objective of hparams_search)."""
+    startup = StartupLog(time.monotonic())
+    setup_logging()
+    check_config(cfg)
+    keep_freed_memory()  # no page faults for each step's activations (runtime.py)
+    bound_onednn_cache()  # host memory stays bounded over a long run (runtime.py)
+    trainer_args = trainer_arguments(cfg.trainer)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    # One training per run folder: a second start into it is refused (the job's first process holds it).
+    try:
+        with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
+            return fit(cfg, run_dir, trainer_args, startup)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
+        raise
+    finally:
+        # After fit returned, its Trainer is garbage: the process group goes with it, gloo's threads joined.
+        if still_running := end_process_group():
+            log.warning("the process group outlived the run (threads %s): the exit may abort", still_running)
+
+
+def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog) -> float | None:
+    """The run in its folder: what to resume from, the data, the module, the Trainer, then fit; a run
+    stopped by a signal exits with 128 + its number."""
+    checkpoint_dir = run_dir / "checkpoints"
+    # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
+    resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
+    saved_max_tokens = None
+    datamodule = TranslationDataModule(**plain(cfg.data))
+    if launched_rank() == 0:
+        datamodule.build()  # the vocabulary size is known only after SentencePiece
+    else:  # torchrun/srun started every rank at once: rank 0 builds, the others read its caches
+        datamodule.build_when_cached()
+    datamodule.check_lengths(cfg.model.max_positions)
+    startup.mark("data ready")
+    model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
+    module = TranslationModule(
+        model=model_cfg,
+        label_smoothing=cfg.label_smoothing,
+        **plain(cfg.optim),
+        val_bleu_sentences=cfg.val_bleu_sentences,
+        budget={k: cfg.budget[k] for k in ("warmup", "cooldown")} if cfg.trainer.get("max_time") else None,
+        config=plain(cfg),
+        tokenizer=datamodule.tokenizer,
+    )
+    if cfg.trainer.compile:
+        module.compile_training()
+    if resume_path:
+        check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, plain(cfg))
+        log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
+        if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        saved_update = resumed.get("update_tokens")  # None in checkpoints written before it was kept
+        saved_max_tokens = resumed.get("max_tokens")
+        del resumed  # Lightning reads the file itself
+    loggers = make_loggers(cfg.get("logger"), run_dir)
+    callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
+    trainer = L.Trainer(
+        **trainer_args,
+        logger=loggers,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=run_dir,
+        enable_model_summary=False,
+    )
+    if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
+        update_tokens = shape_updates(trainer, datamodule)
+        if resume_path and saved_update:
+            check_update_size(
+                resume_path, saved_update, update_tokens, trainer.world_size, datamodule.tokens_per_update
+            )
+    if trainer.is_global_zero:
+        n_params = sum(p.numel() for p in module.parameters())
+        log.info(
+            "model: %s parameters, vocabulary %d, precision %s",
+            f"{n_params:,}",
+            model_cfg["vocab_size"],
+            trainer.precision,
+        )
+        datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
+        log.info("run directory: %s", run_dir)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
+        return finish(cfg, run_dir, trainer, datamodule, loggers)
+    finally:
+        finish_wandb(loggers)
+
+
+def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
+    """ckpt_path as configured, or `last` for a launched job restarted (torchrun --max-restarts) or requeued
+    (SLURM) into its own folder; a killed write's temporary files go first."""
+    for path in remove_stale_temporaries(checkpoint_dir):
+        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
+    if cfg.ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
+        log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
+        return "last"
+    return cfg.ckpt_path
+
+
+def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:
+    """After fit: a run stopped by a signal exits with 128 + its number; a finished one applies the paper's
+    protocol (final.enabled, on the first process alone: the other ranks leave), whose scores also reach the
+    loggers (wandb: before it closes), then the next commands. Returns the last validation BLEU (the
+    objective of hparams_search)."""
+    stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # RunEnd's (also from ddp_spawn's workers)
+    if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
+        if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
+            requeue_slurm_job()
+        raise SystemExit(128 + int(stopped_by))
+    run_end = next(c for c in trainer.callbacks if isinstance(c, RunEnd))
+    if cfg.final.enabled and trainer.is_global_zero:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The other ranks do not wait for the protocol (however long it takes): they exit once training is
+            # done, while this rank, which hosts their rendezvous store, is still there.
+            log.info(
+                "the end of the run on rank 0 alone: the other %d rank(s) exit without waiting for it",
+                trainer.world_size - 1,
+            )
+        extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
+        progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
+        results = finish_run(
+            run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
+            cfg.label_smoothing, bool(cfg.ema_decay), extra, progress.peak, trainer.world_size,
+        )  # fmt: skip
+        for logger in loggers:
+            logger.log_metrics(final_metrics(results), step=results["updates"])
+            logger.save()
+        run_end.log_summary(trainer, results["updates"])  # the commands that follow, after the averaging
+    bleu = trainer.callback_metrics.get("val/bleu")
+    return float(bleu) if bleu is not None else None
+
+
+def overrides() -> list[str]:
+    """The job's command-line overrides (Hydra's), e.g. ["table3=A-h1", "seed=1"]."""
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
