@@ -25,6 +25,10 @@ ours: the share of identical sentences and sacreBLEU of transformers (fp32) and 
 int8) at beam 1 and at beam 4 for each of their length penalties in --alphas, each compared with
 ours at the same beam (alpha 0 against our alpha 0, others against our 0.6).
 
+Plan (--parts plan): CPU seconds of one epoch's batch plan (TokenBucketSampler.all_batches: shuffle, sort by
+length, fill batches, deal them to ranks) for --pairs sentence pairs drawn from the training part's lengths, at
+WMT14's 25,000 tokens on 1 GPU and 3,125 per GPU on 8: every rank's main process pays it at each epoch's start.
+
 Every speed figure is the median of --repeats rounds; within a round the systems take turns (for
 decoding each in a fresh process: CTranslate2's OpenMP runtime and ours slow each other down).
 Peers need the `export` extra: pip install -e ".[export]" (make install does).
@@ -49,7 +53,7 @@ import torch
 import host_overhead
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
-from transformer_mt.data.batching import collate
+from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
@@ -82,6 +86,23 @@ class Usage:
         self.user = end.ru_utime - self.start.ru_utime
         self.system = end.ru_stime - self.start.ru_stime
         self.faults = end.ru_minflt - self.start.ru_minflt
+
+
+# ---------------------------------------------------------------- batch plan
+
+
+def bench_plan(args, pairs: list[tuple[int, int]]) -> None:
+    """CPU seconds of one epoch's batch plan for --pairs pairs (lengths drawn from `pairs`), median of --repeats."""
+    lengths = np.array(pairs)[np.random.default_rng(0).integers(0, len(pairs), args.pairs)]
+    print(f"\nbatch plan (TokenBucketSampler.all_batches), {args.pairs:,} pairs, CPU seconds, median of {args.repeats}")
+    for max_tokens, world in ((25_000, 1), (3_125, 8)):
+        sampler = TokenBucketSampler(lengths[:, 0], lengths[:, 1], max_tokens, seed=0, world_size=world)
+        seconds = []
+        for epoch in range(args.repeats):
+            start = time.process_time()
+            batches = sampler.all_batches(epoch)
+            seconds.append(time.process_time() - start)
+        print(f"  {max_tokens:>6,} tokens x {world} rank(s): {median_of(seconds):.3f} s, {len(batches):,} batches")
 
 
 # ---------------------------------------------------------------- training
@@ -433,7 +454,7 @@ def bench_exports(args) -> None:
                 print(f"{system:<18} {beam:>4} {alpha:>5.2f} {versus:>12} {same:>8.1f}% {bleu:>6.2f}")
 
 
-PARTS = ("training", "decoding", "exports", "host")
+PARTS = ("training", "decoding", "exports", "host", "plan")
 
 
 def main() -> None:
@@ -454,6 +475,7 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="training,decoding,host", help=f"what to measure, comma-separated, of {', '.join(PARTS)}"
     )
+    parser.add_argument("--pairs", type=int, default=4_500_000, help="plan: sentence pairs (WMT14: 4.5M)")
     parser.add_argument(
         "--alphas", default="0,0.6,0.45", help="exports: their length penalties (|Y|^alpha) to try at beam 4"
     )
@@ -480,6 +502,8 @@ def main() -> None:
             print("\nexports: skipped (give --ckpt, --src and --ref: make bench CKPT=... SRC=... REF=...)")
         else:
             bench_exports(args)
+    if "plan" in parts:
+        bench_plan(args, length_pairs(args, tokenizer))
     if "host" in parts:
         host_overhead.run(["base", "big"], updates=12, compiled=args.compile)
     print(

@@ -358,6 +358,32 @@ def test_batches_respect_max_tokens_and_cover_the_epoch_once():
     assert padding_efficiency(sampler) > 0.9
 
 
+def greedy_batches(src, tgt, max_tokens):
+    """The batch plan sentence by sentence, as written before it walked lengths (the reference): np.lexsort,
+    then each sentence joins the open batch unless the batch's padded size would pass max_tokens."""
+    order = np.lexsort((src + tgt, np.maximum(src, tgt)))
+    batches, start, widest = [], 0, 0
+    for i, (s, t) in enumerate(zip(src[order].tolist(), tgt[order].tolist())):
+        if i > start and (i - start + 1) * max(widest, s, t) > max_tokens:
+            batches.append(order[start:i].tolist())
+            start, widest = i, 0
+        widest = max(widest, s, t)
+    return batches + [order[start:].tolist()]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 60, 300, 4096])
+def test_the_batch_plan_equals_filling_batches_sentence_by_sentence(max_tokens):
+    rng = np.random.default_rng(max_tokens)
+    src = rng.integers(1, 80, 5000)
+    tgt = np.clip(src + rng.integers(-30, 30, 5000), 1, None)
+    sampler = TokenBucketSampler(src, tgt, max_tokens, shuffle=False)
+    assert [b.tolist() for b in sampler.all_batches(0)] == greedy_batches(src + 1, tgt + 1, max_tokens)
+    big = np.array([70000, 3, 70000, 5])  # keys past 16 bits: the plain lexsort, the same plan
+    assert [b.tolist() for b in TokenBucketSampler(big, big, 10**6, shuffle=False).all_batches(0)] == (
+        greedy_batches(big + 1, big + 1, 10**6)
+    )
+
+
 def test_a_sentence_longer_than_max_tokens_gets_a_batch_of_its_own():
     batches = list(TokenBucketSampler(np.array([3, 50, 4]), np.array([3, 60, 2]), max_tokens=20))
     assert [1] in batches and sorted(i for b in batches for i in b) == [0, 1, 2]
