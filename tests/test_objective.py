@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer_mt.objective import label_smoothed_nll, noam_lr
+import transformer_mt.objective
+from transformer_mt.objective import label_smoothed_nll, noam_lr, smoothed_cross_entropy
 
 
 def random_logits(shape, seed=0):
@@ -61,6 +62,58 @@ def test_loss_hand_computed():
     loss, nll, n = label_smoothed_nll(logits, torch.tensor([2]), 0.3, pad_id=0)
     assert loss.item() == pytest.approx(1.2 * math.log(2.0), abs=1e-6)
     assert nll.item() == pytest.approx(math.log(2.0), abs=1e-6) and n.item() == 1
+
+
+def reference_and_fused(logits, target, eps, weights=(1.0, 0.3)):
+    """(loss, NLL, d(w0 loss + w1 NLL)/d logits) of torch's cross entropy in fp64 on the same values (label
+    smoothing as label_smoothed_nll's, tested above), and of the fused smoothed_cross_entropy on the logits as given."""
+    results = []
+    for x, fn in ((logits.detach().double(), "reference"), (logits.detach(), "fused")):
+        x.requires_grad_(True)
+        if fn == "reference":
+            loss = F.cross_entropy(x, target, label_smoothing=eps, reduction="sum")
+            nll = F.cross_entropy(x, target, reduction="sum")
+        else:
+            loss, nll = smoothed_cross_entropy(x, target, eps)
+        (weights[0] * loss + weights[1] * nll).backward()
+        results.append((loss.detach(), nll.detach(), x.grad))
+    return results
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("chunk_values", [2**24, 7 * 50])  # one chunk; chunks of 7 rows, the last one short
+def test_the_fused_loss_and_its_gradient_equal_label_smoothing_in_fp64(eps, chunk_values, monkeypatch):
+    monkeypatch.setattr(transformer_mt.objective, "CHUNK_VALUES", chunk_values)
+    logits = random_logits((40, 50), seed=3)
+    target = torch.randint(1, 50, (40,), generator=torch.Generator().manual_seed(4))
+    (ref_loss, ref_nll, ref_grad), (loss, nll, grad) = reference_and_fused(logits, target, eps)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
+    assert grad.dtype == logits.dtype
+
+
+def test_the_fused_loss_of_bf16_logits_is_computed_in_fp32_and_its_gradient_rounded_once():
+    logits = (random_logits((64, 300), seed=5) * 2).bfloat16()  # large logits: bf16's worst case
+    target = torch.randint(1, 300, (64,), generator=torch.Generator().manual_seed(6))
+    (ref_loss, ref_nll, ref_grad), (loss, nll, grad) = reference_and_fused(logits, target, 0.1)
+    assert loss.dtype == nll.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-4)  # fp32 sums of exact bf16 values
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(grad, ref_grad.bfloat16(), rtol=0.01, atol=1e-5)  # bf16's rounding of fp64's
+
+
+def test_the_fused_loss_traced_by_torch_compile_equals_the_eager_one():
+    torch._dynamo.reset()
+    logits = random_logits((33, 20), seed=7)
+    target = torch.randint(1, 20, (33,), generator=torch.Generator().manual_seed(8))
+    eager = reference_and_fused(logits, target, 0.1)[1]
+    compiled_fn = torch.compile(smoothed_cross_entropy, backend="aot_eager", fullgraph=True)
+    x = logits.clone().requires_grad_(True)
+    loss, nll = compiled_fn(x, target, 0.1)
+    (loss + 0.3 * nll).backward()
+    for got, want in zip((loss, nll, x.grad), eager):
+        torch.testing.assert_close(got, want)
 
 
 def test_noam_peaks_at_warmup_with_the_papers_values():

@@ -1,0 +1,43 @@
+"""scripts/step_projection.py: its byte counts against hand-computed ones, and the fused loss (objective.py) moving
+fewer bytes than the loss before it, eagerly and compiled."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from conftest import ROOT
+from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.objective import sequence_losses
+
+spec = importlib.util.spec_from_file_location("step_projection", ROOT / "scripts" / "step_projection.py")
+projection = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(projection)
+
+
+def test_the_counter_counts_what_each_operation_reads_and_writes():
+    a, b = torch.randn(100), torch.randn(100)
+    index = torch.tensor([[3], [7]])
+    with projection.Counter() as counter:
+        a + b  # reads 2 x 400 bytes, writes 400
+    assert counter.bytes == 1200
+    with projection.Counter() as counter:
+        a.view(10, 10).t()  # views move nothing
+        torch.empty(1000)  # nor do allocations
+        torch.randn(2, 50).gather(-1, index)  # randn writes 400; gather reads and writes 2 values and the index
+    assert counter.bytes == 400 + 2 * 2 * 4 + 16
+    with projection.Counter() as counter:
+        torch.mm(torch.ones(4, 8), torch.ones(8, 3))  # a matrix product: FLOPs, not bytes (the ones: 2 x 4 x 8 ...)
+    assert counter.flops == 2 * 4 * 8 * 3 and counter.bytes == (4 * 8 + 8 * 3) * 4
+
+
+@pytest.mark.slow
+def test_the_fused_loss_moves_fewer_bytes_than_the_loss_before_it_eagerly_and_compiled():
+    cfg = TransformerConfig(d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, vocab_size=3000)
+    model = Transformer(cfg).train()
+    batch = projection.micro_batch(cfg, 4, 10, 0.9)  # 36 rows of 3,000 logits
+    logits = 36 * 3000
+    for mode, most in (("eager", 24), ("compiled", 8)):  # bytes per logit (bf16): the fused loss at most
+        _, _, fused = projection.count_step(model, batch, sequence_losses, mode)
+        _, _, before = projection.count_step(model, batch, projection.reference_losses, mode)
+        assert fused <= most * logits * 1.01 and fused < before / 1.9, (mode, fused / logits, before / logits)
