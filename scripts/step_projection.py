@@ -6,9 +6,10 @@ time on a named GPU and the target tokens/s it gives.
 
 How it counts. One forward and backward of the model (conf/model preset, bf16 autocast as trainer.precision=bf16-mixed,
 dropout on, the training loss: objective.sequence_losses) on real CPU tensors of two small micro-batches of
-sentences of --length tokens; every count is linear in the number of sentences (attention too: the length is fixed),
-so two sizes give the count at the micro-batch asked for (--tokens padded tokens per side, --real of them real target
-tokens: the rows the loss projects).
+sentences of --length tokens, at 1 and 2 layers a side; every count is linear in the number of sentences (attention
+too: the length is fixed) and in the layers (alike), so these four give the count at the model's depth and the
+micro-batch asked for (--tokens padded tokens per side, --real of them real target tokens: the rows the loss
+projects).
 - eager: a dispatch mode sees every operation: matrix products and attention add their FLOPs (torch's flop
   formulas); every other operation that is not a view adds the bytes of its inputs and outputs. The loss alone is
   counted the same way.
@@ -24,6 +25,7 @@ the bf16 peak, 0.62 of the HBM bandwidth: 3 TB/s on an H200) are what the GPU-st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch._functorch.config
@@ -40,6 +42,7 @@ from transformer_mt.configs import model_preset
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import label_smoothed_nll, sequence_losses, smoothed_cross_entropy
 
+SIZES = (8, 16)  # sentences of the counted micro-batches
 # (HBM bytes/s, dense bf16 FLOP/s) from NVIDIA's data sheets (SXM parts)
 GPUS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
 aten = torch.ops.aten
@@ -181,35 +184,52 @@ def main() -> None:
     transformer_mt.model.FEW_QUERIES = 1 << 30  # the fused attention kernel, as on a GPU (model.py uses math on a CPU)
     bandwidth, peak = GPUS[args.gpu]
     bandwidth, peak = bandwidth * args.bandwidth_efficiency, peak * args.matmul_efficiency
-    target = args.tokens / args.length  # sentences in the micro-batch asked for
-    sizes = (8, 16)  # sentences of the two counted micro-batches
+    sentences = args.tokens / args.length  # in the micro-batch asked for
     print(
         f"projected on {args.gpu}: {bandwidth / 1e12:.2f} TB/s and {peak / 1e12:.0f} TFLOP/s effective; micro-batch "
-        f"{args.tokens:,} padded tokens per side ({target:.0f} sentences of {args.length}), {args.real:,} real "
-        f"target tokens, vocabulary {args.vocab:,}, bf16 autocast"
+        f"{args.tokens:,} padded tokens per side ({sentences:.0f} sentences of {args.length}), {args.real:,} real "
+        f"target tokens, vocabulary {args.vocab:,}, bf16 autocast",
+        flush=True,
     )
     for shape in args.shapes.split(","):
         cfg = TransformerConfig(**model_preset(shape), vocab_size=args.vocab, pad_id=0)
-        model = Transformer(cfg).train()
         for loss_name in args.loss.split(","):
             losses = sequence_losses if loss_name == "fused" else reference_losses
             flops = None  # the eager count's: compiling changes no matrix product
             for mode in ("eager", "compiled") if args.compile else ("eager",):
-                counts = [
-                    count_step(model, micro_batch(cfg, n, args.length, args.real / args.tokens), losses, mode)
-                    for n in sizes
-                ]
-                eager_flops, moved, loss_moved = (
-                    a + (b - a) * (target - sizes[0]) / (sizes[1] - sizes[0]) for a, b in zip(*counts)
-                )
+                eager_flops, moved, loss_moved = projected(cfg, losses, mode, sentences, args)
                 flops = flops or eager_flops
                 seconds = flops / peak + moved / bandwidth
                 print(
                     f"  {shape:5} {loss_name:9} {mode:8}: matrix products and attention {flops / 1e12:5.2f} TFLOP "
                     f"({flops / peak * 1e3:5.1f} ms), memory-bound {moved / 1e9:6.1f} GB "
                     f"({moved / bandwidth * 1e3:5.1f} ms), the loss {loss_moved / 1e9:5.1f} GB of it; "
-                    f"{seconds * 1e3:5.1f} ms, {args.real / seconds / 1e6:.2f}M target tok/s"
+                    f"{seconds * 1e3:5.1f} ms, {args.real / seconds / 1e6:.2f}M target tok/s",
+                    flush=True,
                 )
+
+
+def projected(cfg: TransformerConfig, losses, mode: str, sentences: float, args) -> list[float]:
+    """count_step at 1 and 2 layers a side and at SIZES sentences, extrapolated to cfg's layers and `sentences`:
+    every count is linear in each (the layers are alike; the length is fixed), and compiling 2 layers instead of
+    6 or 12 keeps inductor's part to minutes."""
+    if cfg.n_encoder_layers != cfg.n_decoder_layers:
+        raise SystemExit(f"{cfg.n_encoder_layers} encoder and {cfg.n_decoder_layers} decoder layers: not projected")
+    counts = {}
+    for layers in (1, 2):
+        shallow = dataclasses.replace(cfg, n_encoder_layers=layers, n_decoder_layers=layers)
+        model = Transformer(shallow).train()
+        for n in SIZES:
+            counts[layers, n] = count_step(
+                model, micro_batch(shallow, n, args.length, args.real / args.tokens), losses, mode
+            )
+    by_layers = [[line(sentences, SIZES, a, b) for a, b in zip(counts[layers, SIZES[0]], counts[layers, SIZES[1]])]
+                 for layers in (1, 2)]  # fmt: skip
+    return [line(cfg.n_encoder_layers, (1, 2), a, b) for a, b in zip(*by_layers)]
+
+
+def line(x: float, at: tuple[int, int], y0: float, y1: float) -> float:
+    return y0 + (y1 - y0) * (x - at[0]) / (at[1] - at[0])
 
 
 if __name__ == "__main__":

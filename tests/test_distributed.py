@@ -223,9 +223,11 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
 def test_a_ddp_run_waits_for_the_device_once_per_update_on_every_rank(corpus, tmp_path):
     """test_module's whole-run rule under torchrun and Lightning's DDP on 2 processes: each update waits
     once on every rank, its one all-reduce carrying the tokens, loss sums, stop signals and the clock of
-    time-based checkpoints (no broadcast of its own, no per-batch SIGTERM check)."""
+    time-based checkpoints and of the time budget (trainer.max_time, as a cluster run sets it: no Lightning Timer
+    and its broadcast per micro-batch, no broadcast of its own, no per-batch SIGTERM check)."""
     _, overrides = train_overrides(
         [f"data.path={corpus}", "trainer.strategy=ddp", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"]
+        + ["trainer.max_time=00:01:00:00"]
         + [arg for arg in WAITS_RUN if not arg.startswith("data.tokens_per_update")]
         + ["data.tokens_per_update=1200"],  # 2 micro-batches per update on each of the 2 ranks
         tmp_path,

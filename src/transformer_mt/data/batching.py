@@ -105,6 +105,10 @@ class TokenBucketSampler(Sampler[list[int]]):
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1
         self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1
+        # The epoch's sort keys, in 16 bits where they fit: numpy sorts those by radix (4.5M pairs: 0.3 s, not 1 s)
+        key = np.uint16 if len(self.src_lens) and (self.src_lens + self.tgt_lens).max() <= 65535 else np.int64
+        self._longest = np.maximum(self.src_lens, self.tgt_lens).astype(key)
+        self._total = (self.src_lens + self.tgt_lens).astype(key)
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
@@ -125,10 +129,12 @@ class TokenBucketSampler(Sampler[list[int]]):
         """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
         rng = np.random.default_rng(self.seed + epoch)
         order = self.indices[rng.permutation(len(self.indices))] if self.shuffle else self.indices
-        # Sort by the longer side (what a batch pays for), then by the total; stable, so ties stay shuffled.
-        src, tgt = self.src_lens[order], self.tgt_lens[order]
-        order = order[stable_lexsort(src + tgt, np.maximum(src, tgt))]
-        longest = np.maximum(self.src_lens[order], self.tgt_lens[order])  # non-decreasing
+        # Sort by the longer side (what a batch pays for), then by the total; stable, so ties stay shuffled: two
+        # stable sorts, the minor key first (np.lexsort's order).
+        by_total = np.argsort(self._total[order], kind="stable")
+        longest = self._longest[order[by_total]]
+        by_longest = np.argsort(longest, kind="stable")
+        order, longest = order[by_total[by_longest]], longest[by_longest]  # longest: non-decreasing
         batches = np.split(order, batch_starts(longest, self.max_tokens)[1:])
         if self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -163,15 +169,6 @@ class TokenBucketSampler(Sampler[list[int]]):
         """Resume at batch `position` of `epoch` (ResumableLoader saves how many batches training processed:
         the sampler itself runs ahead of training)."""
         self.epoch, self._resume_at = state["epoch"], state["position"]
-
-
-def stable_lexsort(minor: np.ndarray, major: np.ndarray) -> np.ndarray:
-    """np.lexsort((minor, major)) for small non-negative integers: two stable radix sorts of uint16 keys (4.5M
-    pairs: ~0.1 s instead of ~0.9 s), the same permutation; other keys go through lexsort."""
-    if min(minor.min(initial=0), major.min(initial=0)) < 0 or max(minor.max(initial=0), major.max(initial=0)) > 65535:
-        return np.lexsort((minor, major))
-    by_minor = np.argsort(minor.astype(np.uint16), kind="stable")
-    return by_minor[np.argsort(major[by_minor].astype(np.uint16), kind="stable")]
 
 
 def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:
