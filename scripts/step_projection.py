@@ -152,9 +152,15 @@ def count_step(model, batch, losses, mode: str) -> tuple[int, int, int]:
         logits = model.project(hidden).detach().requires_grad_(True)
     target = batch[2].flatten().index_select(0, batch[3])
     loss_alone = label_smoothed_nll if losses is reference_losses else smoothed_cross_entropy
-    with counting(mode) as loss_counter:
-        compiled(loss_alone, mode)(logits, target, 0.1)[0].backward()
-    return getattr(counter, "flops", 0), counter.bytes, loss_counter.bytes
+    return getattr(counter, "flops", 0), counter.bytes, loss_bytes(loss_alone, logits, target, mode)
+
+
+def loss_bytes(loss, logits, target, mode: str) -> int:
+    """Bytes moved by loss(logits, target, 0.1) (label_smoothed_nll or smoothed_cross_entropy) and its backward."""
+    logits.grad = None  # a gradient to accumulate into would add its bytes
+    with counting(mode) as counter:
+        compiled(loss, mode)(logits, target, 0.1)[0].backward()
+    return counter.bytes
 
 
 def compiled(fn, mode: str):
