@@ -61,7 +61,8 @@ def smoothed_gradient(
 class SmoothedCrossEntropy(torch.autograd.Function):
     """Summed label_smoothed_nll of rows with no padding, and its gradient, without fp32 (N, V) tensors kept
     between forward and backward (the logits themselves and one NLL a row): eagerly in chunks of CHUNK_VALUES
-    (16 bytes moved per logit of bf16, forward and backward), under torch.compile whole (inductor fuses each
+    (24 bytes moved per bf16 logit, forward and backward, on a CPU; ~16 on CUDA, where log_softmax with an fp32
+    dtype is one kernel), under torch.compile whole (inductor fuses each
     direction into passes over the logits: 8 bytes per logit; scripts/step_projection.py counts both)."""
 
     @staticmethod
