@@ -403,6 +403,29 @@ def test_batch_order_is_reshuffled_per_epoch_from_the_seed():
     assert list(unshuffled) == list(unshuffled)
 
 
+def test_a_shuffled_epoch_cuts_the_same_batches_and_orders_ties_at_random():
+    src = np.full(3000, 9)  # one longer side: the totals alone order the sentences
+    tgt = np.r_[np.full(1500, 9), np.full(1500, 8)]  # the last 1,500 (total 19 with EOS/BOS) come first
+    cuts = sorted(len(b) for b in greedy_batches(src + 1, tgt + 1, 100))
+    whole = TokenBucketSampler(src, tgt, max_tokens=10**6, seed=4)  # one batch: the epoch's order itself
+    cut = TokenBucketSampler(src, tgt, max_tokens=100, seed=4)
+    positions, orders = np.zeros(3000), set()
+    for epoch in range(40):
+        (order,) = whole.all_batches(epoch)
+        assert sorted(order[:1500].tolist()) == list(range(1500, 3000)) and sorted(order[1500:]) == list(range(1500))
+        positions[order] += np.r_[np.arange(1500), np.arange(1500)]
+        orders.add(tuple(order[:20].tolist()))
+        batches = cut.all_batches(epoch)
+        assert sorted(len(b) for b in batches) == cuts  # the same cuts as sentence by sentence
+        assert all(len(set((tgt[b]).tolist())) == 1 for b in batches)  # sorted apart before cutting
+    assert len(orders) == 40  # every epoch its own order
+    # A tie's place is uniform: over 40 epochs each sentence's mean place among its 1,500 ties is
+    # 749.5 +- 68 (sd), not its index (a stable sort's order).
+    mean = positions / 40
+    assert 749.5 - 5 * 68 < mean.min() and mean.max() < 749.5 + 5 * 68
+    assert abs(np.corrcoef(np.arange(1500), mean[:1500])[0, 1]) < 0.15
+
+
 @pytest.mark.parametrize("n", [1001, 1002, 37])
 def test_two_ranks_draw_disjoint_equal_shares_of_the_whole_epoch(n):
     src, tgt = lengths(n)
