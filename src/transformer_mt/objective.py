@@ -67,10 +67,16 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
-        rows = max(len(logits), 1)  # no rows: one empty chunk
-        step = rows if torch.compiler.is_compiling() else max(CHUNK_VALUES // max(logits.shape[-1], 1), 1)
-        parts = [smoothed_rows(logits[i : i + step], target[i : i + step], epsilon) for i in range(0, rows, step)]
-        loss, nll = (torch.cat(terms) for terms in zip(*parts))
+        # Compiled: whole, and no Python loop over the rows (a range() of the row count would make dynamo
+        # specialise on it: one graph per batch)
+        step = None if torch.compiler.is_compiling() else max(CHUNK_VALUES // max(logits.shape[-1], 1), 1)
+        if step is None or step >= len(logits):
+            loss, nll = smoothed_rows(logits, target, epsilon)
+        else:
+            parts = [
+                smoothed_rows(logits[i : i + step], target[i : i + step], epsilon) for i in range(0, len(logits), step)
+            ]
+            loss, nll = (torch.cat(terms) for terms in zip(*parts))
         ctx.save_for_backward(logits, target, nll)
         ctx.epsilon, ctx.step = epsilon, step
         return loss.sum(), nll.sum()
@@ -78,7 +84,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, grad_nll: Tensor):
         logits, target, nll = ctx.saved_tensors
-        if ctx.step >= len(logits):
+        if ctx.step is None or ctx.step >= len(logits):
             return smoothed_gradient(logits, target, nll, ctx.epsilon, grad_loss, grad_nll), None, None
         grad = torch.empty_like(logits)
         for i in range(0, len(logits), ctx.step):

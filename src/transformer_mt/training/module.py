@@ -59,13 +59,14 @@ class TranslationModule(L.LightningModule):
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
 
-    def compile_training(self) -> None:
+    def compile_training(self, backend="inductor") -> None:
         """trainer.compile: the training step's forward and loss (sequence_losses) through torch.compile, with
-        dynamic shapes (token buckets vary the batch's sentences and lengths); the backward follows it
+        dynamic shapes (token buckets vary the batch's sentences and lengths: an epoch of WMT14-like batches
+        compiles 2 graphs, not one per shape; test_module counts them); the backward follows it
         (AOTAutograd). Validation's decoding goes through Transformer.compile_decoding. The model
         itself is not wrapped: its parameters and checkpoint keys stay eager's (no `_orig_mod.`); validation
-        losses run eager."""
-        self._training_losses = torch.compile(sequence_losses, dynamic=True)
+        losses run eager. backend: torch.compile's (a test counts graphs with aot_eager)."""
+        self._training_losses = torch.compile(sequence_losses, dynamic=True, backend=backend)
         self.model.compile_decoding()
 
     def _losses(self, batch: dict[str, Tensor], losses=sequence_losses) -> tuple[Tensor, Tensor, Tensor]:
