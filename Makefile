@@ -118,5 +118,5 @@ bench:  ## Speed against peers (transformers, torch.nn.Transformer, CTranslate2)
 	$(PY) scripts/benchmark.py $(if $(CKPT),--ckpt $(CKPT)) $(if $(SRC),--src $(SRC)) $(if $(REF),--ref $(REF)) $(ARGS)
 
 .PHONY: gpu-check
-gpu-check:  ## Tests marked cuda: every GPU path (2 ranks even on one GPU), base's tok/s and MFU through the real Trainer (eager, compiled) beside a bare loop's, waits per update; one table (~7.5 min on an H200, estimated): make gpu-check [ARGS="--multi30k DIR"]
+gpu-check:  ## Tests marked cuda: every GPU path (2 ranks even on one GPU), base's tok/s and MFU through the real Trainer (eager, compiled) beside a bare loop's, waits per update; one table (~7 min on an H200, estimated; needs nothing but the repository): make gpu-check [ARGS="--multi30k DIR"]
 	$(PY) scripts/gpu_check.py $(ARGS)

@@ -2,7 +2,7 @@
 marked `cuda` (tests/test_cuda*.py), then one summary table of their results and key figures, and under it the base
 model's target tok/s and MFU three ways, side by side: the raw loop (tests/test_cuda_kernels.py: a bare PyTorch
 update, no Lightning, no loader, one wait per update: an upper bound), then `experiment=base` through the real entry
-point, `python -m transformer_mt.train`, 200 updates eager and 200 with trainer.compile=true (tests/
+point, `python -m transformer_mt.train`, 200 updates with trainer.compile=false and 200 with true (tests/
 test_cuda_trainer.py: the median of the run log's progress lines after the warm-up). The multi-rank tests run with
 2 ranks on any machine: on 2 or more GPUs over NCCL, on one GPU both ranks on it over gloo. Under them, the waits
 for the device of each update of a short real run, counted by CUDA (torch.cuda.set_sync_debug_mode): one each.
@@ -10,15 +10,19 @@ for the device of each update of a short real run, counted by CUDA (torch.cuda.s
   make gpu-check                          # python scripts/gpu_check.py
   make gpu-check ARGS="--multi30k DIR"    # Multi30k's text files (default: ../shared/data/multi30k, else skipped)
 
-Estimated duration on one H200, ~7.5 minutes (not yet measured on a GPU; the table gives each test's seconds; the
-host-side pieces were timed on 2 cores of an AMD EPYC, the GPU machine has 16): tests/test_cuda.py and
-test_cuda_kernels.py ~1.5 min (small models, the base model's raw loop, SDPA kernels, the auto batch probe, the
-whole-run waits test); test_cuda_runs.py ~3 min (Multi30k: data and 200 updates with a validation ~0.75 min, beam
-search on the GPU and the CPU and TF32 decoding ~0.5 min (100 sentences of beam 4 take 5 s on 2 CPU cores); DDP
-and FSDP on 2 ranks, each then translate, ~1.5 min); test_cuda_trainer.py ~2.5 min (the made-up corpus, its
-SentencePiece and tokenization 6 s on 2 cores; a process's start to its first update ~10 s plus CUDA's context;
-eager ~0.6 min; compiled ~1.75 min, most of it the compile: the base model's first compiled update took 115 s on
-2 CPU cores with inductor's C++ backend).
+Estimated duration on one H200, ~7 minutes (not yet measured on a GPU; the table gives each test's seconds; the
+host-side pieces were timed on 2 cores of an AMD EPYC, the GPU machine has 16). Nothing needs more than the
+repository: without Multi30k's files the Multi30k tests train on a made-up corpus in its layout and size.
+- tests/test_cuda.py and test_cuda_kernels.py ~1.75 min: small models, SDPA kernels, the auto batch probe (~20 sizes,
+  a forward and backward each) twice, the base model's raw loop at the shape the probe gives (13 updates of 25,000
+  tokens), the whole-run waits test;
+- test_cuda_runs.py ~2.75 min: Multi30k (or the made-up corpus: written in 1 s, SentencePiece and tokenization
+  3 s), 150 updates and a validation ~0.6 min; beam search on the GPU and the CPU, TF32 decoding ~0.5 min (100
+  sentences of beam 4 take 5 s on 2 CPU cores); DDP and FSDP on 2 ranks, each then translate, ~1.5 min;
+- test_cuda_trainer.py ~2.5 min: the made-up corpus and its SentencePiece at the recipe's 37,000 pieces 10 s (7 s on
+  2 cores); a process's start to its first update ~10 s plus CUDA's context; eager ~0.6 min; compiled ~1.75 min,
+  most of it the compile (the base model's first compiled update took 115 s on 2 CPU cores with inductor's C++
+  backend; Triton on 16 cores should not be slower).
 
 Without a CUDA GPU it says so in one line and exits 0. The exit status is 1 if a test failed (or pytest did).
 """
@@ -109,7 +113,7 @@ def speed_block(rows: list[Row]) -> list[str]:
     if len(found) < 2:
         return []
     width = max(len(label) for label in SPEED_ROWS.values())
-    lines = ["", "the base model's speed: a bare loop (vocabulary 37,000) beside real runs (8,000; MFU counts both):"]
+    lines = ["", "the base model's speed (vocabulary 37,000, 25,000 tokens per update): a bare loop beside real runs:"]
     for test, label in SPEED_ROWS.items():
         if test in found:
             row = found[test]

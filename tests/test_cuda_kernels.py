@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from conftest import train_in_process
 from device_waits import WAITS_RUN, CudaWaits, counted_run, summary
 from transformer_mt.configs import model_preset
-from transformer_mt.data.batching import collate
+from transformer_mt.data.batching import collate, update_shape
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import device_peak
@@ -55,10 +55,16 @@ def sentence_pairs(sentences: int, length: int, vocab: int, seed: int) -> dict:
 
 @pytest.mark.timeout(300)
 def test_bf16_training_update_of_the_base_model(record_property):
-    # The base recipe on one GPU: 7 micro-batches of 3,572 tokens (docs/training.md), ~25k target tokens per update.
-    vocab, micro_batches, sentences, length, warmup, timed = 37000, 7, 128, 32, 3, 10
+    """The base recipe's update as data.max_tokens=auto shapes it on this GPU: the probe's micro-batch (WMT14's
+    longest training pair, 251 tokens), as few micro-batches as make 25,000 tokens per side (batch_fit's
+    update_shape; one on an H200), of sentences of 27-31 tokens (WMT14's median is ~30); a bare PyTorch loop, no
+    Lightning, no loader, one wait per update: the upper bound the Trainer rows are compared with."""
+    vocab, length, warmup, timed = 37000, 32, 3, 10
     torch.manual_seed(0)
     module = TranslationModule(model={**model_preset("base"), "vocab_size": vocab, "pad_id": PAD_ID}).cuda()
+    max_tokens = fit_max_tokens(module, torch.device("cuda"), "bf16-mixed", longest=251)
+    batch_tokens, micro_batches = update_shape(25_000, max_tokens, 1)
+    sentences = batch_tokens // length
     model = module.model.train()
     optimizers = module.configure_optimizers()  # the project's fused Adam and Noam schedule
     optimizer, schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
@@ -93,10 +99,11 @@ def test_bf16_training_update_of_the_base_model(record_property):
     peak = device_peak(torch.device("cuda"), "bf16-mixed")  # what the training log's MFU uses
     share = f"MFU {peak.utilisation(flops / median):.1%} of {peak.source}" if peak.flops else peak.source
     memory = torch.cuda.max_memory_allocated() / 2**30
-    figures = f"{tokens / median:,.0f} tgt tok/s, {share}, {memory:.1f} GiB"
+    figures = f"{tokens / median:,.0f} tgt tok/s, {share}, {memory:.1f} GiB; {micro_batches} x {batch_tokens:,} tokens"
     print(
-        f"{sum(p.numel() for p in model.parameters()):,} parameters, vocab {vocab:,}, {micro_batches} micro-batches "
-        f"of {sentences} x <= {length} tokens = {tokens:,} target tokens per update, bf16 autocast; median of "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, vocab {vocab:,}, data.max_tokens=auto: "
+        f"{max_tokens:,}; {micro_batches} micro-batch(es) of {sentences} x <= {length} tokens = {tokens:,} target "
+        f"tokens per update, bf16 autocast; median of "
         f"{timed} updates {median * 1000:.0f} ms, {flops / median / 1e12:.1f} TFLOP/s; {name}; peak memory "
         f"{memory:.1f} GiB allocated; losses {', '.join(f'{x:.3f}' for x in losses)}"
     )

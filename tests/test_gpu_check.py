@@ -15,12 +15,22 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from omegaconf import OmegaConf
 
 import transformer_mt.training.fit
 from conftest import ROOT, TINY_RUN, TINY_SHAPE, run_process, write_corpus
 from test_cuda_runs import GLOO_TRAIN, free_port, run_ranks, two_rank_launch
-from test_cuda_trainer import Speed, figures, made_up_corpus, progress_speed, trainer_command, update_shape
+from test_cuda_trainer import (
+    MULTI30K_LAYOUT,
+    Speed,
+    figures,
+    made_up_corpus,
+    progress_speed,
+    trainer_command,
+    update_shape,
+)
 from transformer_mt.configs import compose
+from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.training.fit import trainer_arguments
 from transformer_mt.training.sharding import LayerFSDP
 
@@ -218,7 +228,7 @@ def test_progress_speed_is_the_median_of_the_lines_after_the_warm_up():
     assert speed.losses == [9.12, 8.9, 8.5, 8.3, 8.1]
     assert update_shape(LOG) == "1 x 25,000 tokens"
     assert figures(speed, update_shape(LOG)) == (
-        "375,000 tgt tok/s, MFU 31.0% (median of 4 lines, updates 25-125; 1 x 25,000 tokens, vocab 8,000)"
+        "375,000 tgt tok/s, MFU 31.0% (median of 4 lines, updates 25-125; 1 x 25,000 tokens, vocab 37,000)"
     )
     compiled = speed._replace(tokens_per_second=750_000)
     assert figures(compiled, "1 x 25,000 tokens", eager=speed).endswith("; 2.00x eager")
@@ -263,6 +273,15 @@ def test_made_up_corpus_is_aligned_and_repeatable(tmp_path):
         assert all(len(e.split()) == len(d.split()) and 2 <= len(e.split()) <= 31 for e, d in zip(en, de))
     for name in ("train.en", "test.de"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_a_made_up_multi30k_is_read_by_data_multi30k_where_the_real_one_is_absent(tmp_path):
+    """test_cuda_runs' stand-in for ../shared/data/multi30k on a GPU machine given the repository alone."""
+    corpus = made_up_corpus(tmp_path / "m", 300, words=500, held_out=20, longest=10, median=6, layout=MULTI30K_LAYOUT)
+    cfg = compose("train", ["experiment=multi30k", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}"])
+    data = TranslationDataModule(**{**OmegaConf.to_container(cfg.data, resolve=True), "vocab_size": 300})
+    data.build()
+    assert {split: len(data.splits[split]) for split in data.splits} == {"train": 300, "validation": 20, "test": 20}
 
 
 @pytest.mark.slow
