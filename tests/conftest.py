@@ -2,6 +2,7 @@ import io
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -238,6 +239,13 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(no_gpu)
         if item.get_closest_marker("real_data") and not SHARED_DATA.is_dir():
             item.add_marker(no_data)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now: a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def timeout_of(item, config) -> float:

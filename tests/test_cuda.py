@@ -5,13 +5,15 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from conftest import random_batch, tiny_config
+from conftest import free_port, random_batch, tiny_config
 from transformer_mt.configs import compose
 from transformer_mt.model import Transformer
-from transformer_mt.objective import label_smoothed_nll
+from transformer_mt.objective import label_smoothed_nll, sequence_losses
 from transformer_mt.search import beam_search, greedy, source_batch
 from transformer_mt.tokenizer import EOS_ID
+from transformer_mt.training.sharding import mixed_precision_policy, shard
 
 pytestmark = pytest.mark.cuda
 # cuBLAS is deterministic only with a fixed workspace, set before its first use in this process (as
@@ -161,3 +163,37 @@ def test_deterministic_switch_repeats_training_bit_for_bit(record_property):
         f"deterministic: {len(differ)} of {len(runs[0])} tensors differ; default kernels: {len(differ_free)} differ",
     )
     assert not differ, differ[:5]
+
+
+def test_fsdp_in_bf16_leaves_each_layers_inputs_in_fp32_as_ddp(record_property):
+    """trainer=fsdp's bf16 policy on CUDA (one rank, NCCL): under autocast the weights are gathered in bf16 and every
+    layer's inputs (the residual stream, the encoder's output) arrive in fp32, as under DDP; FSDP2's default would
+    cast them to bf16 at every layer. A training step's loss then equals DDP's (an unsharded model) closely."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = Transformer(tiny_config(d_model=64, d_ff=128, n_heads=4, max_positions=128, dropout=0.0)).cuda()
+        model = copy.deepcopy(plain)
+        shard(model, "cuda", 1, mixed_precision_policy("bf16-mixed", "cuda"))
+        inputs, gathered = set(), set()
+
+        def record(module, args, kwargs):  # after FSDP's own pre-forward hook: the layer's weights are gathered
+            inputs.update(t.dtype for t in [*args, *kwargs.values()] if torch.is_tensor(t) and t.is_floating_point())
+            gathered.update(p.dtype for p in module.parameters())
+
+        for layer in [*model.encoder_layers, *model.decoder_layers]:
+            layer.register_forward_pre_hook(record, with_kwargs=True)
+        src = random_batch([7, 5, 6, 3], 23, seed=1).cuda()
+        tgt = random_batch([5, 6, 2, 4], 23, seed=2).cuda()
+        losses = []
+        for m in (model, plain):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _, n = sequence_losses(m, src, tgt, tgt, 0.1)
+            (loss / n).backward()
+            losses.append((loss / n).item())
+        record_property("figures", f"inputs {sorted(map(str, inputs))}, weights {sorted(map(str, gathered))}")
+        assert inputs == {torch.float32} and gathered == {torch.bfloat16}
+        assert losses[0] == pytest.approx(losses[1], rel=2e-2)  # bf16 weights against autocast's casts of fp32 ones
+    finally:
+        dist.destroy_process_group()

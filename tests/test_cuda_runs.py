@@ -7,7 +7,6 @@ Hub: these machines are offline), else a made-up corpus in their layout: nothing
 import copy
 import csv
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_process
+from conftest import ROOT, free_port, run_process
 from test_cuda_trainer import MULTI30K_LAYOUT, made_up_corpus
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
@@ -155,12 +154,6 @@ def run_ranks(launch: list[tuple[list[str], dict]], cwd: Path, timeout: float) -
             print("\n".join((proc.stdout + proc.stderr).rstrip().splitlines()[-30:]))
             last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "")
             pytest.fail(f"process {rank} of {len(procs)}: exit status {proc.returncode}: {last.strip()[:160]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def logged(run_dir: Path, metric: str) -> list[float]:

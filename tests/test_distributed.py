@@ -9,7 +9,6 @@ encoder/decoder layer, the rest in the root unit, the Transformer)."""
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from conftest import ROOT, hydra_task, random_batch, run_process, run_train, tiny_config, train_overrides
+from conftest import ROOT, free_port, hydra_task, random_batch, run_process, run_train, tiny_config, train_overrides
 from device_waits import WAITS_RUN, Waits, summary
 from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import load_for_inference
@@ -32,7 +31,7 @@ from transformer_mt.objective import sequence_losses
 from transformer_mt.search import greedy, translate_lines
 from transformer_mt.tools.export import export
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.sharding import LayerFSDP, full_copy, local, shard
+from transformer_mt.training.sharding import full_copy, local, mixed_precision_policy, no_gradient_sync, shard
 from transformer_mt.training.update import gradient_norm
 
 pytestmark = pytest.mark.slow  # processes
@@ -80,29 +79,43 @@ def sharded_step(rank: int, port: int, results: dict) -> None:
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
         grad_norm = gradient_norm(model.parameters(), sharded=True).item()  # this rank's shards, then summed
         decoded = Step(full_copy(model)).eval()(src)  # what validation decodes with
-        # trainer=fsdp in bf16: the layers compute in bf16, the shards and their reduced gradients stay fp32.
+        # Accumulation (LayerFSDP.block_backward_sync): a micro-batch without gradient sync reduces nothing; the
+        # next one reduces the sum of both. Each rank takes its half, then the other half.
         model = fresh_model()
-        shard(model, "cpu", WORLD, LayerFSDP(precision="bf16-mixed").mixed_precision_config)
-        outputs = []
-        model.encoder_layers[0].register_forward_hook(lambda module, args, out: outputs.append(out.dtype))
-        Step(model)(src[rows], tgt_in[rows], tgt_out[rows]).backward()
+        shard(model, "cpu", WORLD, policy=None)
+        with no_gradient_sync(model):
+            Step(model)(src[rows], tgt_in[rows], tgt_out[rows]).backward()
+        unreduced = [n for n, p in model.named_parameters() if p.grad is None]
+        other = slice(2 - 2 * rank, 4 - 2 * rank)
+        Step(model)(src[other], tgt_in[other], tgt_out[other]).backward()
+        accumulated = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        # trainer=fsdp in bf16 on a CPU (under autocast, as Lightning's bf16-mixed runs it): weights gathered in bf16,
+        # the shards and their reduced gradients fp32; the layers' inputs cast to bf16 (CPU autocast's LayerNorm needs
+        # it; on CUDA they stay fp32 as DDP's: test_cuda.py).
+        model = fresh_model()
+        shard(model, "cpu", WORLD, mixed_precision_policy("bf16-mixed", "cpu"))
+        inputs, gathered = set(), set()
+
+        def record(module, args, kwargs):  # after FSDP's own pre-forward hook: the layer's weights are gathered
+            inputs.update(t.dtype for t in [*args, *kwargs.values()] if torch.is_tensor(t) and t.is_floating_point())
+            gathered.update(p.dtype for p in module.parameters())
+
+        for layer in [*model.encoder_layers, *model.decoder_layers]:
+            layer.register_forward_pre_hook(record, with_kwargs=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            Step(model)(src[rows], tgt_in[rows], tgt_out[rows]).backward()
         dtypes = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()}
         results[rank] = {
+            "accumulation": (unreduced, accumulated),
             "loss": loss.item(),
             "grads": grads,
             "decoded": decoded,
             "grad_norm": grad_norm,
             "local": local_size,
-            "bf16": (outputs, dtypes),
+            "bf16": (inputs, gathered, dtypes),
         }
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_translations():
@@ -128,7 +141,16 @@ def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_transla
         assert results[rank]["decoded"] == step.eval()(src)
         # The gradient norm of the whole model on every rank, not of its shard (train/grad_norm, the NaN stop)
         assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters(), sharded=False).item())
-        assert results[rank]["bf16"] == ([torch.bfloat16], {torch.float32})
+        assert results[rank]["bf16"] == ({torch.bfloat16}, {torch.bfloat16}, {torch.float32})
+    # Accumulated without sync, then synced: nothing reduced after the first micro-batch, then the mean over the
+    # ranks of each rank's two halves: the gradient of the sum of both halves' losses.
+    step = Step(fresh_model())
+    sum(step(src[r : r + 2], tgt_in[r : r + 2], tgt_out[r : r + 2]) for r in (0, 2)).backward()
+    for rank in range(WORLD):
+        unreduced, accumulated = results[rank]["accumulation"]
+        assert len(unreduced) == len(list(step.parameters())), unreduced  # no parameter got a reduced gradient
+        for name, param in step.model.named_parameters():
+            torch.testing.assert_close(accumulated[name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 # ---------------------------------------------------------------- launchers: torchrun and srun, 2 CPU processes

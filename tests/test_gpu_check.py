@@ -18,8 +18,8 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from omegaconf import OmegaConf
 
 import transformer_mt.training.fit
-from conftest import ROOT, TINY_RUN, TINY_SHAPE, run_process, write_corpus
-from test_cuda_runs import GLOO_TRAIN, free_port, run_ranks, two_rank_launch
+from conftest import ROOT, TINY_RUN, TINY_SHAPE, free_port, run_process, write_corpus
+from test_cuda_runs import GLOO_TRAIN, run_ranks, two_rank_launch
 from test_cuda_trainer import (
     MULTI30K_LAYOUT,
     Speed,

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hydra.types import RunMode
+from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -18,14 +19,19 @@ from transformer_mt import runtime
 from transformer_mt.errors import InputError
 from transformer_mt.runtime import device_peak, end_process_group, use_tf32
 from transformer_mt.training.fit import make_strategy
-from transformer_mt.training.sharding import LayerFSDP
+from transformer_mt.training.sharding import LayerFSDP, mixed_precision_policy
 
 
 def test_fsdp_is_fsdp2_and_in_bf16_reduces_gradients_in_fp32():
-    mixed = make_strategy("fsdp", "bf16-mixed").mixed_precision_config
+    strategy = make_strategy("fsdp", "bf16-mixed")
+    assert isinstance(strategy, LayerFSDP) and strategy.precision == "bf16-mixed"
+    mixed = mixed_precision_policy(strategy.precision, "cuda")  # what configure_ddp shards with on a GPU
     assert isinstance(mixed, MixedPrecisionPolicy)  # fully_shard's (FSDP2), not FSDP1's MixedPrecision
     assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)  # buffers: never cast
-    assert make_strategy("fsdp", "32-true").mixed_precision_config is None  # fp32: no mixed precision at all
+    assert mixed_precision_policy(make_strategy("fsdp", "32-true").precision, "cuda") is None  # fp32: none at all
+    # the layers' inputs: cast to bf16 on a CPU (its autocast's LayerNorm), left in fp32 on CUDA as under DDP
+    assert mixed_precision_policy("bf16-mixed", "cpu").cast_forward_inputs
+    assert not mixed_precision_policy("bf16-mixed", "cuda").cast_forward_inputs
 
 
 def test_ddp_broadcasts_no_buffers_and_sweeps_refuse_fsdp_that_would_relaunch_them(monkeypatch):
@@ -152,3 +158,29 @@ def test_training_bounds_onednns_primitive_cache_unless_the_environment_says_oth
     monkeypatch.setenv(runtime.ONEDNN_CACHE, "256")
     runtime.bound_onednn_cache()
     assert os.environ[runtime.ONEDNN_CACHE] == "256"
+
+
+def test_fsdp_skips_the_gradient_sync_inside_an_accumulation_as_ddps_no_sync(monkeypatch):
+    """Lightning's loop enters strategy.block_backward_sync() for each micro-batch of an update but the last; for
+    trainer=fsdp that turns FSDP2's gradient sync off for its backward (test_distributed: nothing reduced, then the
+    sum of both micro-batches reduced at the next synchronised backward)."""
+    calls = []
+    model = SimpleNamespace(set_requires_gradient_sync=calls.append)
+    strategy = make_strategy("fsdp", "bf16-mixed")
+    monkeypatch.setattr(LayerFSDP, "lightning_module", property(lambda self: SimpleNamespace(model=model)))
+    with _block_parallel_sync_behavior(strategy, block=True):
+        assert calls == [False]
+    assert calls == [False, True]
+    with pytest.raises(RuntimeError), strategy.block_backward_sync():
+        raise RuntimeError("a failed backward")
+    assert calls == [False, True, False, True]  # sync is back on after a failure too
+
+
+def test_the_cpu_peak_probe_draws_nothing_from_the_global_random_generator():
+    """device_peak measures a CPU once per process, at a run's start after seed_everything: had it drawn from the
+    global generator, a process's first run would get other dropout masks than the same run started later
+    (a sweep's first job, or test_protocol's straight run against its resumed one when it ran first)."""
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    runtime.matmul_peak(torch.float32, n=64, repeats=1, seconds=0)
+    assert torch.equal(torch.random.get_rng_state(), before)

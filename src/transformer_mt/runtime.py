@@ -207,7 +207,9 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: fl
     product's time / the fastest's). Other processes that take the cores for a moment slow some of them, not
     the fastest (5 products in a row, ~0.1 s in bf16, once gave 371 GFLOP/s on a CPU that measures ~850, and
     that run's every MFU twice the real one); a spread over 2 says they did (Peak.disturbed)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    values = torch.Generator().manual_seed(0)  # not the global generator: a run's dropout must not depend on whether
+    # this process measured the peak before (it does once: the first run of a sweep would differ from a rerun)
+    a, b = (torch.randn(n, n, generator=values).to(dtype) for _ in range(2))
     a @ b  # the first product allocates and wakes the threads
     fastest, slowest, done, began = float("inf"), 0.0, 0, time.perf_counter()
     while True:

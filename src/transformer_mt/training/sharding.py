@@ -17,6 +17,9 @@ state dicts, so every checkpoint is an ordinary .ckpt that averaging, export, ev
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint.state_dict import (
@@ -40,16 +43,26 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 class LayerFSDP(DDPStrategy):
     """FSDP2 per encoder/decoder layer, the embeddings and final norms in the root unit (the Transformer).
     In bf16 the parameters are gathered in bf16 (the products run in bf16, under Lightning's autocast as with
-    DDP) and gradients are reduced in fp32; buffers (the sinusoid table) are never cast. The same class runs
-    on CPU processes over gloo, which is how the slow test tier trains with it."""
+    DDP) and gradients are reduced in fp32; buffers (the sinusoid table) are never cast. Inside an accumulation
+    the gradients are not reduce-scattered until the update's last micro-batch, as DDP's no_sync. The same class
+    runs on CPU processes over gloo, which is how the slow test tier trains with it."""
 
     def __init__(self, precision: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.mixed_precision_config = bf16 if precision == "bf16-mixed" else None
+        self.precision = precision
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecisionPolicy | None:
+        return mixed_precision_policy(self.precision, self.root_device.type)
 
     def configure_ddp(self) -> None:  # in place of DDP's wrapper
         shard(self.lightning_module.model, self.root_device.type, self.world_size, self.mixed_precision_config)
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's loop enters this for every micro-batch of an update but the last (DDP's no_sync)."""
+        with no_gradient_sync(self.lightning_module.model):
+            yield
 
     def lightning_module_state_dict(self) -> dict:
         return get_model_state_dict(self.lightning_module, options=FULL)
@@ -82,6 +95,30 @@ def shard(model: Transformer, device_type: str, world_size: int, policy: MixedPr
     fully_shard(model, mesh=mesh, mp_policy=policy)
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(model, name)
+
+
+def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrecisionPolicy | None:
+    """trainer=fsdp's FSDP2 policy: in bf16-mixed, weights gathered in bf16 and gradients reduced in fp32. On CUDA
+    the layers' inputs are not cast (FSDP2 casts them to bf16 by default: the residual stream and the encoder's
+    output would be rounded at every layer, where DDP keeps them fp32; CUDA's autocast runs LayerNorm in fp32
+    with its bf16 weights cast up). On a CPU they are: CPU autocast runs LayerNorm in its input's dtype and refuses
+    an fp32 input with bf16 weights, so there the stream enters each layer in bf16 (DDP's: fp32)."""
+    if precision != "bf16-mixed":
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=device_type != "cuda"
+    )
+
+
+@contextmanager
+def no_gradient_sync(model: Transformer) -> Iterator[None]:
+    """Backward passes that keep their gradients unsharded on each rank, to be reduce-scattered with the next
+    synchronised one (FSDP2's set_requires_gradient_sync): one reduce-scatter per update, not per micro-batch."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def is_sharded(strategy) -> bool:
