@@ -252,9 +252,11 @@ def duration(seconds: float) -> str:
 
 
 def flops_text(flops_per_second: float) -> str:
-    """FLOP/s for a person, 3 significant digits: 412 GFLOP/s or 0.0512 GFLOP/s on a CPU, 412.3 TFLOP/s on a GPU."""
+    """FLOP/s for a person, at least 3 significant digits: 412 GFLOP/s or 0.0512 GFLOP/s on a CPU, 1.34 TFLOP/s on
+    an AMX CPU, 412.3 TFLOP/s on a GPU."""
     if flops_per_second >= 1e12:
-        return f"{flops_per_second / 1e12:,.1f} TFLOP/s"
+        tera = flops_per_second / 1e12
+        return f"{tera:,.{2 if tera < 10 else 1}f} TFLOP/s"
     return f"{flops_per_second / 1e9:.3g} GFLOP/s"
 
 

@@ -162,6 +162,7 @@ def finish_run(
         "devices": devices,
         "mfu": float(f"{mfu:.4g}") if mfu else None,
         "peak": peak.source if peak else None,
+        "peak_flops_per_second": float(f"{peak.flops:.4g}") if peak and peak.flops else None,
         "parameters": None,
         "decoding": decoding,
         **(extra or {}),
