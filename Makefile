@@ -7,7 +7,7 @@ PYTHON ?= python3
 TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
-WORKERS ?= 2  # make test-slow: tests at a time (most of its processes keep one core busy, not two)
+WORKERS ?= 2  # make test, make test-slow: tests at a time (pytest-xdist; each worker gets cores / WORKERS threads)
 
 .PHONY: help install test test-full lint format clean
 
@@ -27,8 +27,8 @@ install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this 
 	@echo "make install: done; next: make test"
 
 .PHONY: test-slow
-test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (not marked slow or cuda)
-	$(PYTEST) -m "not slow and not cuda"
+test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (not marked slow or cuda), WORKERS=2 at a time
+	$(PYTEST) -m "not slow and not cuda" -n $(WORKERS)
 
 test-slow:  ## Run the slow tier only: tests that launch trainings or processes, WORKERS=2 at a time (pytest-xdist)
 	$(PYTEST) -m "slow and not cuda" -n $(WORKERS)
