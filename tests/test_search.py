@@ -176,3 +176,20 @@ def test_compiled_decoding_chooses_eagers_tokens_and_scores():
     weights = trained_like_model(3).state_dict()
     model = trained_like_model(3).compile_decoding()
     assert model.state_dict().keys() == weights.keys()  # checkpoints of a compiled model are eager's
+
+
+def test_decoding_follows_the_weights_when_they_change_in_place():
+    """Decoding multiplies by copies of the weights (decoding_state.decoding_weights, kept on the model): changed in
+    place, as an optimizer step or load_state_dict changes them, the next decode uses the new weights."""
+    model, src = trained_like_model(0), source_batch(SOURCES)
+    before = beam_search(model, src, beam_size=4, max_len_b=8)[0], greedy(model, src, max_len_b=8)
+    with torch.no_grad():
+        for i, parameter in enumerate(model.parameters()):
+            parameter.add_(torch.randn_like(parameter), alpha=0.5 if i % 2 else 0.2)
+    fresh = trained_like_model(0)
+    fresh.load_state_dict(model.state_dict())
+    after = beam_search(model, src, beam_size=4, max_len_b=8)[0], greedy(model, src, max_len_b=8)
+    assert after == (beam_search(fresh, src, beam_size=4, max_len_b=8)[0], greedy(fresh, src, max_len_b=8))
+    assert after != before
+    model.load_state_dict(trained_like_model(0).state_dict())  # copied in: back to the first weights
+    assert (beam_search(model, src, beam_size=4, max_len_b=8)[0], greedy(model, src, max_len_b=8)) == before

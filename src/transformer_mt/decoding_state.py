@@ -7,14 +7,55 @@ Shapes as in model.py: B sentences (memory rows), beam hypotheses each, H heads,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
+
+
+class Stacked(NamedTuple):
+    """Linear layers that read the same input, as one for decoding: their weights stacked and transposed, (d, sum of
+    widths) contiguous (a few rows multiply faster by a contiguous (d, out) matrix: 1.2-1.9x on 2 cores), their
+    biases, and the width of each."""
+
+    weight: Tensor
+    bias: Tensor
+    widths: list[int]
+
+    @classmethod
+    def of(cls, *layers: nn.Linear) -> Stacked:
+        weight = torch.cat([layer.weight for layer in layers]).t().contiguous()
+        return cls(weight, torch.cat([layer.bias for layer in layers]), [layer.out_features for layer in layers])
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's projections stacked for decoding."""
+
+    self_qkv: Stacked  # self-attention's W_q, W_k, W_v: one product per step
+    memory_kv: Stacked  # cross-attention's W_k, W_v: one product per sentence, at the first step
+
+
+def decoding_weights(model: nn.Module) -> tuple[Tensor, list[LayerWeights]]:
+    """Decoding's copies of a Transformer's weights, laid out for a few rows at a time: the output projection
+    transposed (d, V) and each decoder layer's LayerWeights. Copies, so the parameters (and checkpoints) stay as
+    they are; kept on the model, made again only when a parameter changed (an optimizer step, load_state_dict)."""
+    version = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in model.parameters())
+    if getattr(model, "_decoding_weights", (None,))[0] != version:
+        with torch.no_grad():
+            output = model.output_weight.t().contiguous()
+            layers = [
+                LayerWeights(Stacked.of(a.q_proj, a.k_proj, a.v_proj), Stacked.of(c.k_proj, c.v_proj))
+                for a, c in ((layer.self_attn, layer.cross_attn) for layer in model.decoder_layers)
+            ]
+        model.__dict__["_decoding_weights"] = (version, (output, layers))  # a plain attribute, not module state
+    return model._decoding_weights[1]
 
 
 @dataclass
 class LayerCache:
     """One decoder layer's incremental-decoding state."""
 
+    weights: LayerWeights
     self_kv: list[Tensor] = field(default_factory=list)  # [keys, values], (B * beam, H, t, dk or dv); grows
     memory_kv: tuple[Tensor, Tensor] | None = None  # the memory's (keys, values), (B, H, S, dk or dv); step 1 on
 
@@ -27,6 +68,7 @@ class DecoderState:
     src_mask: Tensor  # (B, 1, 1, S) bool
     memory: Tensor | None  # (B, S, d), the encoder's output: projected by each layer at the first step, then None
     layers: list[LayerCache]
+    output: Tensor  # the output projection transposed, (d, V) (Transformer.decoding_weights)
     length: int = 0  # target positions decoded so far
 
     def make_contiguous(self) -> None:

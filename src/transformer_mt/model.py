@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.attention_recording import explicit_attention
-from transformer_mt.decoding_state import DecoderState, LayerCache
+from transformer_mt.decoding_state import DecoderState, LayerCache, Stacked, decoding_weights
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
 FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
@@ -161,15 +161,21 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
 
+    def project_stacked(self, x: Tensor, stacked: Stacked) -> list[Tensor]:
+        """x (B, L, d) through the projections of `stacked` in one product, each result split into heads."""
+        out = torch.addmm(stacked.bias, x.reshape(-1, x.size(-1)), stacked.weight).view(*x.shape[:-1], -1)
+        return [self.split_heads(part) for part in out.split(stacked.widths, dim=-1)]
+
     def forward(
         self,
         query: Tensor,
         kv: tuple[Tensor, Tensor],
         mask: Tensor | None = None,
         causal: bool = False,
+        q: Tensor | None = None,
     ) -> Tensor:
-        # query: (B, Lq, d); kv: keys (B, H, Lk, dk) and values (B, H, Lk, dv), already projected
-        q = self.split_heads(self.q_proj(query))  # (B, H, Lq, dk)
+        # query: (B, Lq, d); kv: keys (B, H, Lk, dk) and values (B, H, Lk, dv), already projected; q (B, H, Lq, dk)
+        q = self.split_heads(self.q_proj(query)) if q is None else q  # q given: projected with k and v (decoding)
         k, v = kv
         if self.recording:
             out, self.weights = explicit_attention(q, k, v, mask, causal)
@@ -249,20 +255,18 @@ class DecoderLayer(nn.Module):
         # weights around its forward only (outside it they are flat shards).
 
         def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
-            k, v = self.self_attn.project_kv(h)
-            if cache is not None and cache.self_kv:
+            if cache is None:
+                return self.self_attn(h, self.self_attn.project_kv(h), causal=True)
+            q, k, v = self.self_attn.project_stacked(h, cache.weights.self_qkv)  # decoding: one product
+            if cache.self_kv:
                 k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
-            if cache is not None:
-                cache.self_kv = [k, v]
-            return self.self_attn(h, (k, v), causal=cache is None)
+            cache.self_kv = [k, v]
+            return self.self_attn(h, (k, v), q=q)
 
         def cross_attention(h: Tensor) -> Tensor:
-            if cache is not None and cache.memory_kv is not None:
-                memory_kv = cache.memory_kv
-            else:
-                memory_kv = self.cross_attn.project_kv(memory)  # (B, H, S, dk), (B, H, S, dv), once per sentence
-                if cache is not None:
-                    cache.memory_kv = memory_kv
+            if cache is not None and cache.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv): once per sentence
+                cache.memory_kv = tuple(self.cross_attn.project_stacked(memory, cache.weights.memory_kv))
+            memory_kv = self.cross_attn.project_kv(memory) if cache is None else cache.memory_kv
             # The hypotheses of one sentence share its memory and attend to it as one block of queries
             # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
             queries = h.view(memory_kv[0].size(0), -1, h.size(-1))
@@ -356,7 +360,8 @@ class Transformer(nn.Module):
     def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
         step, once per sentence (shared by its beam hypotheses), and keeps them."""
-        return DecoderState(key_mask(src_pad), memory, [LayerCache() for _ in self.decoder_layers])
+        output, layers = decoding_weights(self)
+        return DecoderState(key_mask(src_pad), memory, [LayerCache(weights) for weights in layers], output=output)
 
     def compile_decoding(self) -> Transformer:
         """encode and decode_step through torch.compile (dynamic shapes: the batch, the source length and the
@@ -386,7 +391,7 @@ class Transformer(nn.Module):
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
         state.length, state.memory = state.length + 1, None  # every layer holds its projection now
-        return self.project(self.final_norm(x[:, 0], "decoder"))
+        return self.final_norm(x[:, 0], "decoder") @ state.output  # = project(), by the transposed copy
 
 
 def training_flops(cfg: TransformerConfig, src_lens: Sequence[int] | Tensor, tgt_lens: Sequence[int] | Tensor) -> float:

@@ -41,7 +41,7 @@ def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
     return (a * (src.ne(PAD_ID).sum(1) - 1) + b).long()
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[list[int]]:
     """Arg-max decoding; returns each sentence's tokens without BOS/EOS. Finished sentences leave the batch."""
     memory, src_pad = model.encode(src)
@@ -70,15 +70,15 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
     return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
 
 
-def next_token_logits(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor) -> tuple[Tensor, Tensor]:
-    """One decoding step: float32 logits (n*K, V) that exclude PAD, and allow only EOS where `at_limit` (n*K,)
-    is True; and their log-normaliser log_z (n*K, 1), taken before any exclusion: log P(token) = logit - log_z."""
-    logits = model.decode_step(prev, state).float()
-    log_z = logits.logsumexp(-1, keepdim=True)  # over the whole vocabulary
-    logits[:, PAD_ID] = -torch.inf
-    eos = torch.arange(logits.size(1), device=logits.device) == EOS_ID
-    logits[at_limit] = torch.where(eos, logits[at_limit], -torch.inf)
-    return logits, log_z
+def next_token_logprobs(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor) -> Tensor:
+    """One decoding step: float32 log P(token) (n*K, V), normalised over the whole vocabulary, then PAD excluded
+    (-inf) and, where `at_limit` (n*K,) is True, every token but EOS."""
+    logprobs = model.decode_step(prev, state).float().log_softmax(-1)  # one pass (logsumexp and a subtraction: 4)
+    logprobs[:, PAD_ID] = -torch.inf
+    if at_limit.any():  # rarely: a step's mask, not a pass over every row's logits at every step
+        eos = torch.arange(logprobs.size(1), device=logprobs.device) == EOS_ID
+        logprobs[at_limit] = torch.where(eos, logprobs[at_limit], -torch.inf)
+    return logprobs
 
 
 def gather_hypotheses(tokens: Tensor, index: Tensor) -> Tensor:
@@ -86,19 +86,19 @@ def gather_hypotheses(tokens: Tensor, index: Tensor) -> Tensor:
     return tokens.gather(1, index[..., None].expand(-1, -1, tokens.size(2)))
 
 
-def best_candidates(logits: Tensor, log_z: Tensor, alive_scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The best 2K continuations of each sentence's K live hypotheses: (scores, beam, token), each (n, 2K), best first.
+def best_candidates(logprobs: Tensor, alive_scores: Tensor, C: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The best C continuations of each sentence's k live hypotheses: (scores, beam, token), each (n, C), best first.
 
-    logits (n*K, V), log_z (n*K, 1) its log-normaliser; alive_scores (n, K) log P of each hypothesis.
-    The best 2K of all K * V candidates are among each hypothesis' own best 2K tokens: rank those
-    (K * 2K per sentence), not the whole (K * V) table.
+    logprobs (n*k, V) log P of each next token; alive_scores (n, k) log P of each hypothesis.
+    The best C of all k * V candidates are among each hypothesis' own best C tokens: rank those
+    (k * C per sentence), not the whole (k * V) table.
     """
-    n, K = alive_scores.shape
-    C = min(2 * K, logits.size(1))  # 2K: at most K of them end in EOS
-    row_logits, row_tokens = logits.topk(C, dim=1)  # (n*K, C)
-    cand = (alive_scores.view(-1, 1) + row_logits - log_z).view(n, K * C)
+    n, k = alive_scores.shape
+    C = min(C, logprobs.size(1))
+    row_logprobs, row_tokens = logprobs.topk(C, dim=1)  # (n*k, C)
+    cand = (alive_scores.view(-1, 1) + row_logprobs).view(n, k * C)
     top_scores, top_idx = cand.topk(C, dim=1)
-    return top_scores, top_idx // C, row_tokens.view(n, K * C).gather(1, top_idx)
+    return top_scores, top_idx // C, row_tokens.view(n, k * C).gather(1, top_idx)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Finished:
         return lists
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(
     model: Transformer,
     src: Tensor,
@@ -150,7 +150,9 @@ def beam_search(
 ) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]]:
     """§6.1 beam search, vectorised over sentences and beams.
 
-    A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
+    The first step runs once per sentence, from BOS alone, before the beam is expanded to K
+    hypotheses (the K would be equal there). A hypothesis Y scores log P(Y) / length_penalty(|Y|).
+    A sentence stops when its n_best-th
     best finished hypothesis beats the best any live one could reach (its log-probability only
     falls, its penalty is at most that of the maximum length), so the n best it returns are those
     of a search that never stops early; or at the maximum length, where EOS is forced. Finished
@@ -163,20 +165,19 @@ def beam_search(
     memory, src_pad = model.encode(src)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
-    state = model.start_decoding(memory, src_pad)  # B sentences; the cache grows to B * K rows at step 0
+    state = model.start_decoding(memory, src_pad)  # B sentences; the cache grows to B * K rows after step 0
 
     alive_ids = torch.arange(B, device=device)  # original index of each sentence still searching
-    alive_scores = torch.full((B, K), -torch.inf, device=device)
-    alive_scores[:, 0] = 0.0  # all beams start equal: expand only the first at step 0
-    alive_tokens = torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device)
-    prev = torch.full((B * K,), BOS_ID, dtype=torch.long, device=device)
+    alive_scores = torch.zeros((B, 1), device=device)  # (n, k) log P: one hypothesis (BOS) at step 0, then K
+    alive_tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
+    prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     finished = Finished.empty(B, K, width, device)  # per original sentence
 
     for t in range(width):
-        n = alive_ids.numel()
-        at_limit = (t >= limits[alive_ids]).repeat_interleave(K)  # EOS is forced at the maximum length
-        logits, log_z = next_token_logits(model, prev, state, at_limit)  # (n*K, V), (n*K, 1)
-        top_scores, beam, token = best_candidates(logits, log_z, alive_scores)
+        n, k = alive_scores.shape
+        at_limit = (t >= limits[alive_ids]).repeat_interleave(k)  # EOS is forced at the maximum length
+        logprobs = next_token_logprobs(model, prev, state, at_limit)  # (n*k, V)
+        top_scores, beam, token = best_candidates(logprobs, alive_scores, 2 * K)  # 2K: at most K end in EOS
         history = gather_hypotheses(alive_tokens, beam)  # (n, 2K, width)
         history[:, :, t] = token
         ends = token.eq(EOS_ID)
@@ -190,7 +191,7 @@ def beam_search(
         # Alive: the best K candidates that did not end.
         alive_scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
         alive_tokens = gather_hypotheses(history, pick)
-        rows = (torch.arange(n, device=device)[:, None] * K + beam.gather(1, pick)).view(-1)
+        rows = (torch.arange(n, device=device)[:, None] * k + beam.gather(1, pick)).view(-1)  # (n*K,) of n*k
         prev = alive_tokens[:, :, t].reshape(-1)
 
         # Early stop: no live hypothesis can beat the n_best-th finished one.
@@ -203,7 +204,7 @@ def beam_search(
             alive_ids, alive_scores, alive_tokens = alive_ids[keep], alive_scores[keep], alive_tokens[keep]
             state.select(rows.view(n, K)[keep].view(-1), sentences=keep)
             prev = prev.view(n, K)[keep].view(-1)
-        else:  # rows only permute beams of the same sentence: encoder states stay as they are
+        else:  # rows only permute (or, after step 0, expand) the beams of each sentence: encoder states stay
             state.select(rows)
 
     nbest = finished.nbest(n_best)
