@@ -193,3 +193,24 @@ def test_decoding_follows_the_weights_when_they_change_in_place():
     assert after != before
     model.load_state_dict(trained_like_model(0).state_dict())  # copied in: back to the first weights
     assert (beam_search(model, src, beam_size=4, max_len_b=8)[0], greedy(model, src, max_len_b=8)) == before
+
+
+@pytest.mark.parametrize("seed, beam", [(5, 4), (1, 3), (1, 2), (5, 3)])  # seeds whose alphas disagree
+def test_one_search_for_several_alphas_equals_a_search_for_each(seed, beam):
+    """make tune's grid decodes its length penalties in one search: per alpha, the n-best (tokens and scores) of that
+    alpha's search alone, for the 1-best (which stops sooner) and the whole beam, in batches of every size."""
+    model, alphas = trained_like_model(seed), [0.0, 0.3, 0.6, 1.0, 1.5, 2.0]
+    sources = SOURCES * 2 + [[5, 9, 11, 17, 6, 10, 12, 7]]
+    chosen = set()  # the 1-best translations of each alpha
+    for n_best in (0, beam):
+        joint = translate_ids(model, sources, beam, alphas, max_len_b=10, n_best=n_best, tokens_per_batch=50)
+        assert len(joint) == len(alphas)
+        for alpha, got in zip(alphas, joint, strict=True):
+            alone = translate_ids(model, sources, beam, alpha, max_len_b=10, n_best=n_best, tokens_per_batch=50)
+            if n_best:
+                assert [[t for t, _ in hyps] for hyps in got] == [[t for t, _ in hyps] for hyps in alone]
+                assert [s for hyps in got for _, s in hyps] == pytest.approx([s for hyps in alone for _, s in hyps])
+            else:
+                assert got == alone
+                chosen.add(tuple(map(tuple, got)))
+    assert len(chosen) > 1  # the alphas chose differently: the test tests something

@@ -138,30 +138,36 @@ class Finished:
         return lists
 
 
+Alphas = float | Sequence[float]  # one length penalty, or several served by one search (beam_search)
+
+
+def alpha_list(alpha: Alphas) -> list[float]:
+    return [alpha] if isinstance(alpha, int | float) else list(alpha)
+
+
 @torch.inference_mode()
 def beam_search(
     model: Transformer,
     src: Tensor,
     beam_size: int = 4,
-    alpha: float = 0.6,
+    alpha: Alphas = 0.6,
     max_len_a: float = 1.0,
     max_len_b: int = 50,
     n_best: int = 1,
-) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]]:
-    """§6.1 beam search, vectorised over sentences and beams.
+) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]] | list:
+    """§6.1 beam search, vectorised over sentences and beams; the first step once per sentence, from BOS, before
+    the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
+    best finished hypothesis beats the best any live one could reach (its log-probability only falls, its penalty
+    is at most that of the maximum length), so the n best it returns are those of a search that never stops early;
+    or at the maximum length, where EOS is forced. Finished sentences leave the batch. Returns the best tokens per
+    sentence and its n-best list of (tokens, score), best first; tokens exclude BOS/EOS. n_best <= beam_size.
 
-    The first step runs once per sentence, from BOS alone, before the beam is expanded to K
-    hypotheses (the K would be equal there). A hypothesis Y scores log P(Y) / length_penalty(|Y|).
-    A sentence stops when its n_best-th
-    best finished hypothesis beats the best any live one could reach (its log-probability only
-    falls, its penalty is at most that of the maximum length), so the n best it returns are those
-    of a search that never stops early; or at the maximum length, where EOS is forced. Finished
-    sentences leave the batch. Returns the best tokens per sentence and its n-best list of
-    (tokens, score), best first; tokens exclude BOS/EOS. n_best <= beam_size.
-    """
+    Several alphas (make tune's grid): which hypotheses live and which end never depend on alpha, only which
+    finished ones rank best and when a sentence may stop; one search keeps each alpha's finished ones and stops a
+    sentence once it may for all: a list of results, one per alpha, each that alpha's search alone."""
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best={n_best}: must be between 1 and the beam size {beam_size}")
-    B, K, device = src.size(0), beam_size, src.device
+    B, K, device, alphas = src.size(0), beam_size, src.device, alpha_list(alpha)
     memory, src_pad = model.encode(src)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
@@ -171,7 +177,8 @@ def beam_search(
     alive_scores = torch.zeros((B, 1), device=device)  # (n, k) log P: one hypothesis (BOS) at step 0, then K
     alive_tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
-    finished = Finished.empty(B, K, width, device)  # per original sentence
+    finished = [Finished.empty(B, K, width, device) for _ in alphas]  # per alpha, per original sentence
+    in_beam = torch.arange(2 * K, device=device) < K
 
     for t in range(width):
         n, k = alive_scores.shape
@@ -182,21 +189,21 @@ def beam_search(
         history[:, :, t] = token
         ends = token.eq(EOS_ID)
 
-        # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is
-        # greedy), merged with those kept so far; keep the best K.
-        in_beam = torch.arange(top_scores.size(1), device=device) < K
-        new_fin = torch.where(ends & in_beam, top_scores / length_penalty(t + 1, alpha), -torch.inf)
-        best_fin = finished.add(alive_ids, new_fin, history)
-
         # Alive: the best K candidates that did not end.
         alive_scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
         alive_tokens = gather_hypotheses(history, pick)
         rows = (torch.arange(n, device=device)[:, None] * k + beam.gather(1, pick)).view(-1)  # (n*K,) of n*k
         prev = alive_tokens[:, :, t].reshape(-1)
 
-        # Early stop: no live hypothesis can beat the n_best-th finished one.
-        best_possible = alive_scores[:, 0] / length_penalty(limits[alive_ids] + 1, alpha)
-        done = best_fin[:, n_best - 1] >= best_possible
+        # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
+        # with those kept so far, the best K kept. Early stop: no live hypothesis can beat the n_best-th finished.
+        ended = ends & in_beam[: ends.size(1)]
+        done = torch.ones(n, dtype=torch.bool, device=device)
+        for fin, a in zip(finished, alphas):
+            best_fin = fin.add(
+                alive_ids, torch.where(ended, top_scores / length_penalty(t + 1, a), -torch.inf), history
+            )
+            done &= best_fin[:, n_best - 1] >= alive_scores[:, 0] / length_penalty(limits[alive_ids] + 1, a)
         if done.all():
             break
         if done.any():  # drop finished sentences (and their encoder states) from the batch
@@ -207,15 +214,15 @@ def beam_search(
         else:  # rows only permute (or, after step 0, expand) the beams of each sentence: encoder states stay
             state.select(rows)
 
-    nbest = finished.nbest(n_best)
-    return [h[0][0] for h in nbest], nbest
+    results = [([h[0][0] for h in nbest], nbest) for nbest in (fin.nbest(n_best) for fin in finished)]
+    return results if not isinstance(alpha, int | float) else results[0]
 
 
 def translate_ids(
     model: Transformer,
     sources: list,
     beam_size: int = 1,
-    alpha: float = 0.6,
+    alpha: Alphas = 0.6,
     max_len_a: float = 1.0,
     max_len_b: int = 50,
     tokens_per_batch: int = 16384,
@@ -227,14 +234,17 @@ def translate_ids(
     A batch holds at most `tokens_per_batch` source tokens counted over all beams (sentences x
     beam x longest). `progress` shows a bar of translated sentences on stderr. Each result is the
     best tokens; with n_best=K > 0, the K best (tokens, score) pairs instead, best first (K <= beam_size).
+    Several alphas: one search for all (beam_search), a list of results per alpha.
     """
     if n_best > beam_size:
         raise InputError(f"n_best={n_best} exceeds the beam size {beam_size}: set decoding.beam_size={n_best} or more")
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    results: list = [[] for _ in sources]
+    alphas = alpha_list(alpha)
+    results: list = [[[] for _ in sources] for _ in alphas]
     device = next(model.parameters()).device
     was_training = model.training
-    model.eval()
+    if was_training:
+        model.eval()
     bar = tqdm(
         total=len(sources),
         desc="translating",
@@ -249,19 +259,19 @@ def translate_ids(
         while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= tokens_per_batch:
             end += 1
         src = source_batch([sources[i] for i in order[start:end]], device)
-        if n_best:
-            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, n_best=n_best)[1]
-        elif beam_size == 1:
-            hyps = greedy(model, src, max_len_a, max_len_b)
+        if beam_size == 1 and not n_best:  # greedy: alpha changes nothing
+            per_alpha = [greedy(model, src, max_len_a, max_len_b)] * len(alphas)
         else:
-            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b)[0]
-        for i, hyp in zip(order[start:end], hyps):
-            results[i] = hyp
+            found = beam_search(model, src, beam_size, alphas, max_len_a, max_len_b, n_best=max(n_best, 1))
+            per_alpha = [nbest if n_best else best for best, nbest in found]
+        for alpha_results, hyps in zip(results, per_alpha):
+            for i, hyp in zip(order[start:end], hyps):
+                alpha_results[i] = hyp
         bar.update(end - start)
         start = end
     bar.close()
     model.train(was_training)
-    return results
+    return results if not isinstance(alpha, int | float) else results[0]
 
 
 def translate_lines(
@@ -269,7 +279,8 @@ def translate_lines(
 ) -> list:  # decoding: translate_ids' options (conf/decoding, progress, n_best)
     """Text in, text out, same order. Empty lines stay empty; inputs longer than the model's
     positions are truncated, calling `warn(message)` for each (lines numbered from first_line).
-    With n_best=K, each line gives its K best (text, score) pairs instead of a text."""
+    With n_best=K, each line gives its K best (text, score) pairs instead of a text. Several alphas: a list of
+    those outputs, one per alpha, from one search (beam_search)."""
     limit = model.cfg.max_positions - 1  # room for EOS
     sources = tokenizer.encode([line.strip() for line in lines])
     for i, ids in enumerate(sources):
@@ -279,15 +290,19 @@ def translate_lines(
             sources[i] = ids[:limit]
     todo = [i for i, ids in enumerate(sources) if ids]
     results = translate_ids(model, [sources[i] for i in todo], **decoding)
-    if decoding.get("n_best"):  # each line: its K best (text, score), best first; an empty line: ("", 0.0)
-        outputs = [[("", 0.0)] for _ in lines]
-        for i, hyps in zip(todo, results):
-            outputs[i] = list(zip(tokenizer.decode([ids for ids, _ in hyps]), [score for _, score in hyps]))
+
+    def texts(results: list) -> list:
+        if decoding.get("n_best"):  # each line: its K best (text, score), best first; an empty line: ("", 0.0)
+            outputs = [[("", 0.0)] for _ in lines]
+            for i, hyps in zip(todo, results):
+                outputs[i] = list(zip(tokenizer.decode([ids for ids, _ in hyps]), [score for _, score in hyps]))
+            return outputs
+        outputs = [""] * len(lines)
+        for i, text in zip(todo, tokenizer.decode(results)):
+            outputs[i] = text
         return outputs
-    outputs = [""] * len(lines)
-    for i, text in zip(todo, tokenizer.decode(results)):
-        outputs[i] = text
-    return outputs
+
+    return texts(results) if isinstance(decoding.get("alpha", 0.6), int | float) else [texts(r) for r in results]
 
 
 def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:

@@ -30,21 +30,58 @@ class RunAway(Exception):
     """A grid row's translations ran away (RUNAWAY): the row is abandoned."""
 
 
+def ran_away(done: Sequence[str], lengths: Sequence[int], total: int) -> str | None:
+    """Why a row is abandoned, if it is: the translations so far (`done`, before the last part of `total`) are
+    RUNAWAY times longer in words than `lengths` (per sentence) on the same sentences."""
+    words, usual = sum(len(h.split()) for h in done), max(sum(lengths[: len(done)]), 1)
+    if len(done) < total and words > RUNAWAY * usual:
+        return f"abandoned: {words / usual:.2f}x the usual length after {len(done):,} of {total:,} sentences"
+    return None
+
+
 def checked_for_runaway(translate: Callable[[list[str]], list], lengths: Sequence[int]) -> Callable:
-    """`translate` over the split in CHUNKS parts; raises RunAway when what is translated so far, before the last
-    part, is RUNAWAY times longer in words than `lengths` (per sentence) on the same sentences."""
+    """`translate` over the split in CHUNKS parts; raises RunAway when what is translated so far ran_away."""
 
     def run(lines: list[str]) -> list:
         size, done = max(1, -(-len(lines) // CHUNKS)), []
         for start in range(0, len(lines), size):
             done += translate(lines[start : start + size])
-            words, usual = sum(len(h.split()) for h in done), max(sum(lengths[: len(done)]), 1)
-            if len(done) < len(lines) and words > RUNAWAY * usual:
-                raise RunAway(f"abandoned: {words / usual:.2f}x the usual length after {len(done):,} of "
-                              f"{len(lines):,} sentences")  # fmt: skip
+            if why := ran_away(done, lengths, len(lines)):
+                raise RunAway(why)
         return done
 
     return run
+
+
+def alphas_in_one_search(
+    translate: Callable[..., list],
+    sources: Sequence[str],
+    references: Sequence[str],
+    tgt_lang: str,
+    settings: dict,
+    alphas: list,
+) -> tuple[dict, float]:
+    """The grid's rows at the starting beam, every alpha from one beam search (search.beam_search: the live
+    hypotheses do not depend on alpha): ({alpha: evaluate_translations' result, or why it was abandoned}, seconds).
+    In CHUNKS parts, as the grid's rows one by one: an alpha whose translations run away (ran_away, against the
+    references and the first alpha's) leaves the search."""
+    start, size = time.perf_counter(), max(1, -(-len(sources) // CHUNKS))
+    done: dict[float, list[str]] = {alpha: [] for alpha in alphas}
+    abandoned: dict[float, str] = {}
+    for lo in range(0, len(sources), size):
+        searched = [alpha for alpha in alphas if alpha not in abandoned]
+        for alpha, out in zip(searched, translate(list(sources[lo : lo + size]), alpha=searched, **settings)):
+            done[alpha] += out
+        usual = [max(len(r.split()), len(h.split())) for r, h in zip(references, done[alphas[0]])]
+        for alpha in searched[1:]:
+            if why := ran_away(done[alpha], usual, len(sources)):
+                abandoned[alpha] = why
+    seconds = time.perf_counter() - start
+    scored = dict(abandoned)
+    for alpha in alphas:
+        if alpha not in abandoned:
+            scored[alpha] = evaluate_translations(lambda _, a=alpha: done[a], sources, references, tgt_lang)
+    return scored, seconds
 
 
 def tuned_path(ckpt: str | Path) -> Path:
@@ -64,13 +101,28 @@ def search_grid(
     alphas: Sequence[float] = ALPHAS,
     beams: Sequence[int] = BEAMS,
     report: Callable[[dict], None] = lambda row: None,
+    alphas_at_once: bool = False,
 ) -> tuple[dict, list[dict]]:
     """(the chosen decoding settings, every row scored). `translate(lines, **settings)`; `decoding` holds the
     settings not searched (max_len_a, max_len_b) and the starting beam. The best sacreBLEU wins; a tie goes
     to the paper's settings, then to the smaller beam and alpha. Each row reaches `report` as it is scored; a row
-    whose translations run away (RUNAWAY) is abandoned early, with bleu None and why."""
+    whose translations run away (RUNAWAY) is abandoned early, with bleu None and why. alphas_at_once: `translate`
+    takes a list of alphas (search.translate_lines, our engine): the alpha rows come from one search."""
     rows: list[dict] = []
     outputs: list[list[str]] = []  # rows[i]'s translations
+
+    def add(settings: dict, scored, seconds: float, **extra) -> dict:  # scored: evaluate_translations', or why not
+        if isinstance(scored, str):
+            row, best = {**settings, "bleu": None, "abandoned": scored, "seconds": round(seconds, 1)}, None
+        else:
+            _, best, scores = scored
+            bp, ratio = map(float, DETAIL.search(scores["bleu_detail"]).groups())
+            row = {**settings, "bleu": scores["bleu"], "bleu_signature": scores["bleu_signature"]}
+            row |= {"chrf": scores["chrf"], "brevity_penalty": bp, "length_ratio": ratio, "seconds": round(seconds, 1)}
+        rows.append(row | extra)
+        outputs.append(best)
+        report(rows[-1])
+        return rows[-1]
 
     def run(**changes) -> dict:
         settings = {k: v for k, v in {**decoding, **changes}.items() if k in SETTINGS}
@@ -80,27 +132,25 @@ def search_grid(
             usual = [max(len(r.split()), len(h.split())) for r, h in zip(references, outputs[0])]
             row_translate = checked_for_runaway(row_translate, usual)
         try:
-            _, best, scores = evaluate_translations(row_translate, sources, references, tgt_lang)
+            scored = evaluate_translations(row_translate, sources, references, tgt_lang)
         except RunAway as e:
-            row = {**settings, "bleu": None, "abandoned": str(e), "seconds": round(time.perf_counter() - start, 1)}
-            rows.append(row)
-            outputs.append(None)
-            report(row)
-            return row
-        bp, ratio = map(float, DETAIL.search(scores["bleu_detail"]).groups())
-        row = {**settings, "bleu": scores["bleu"], "bleu_signature": scores["bleu_signature"]}
-        row |= {"chrf": scores["chrf"], "brevity_penalty": bp, "length_ratio": ratio, "seconds": scores["seconds"]}
-        rows.append(row)
-        outputs.append(best)
-        report(row)
-        return row
+            return add(settings, str(e), time.perf_counter() - start)
+        return add(settings, scored, scored[2]["seconds"])
+
+    if alphas_at_once and len(alphas) > 1:
+        settings = {k: v for k, v in decoding.items() if k in SETTINGS and k != "alpha"}
+        scored, seconds = alphas_in_one_search(translate, sources, references, tgt_lang, settings, list(alphas))
+        shared = f"one search for {len(alphas)} alphas: {seconds:.1f} s"
+        for alpha in alphas:
+            add({**settings, "alpha": alpha}, scored[alpha], seconds / len(alphas), search=shared)
+    else:
+        for alpha in alphas:
+            run(alpha=alpha)
 
     def key(row: dict):
         paper = row["beam_size"] == PAPER["beam_size"] and row["alpha"] == PAPER["alpha"]
         return (-1.0 if row["bleu"] is None else row["bleu"], paper, -row["beam_size"], -row["alpha"])
 
-    for alpha in alphas:
-        run(alpha=alpha)
     best = max(rows, key=key)
     for beam in beams:
         if beam != best["beam_size"]:
@@ -149,11 +199,12 @@ TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chr
 def table_row(r: dict) -> str:
     """One setting of the grid for a person: its sacreBLEU, chrF, brevity penalty, length ratio and seconds."""
     limit = f"{r['max_len_a']:g}x+{r['max_len_b']}"
+    shared = f" ({r['search']})" if "search" in r else ""  # the alpha rows of one search: its time, shared
     if r["bleu"] is None:
-        return f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['abandoned']} ({r['seconds']:.1f} s)"
+        return f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['abandoned']} ({r['seconds']:.1f} s){shared}"
     return (
         f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['bleu']:>9.2f} {r['chrf']:>6.2f} "
-        f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}"
+        f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}{shared}"
     )
 
 
