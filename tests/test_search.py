@@ -179,7 +179,7 @@ def test_compiled_decoding_chooses_eagers_tokens_and_scores():
 
 
 def test_decoding_follows_the_weights_when_they_change_in_place():
-    """Decoding multiplies by copies of the weights (decoding_state.decoding_weights, kept on the model): changed in
+    """Decoding multiplies by copies of the weights (decoding_state.decoding_weights, made for each batch): changed in
     place, as an optimizer step or load_state_dict changes them, the next decode uses the new weights."""
     model, src = trained_like_model(0), source_batch(SOURCES)
     before = beam_search(model, src, beam_size=4, max_len_b=8)[0], greedy(model, src, max_len_b=8)

@@ -31,7 +31,8 @@ def tune(cfg: DictConfig) -> dict:
         print(
             f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
             f"length penalties at beam {decoding['beam_size']}, beams {beams} at the best, then the length limit: "
-            f"up to {decodes} decodes of the split",
+            f"up to {decodes} rows"
+            + (f", the {len(alphas)} length penalties from one search" if cfg.engine == "torch" else ""),
             flush=True,
         )
         print(TABLE_HEADER, flush=True)
@@ -44,7 +45,7 @@ def tune(cfg: DictConfig) -> dict:
     paper = [r for r in rows if all(r[k] == v for k, v in {**decoding, **PAPER}.items() if k in chosen)]
     scored = [r for r in rows if r["bleu"] is not None]
     signature = f"signature: {scored[0]['bleu_signature']}; " if scored else "every setting ran away; "
-    print(f"{signature}{time.perf_counter() - start:.0f} s for {len(rows)} decodes")
+    print(f"{signature}{time.perf_counter() - start:.0f} s for {len(rows)} rows of the grid")
     print(
         f"chosen: beam {chosen['beam_size']}, alpha {chosen['alpha']}, max length {chosen['max_len_a']:g} x source + "
         f"{chosen['max_len_b']}: sacreBLEU {best['bleu'] or 0:.2f}"
