@@ -175,7 +175,7 @@ def test_optuna_search_maximises_validation_bleu(corpus, tmp_path):
 def test_multi30k_experiment_learns_real_translation(tmp_path):
     """`make train CONFIG=multi30k` for 300 updates of half its batch: its time budget fixes the horizon at the 300
     of trainer.max_steps (any CPU fits them in 26 minutes), the schedule cools down to near 0 there, validation BLEU
-    climbs, and the average of the last 5 checkpoints (spanning the end of the schedule) passes 8 on test2016. Half
+    climbs, and the average of the last 5 checkpoints (spanning the end of the schedule) passes 6 on test2016. Half
     the batch because CI's time is bounded; the model, the budget, the schedule and the pipeline are the recipe's;
     its full runs are in docs/measurements.md."""
     cmd = [
@@ -200,7 +200,9 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     assert re.search(r"time budget 0:26:00: ~300 updates at .* to 0 at update 300 \(trainer.max_steps\); checkpoints "
                      r"every 5 updates", proc.stdout + proc.stderr)  # fmt: skip
     bleus = [value for _, value in read_metrics(tmp_path / "run")["val/bleu"]]
-    assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 8.0, bleus
+    # 2026-12-04, 2-core Xeon (AMX, bf16): val/bleu 2.5 -> 9.2 (2 threads), 1.2 -> 8.9 (1 thread, under xdist), test
+    # 10.1 / 9.7; a CPU without native bf16 trains in fp32, other numbers: the bar leaves room, far above a random 0
+    assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 6.0, bleus
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     schedule = BudgetSchedule(**last["lr_schedulers"][0]["lr_lambdas"][0])
     rates = [schedule(done) for done in range(300)]  # updates 1-300: the peak, then near 0 at the last
@@ -210,7 +212,7 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     # the recipe's end: the last 5 periodic checkpoints averaged, test2016 decoded with beam 4
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert list(results["models"]) == ["average-last5"] and results["updates"] == 300
-    assert results["models"]["average-last5"]["test"]["bleu"] > 8.0 and results["decoding"]["beam_size"] == 4
+    assert results["models"]["average-last5"]["test"]["bleu"] > 6.0 and results["decoding"]["beam_size"] == 4
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
     assert saved == [f"step{step:07d}.ckpt" for step in (280, 285, 290, 295, 300)]  # every round(0.08 x 300 / 5)
 
