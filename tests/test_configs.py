@@ -1,6 +1,7 @@
 """The Hydra configs (conf/) and train.py's checks of them: every experiment and group composes, the paper's
 values, unknown keys and settings that would fail late are refused first, in one line, leaving no run folder."""
 
+import importlib
 import inspect
 import os
 import re
@@ -312,3 +313,25 @@ def test_train_help_lists_every_experiment_and_keys_that_exist():
         if not key.startswith("hydra."):
             parent, _, name = key.rpartition(".")
             assert name in OmegaConf.select(cfg, parent) or name in trainer_parameters(), key
+
+
+@pytest.mark.parametrize(
+    "name, typo, message",
+    [
+        ("evaluate", "decoding.beam=3", "error: decoding.beam: no such setting; did you mean decoding.beam_size?"),
+        ("translate", "decoding.alpa=1", "error: decoding.alpa: no such setting; did you mean decoding.alpha?"),
+        ("tune", "alphass=[1]", "error: alphass: no such setting; did you mean alphas?"),
+    ],
+)
+def test_evaluate_translate_and_tune_refuse_a_misspelled_key_in_one_line_and_leave_no_folder(
+    name, typo, message, tmp_path, monkeypatch, capsys
+):
+    """make evaluate / translate / tune and their console commands check the command line as make train does, with
+    hydra.run.dir given too (the README's commands carry it): Hydra never starts, its task never runs."""
+    module = importlib.import_module(f"transformer_mt.{name}")
+    monkeypatch.setattr(module, "run", lambda: pytest.fail("Hydra ran the task"))
+    monkeypatch.setattr(sys, "argv", [name, f"ckpt={tmp_path / 'model.ckpt'}", typo, f"hydra.run.dir={tmp_path / 'x'}"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 1 and capsys.readouterr().err.strip() == message
+    assert not (tmp_path / "x").exists()

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-from collections.abc import Iterable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from difflib import get_close_matches
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.configs import compose
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, exit_on_user_error
 
 
 def trainer_parameters() -> set[str]:
@@ -112,3 +113,10 @@ def closest(name: str, options: Iterable[str]) -> str | None:
     """The option closest to a misspelled name, if one is close (difflib's ratio >= 0.6)."""
     match = get_close_matches(name, list(options), n=1)
     return match[0] if match else None
+
+
+def checked_main(config_name: str, run: Callable[[], None]) -> None:
+    """An entry point whose command line is checked (check_command_line) before Hydra runs it: a misspelled key
+    is one line, and no run folder is made."""
+    exit_on_user_error(check_command_line, config_name, sys.argv[1:])
+    run()

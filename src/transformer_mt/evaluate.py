@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from transformer_mt.commandline import checked_main
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
 from transformer_mt.engines import open_engine
@@ -95,8 +96,13 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> None:
     exit_on_user_error(evaluate, cfg)
+
+
+def main() -> None:
+    """`make evaluate`, `transformer-mt-evaluate`: a misspelled key is one line before Hydra makes a folder."""
+    checked_main("evaluate", run)
 
 
 if __name__ == "__main__":

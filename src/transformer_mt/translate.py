@@ -9,6 +9,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
+from transformer_mt.commandline import checked_main
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.engines import open_engine
 from transformer_mt.errors import InputError, exit_on_user_error
@@ -73,8 +74,13 @@ def translate_stdin(cfg: DictConfig, translate_lines) -> None:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="translate", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> None:
     exit_on_user_error(translate, cfg)
+
+
+def main() -> None:
+    """`make translate`, `transformer-mt-translate`: a misspelled key is one line before Hydra makes a folder."""
+    checked_main("translate", run)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from functools import partial
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.commandline import checked_main
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.engines import open_engine
@@ -57,8 +58,13 @@ def tune(cfg: DictConfig) -> dict:
 
 
 @hydra.main(config_path=CONF_DIR, config_name="tune", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def run(cfg: DictConfig) -> None:
     exit_on_user_error(tune, cfg)
+
+
+def main() -> None:
+    """`make tune`, `transformer-mt-tune`: a misspelled key is one line before Hydra makes a folder."""
+    checked_main("tune", run)
 
 
 if __name__ == "__main__":
