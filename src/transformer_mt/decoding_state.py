@@ -23,9 +23,10 @@ class Stacked(NamedTuple):
     widths: list[int]
 
     @classmethod
-    def of(cls, *layers: nn.Linear) -> Stacked:
-        weight = torch.cat([layer.weight for layer in layers]).t().contiguous()
-        return cls(weight, torch.cat([layer.bias for layer in layers]), [layer.out_features for layer in layers])
+    def of(cls, *layers: nn.Linear, dtype: torch.dtype | None = None) -> Stacked:
+        weight = torch.cat([layer.weight for layer in layers]).t().to(dtype).contiguous()
+        bias = torch.cat([layer.bias for layer in layers]).to(dtype)
+        return cls(weight, bias, [layer.out_features for layer in layers])
 
 
 class LayerWeights(NamedTuple):
@@ -37,14 +38,20 @@ class LayerWeights(NamedTuple):
 
 def decoding_weights(model: nn.Module) -> tuple[Tensor, list[LayerWeights]]:
     """Decoding's copies of a Transformer's weights, laid out for a few rows at a time: the output projection
-    transposed (d, V) and each decoder layer's LayerWeights; made for each batch (start_decoding), so they are
-    always the weights as they are now. Not kept across batches: an optimizer's in-place update (fused or
-    foreach Adam, EMA's _foreach_lerp_) need not bump a parameter's version, so a kept copy went stale in
-    training's validation (its greedy BLEU after 300 Multi30k updates 3.3 instead of ~12)."""
+    transposed (d, V) and each decoder layer's LayerWeights, in autocast's format where autocast is on (cast once
+    here, not at every step: autocast keeps casts of parameters only). Made for each batch (start_decoding), so
+    they are the weights as they are now: fused Adam, which training uses, updates parameters in place without
+    bumping their version counter, and a copy kept across batches went stale in training's validation (greedy
+    BLEU 3.3 instead of ~9 after 300 Multi30k updates)."""
+    weight = model.output_weight
+    on = torch.is_autocast_enabled(weight.device.type)
+    dtype = torch.get_autocast_dtype(weight.device.type) if on else weight.dtype
     with torch.no_grad():
-        output = model.output_weight.t().contiguous()
+        output = weight.t().to(dtype).contiguous()
         return output, [
-            LayerWeights(Stacked.of(a.q_proj, a.k_proj, a.v_proj), Stacked.of(c.k_proj, c.v_proj))
+            LayerWeights(
+                Stacked.of(a.q_proj, a.k_proj, a.v_proj, dtype=dtype), Stacked.of(c.k_proj, c.v_proj, dtype=dtype)
+            )
             for a, c in ((layer.self_attn, layer.cross_attn) for layer in model.decoder_layers)
         ]
 
@@ -66,7 +73,7 @@ class DecoderState:
     src_mask: Tensor  # (B, 1, 1, S) bool
     memory: Tensor | None  # (B, S, d), the encoder's output: projected by each layer at the first step, then None
     layers: list[LayerCache]
-    output: Tensor  # the output projection transposed, (d, V) (Transformer.decoding_weights)
+    output: Tensor  # the output projection transposed, (d, V) (decoding_weights)
     length: int = 0  # target positions decoded so far
 
     def make_contiguous(self) -> None:
