@@ -141,8 +141,12 @@ class Finished:
 Alphas = float | Sequence[float]  # one length penalty, or several served by one search (beam_search)
 
 
+def one_alpha(alpha: Alphas) -> bool:
+    return isinstance(alpha, int | float)
+
+
 def alpha_list(alpha: Alphas) -> list[float]:
-    return [alpha] if isinstance(alpha, int | float) else list(alpha)
+    return [alpha] if one_alpha(alpha) else list(alpha)
 
 
 @torch.inference_mode()
@@ -215,7 +219,7 @@ def beam_search(
             state.select(rows)
 
     results = [([h[0][0] for h in nbest], nbest) for nbest in (fin.nbest(n_best) for fin in finished)]
-    return results if not isinstance(alpha, int | float) else results[0]
+    return results[0] if one_alpha(alpha) else results
 
 
 def translate_ids(
@@ -271,7 +275,7 @@ def translate_ids(
         start = end
     bar.close()
     model.train(was_training)
-    return results if not isinstance(alpha, int | float) else results[0]
+    return results[0] if one_alpha(alpha) else results
 
 
 def translate_lines(
@@ -302,7 +306,7 @@ def translate_lines(
             outputs[i] = text
         return outputs
 
-    return texts(results) if isinstance(decoding.get("alpha", 0.6), int | float) else [texts(r) for r in results]
+    return texts(results) if one_alpha(decoding.get("alpha", 0.6)) else [texts(r) for r in results]
 
 
 def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:

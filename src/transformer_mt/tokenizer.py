@@ -22,9 +22,6 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # fixed: checkpoints and the model'
 MODEL_FILE = "sentencepiece.model"
 
 
-FEW_TEXTS = 64  # encode(), decode(): fewer lines than this are done in the calling thread
-
-
 class Tokenizer:
     """Text <-> ids with a trained SentencePiece model; the ids exclude BOS/EOS."""
 
@@ -51,9 +48,7 @@ class Tokenizer:
         return self.sp.get_piece_size()
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        # SentencePiece encodes a list on every core in threads of its own: for a few lines (one sentence to
-        # translate), starting them cost more than the encoding (1.4 of 1.6 ms), and woke torch's threads late
-        return self.sp.encode(list(texts), num_threads=1 if len(texts) < FEW_TEXTS else -1)
+        return self.sp.encode(list(texts))
 
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Ids of many texts as one flat int32 array, and each text's length (int32): for caching a
@@ -70,7 +65,7 @@ class Tokenizer:
             if EOS_ID in seq:
                 seq = seq[: seq.index(EOS_ID)]
             cleaned.append([i for i in seq if i not in (PAD_ID, BOS_ID)])
-        return self.sp.decode(cleaned, num_threads=1 if len(cleaned) < FEW_TEXTS else -1)  # as encode()
+        return self.sp.decode(cleaned)
 
     def save(self, directory: str | Path) -> Path:
         """Write the model as <directory>/sentencepiece.model (for other tools; checkpoints carry it too)."""
