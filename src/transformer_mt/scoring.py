@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.significance import PairedTest
 from sacremoses import MosesTokenizer
 
 from transformer_mt.errors import InputError
@@ -52,6 +53,14 @@ def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) ->
             result[f"{name}_signature"] = str(metric.get_signature())
             result[f"{name}_detail"] = str(corpus)
     return result
+
+
+def paired_bootstrap_p(baseline: list[str], system: list[str], refs: list[str]) -> float:
+    """sacreBLEU's paired bootstrap test (1,000 resamples, its fixed seed): the p-value of the difference in BLEU
+    between two systems' translations of the same sentences (small: the difference is not the luck of the sample)."""
+    test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [refs], test_type="bs")
+    _, results = test()
+    return results["BLEU"][1].p_value
 
 
 def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:

@@ -41,6 +41,7 @@ def tune(cfg: DictConfig) -> dict:
         chosen, rows = search_grid(
             translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
             report=lambda row: print(table_row(row), flush=True), alphas_at_once=cfg.engine == "torch",
+            say=lambda line: print(line, flush=True), significance=cfg.significance,
         )  # fmt: skip
     best = next(r for r in rows if all(r[k] == v for k, v in chosen.items()))
     paper = [r for r in rows if all(r[k] == v for k, v in {**decoding, **PAPER}.items() if k in chosen)]

@@ -110,7 +110,7 @@ def tune_and_score(
     chosen, rows = search_grid(
         partial(translate_lines, model, tokenizer), texts("src_text"), texts("tgt_text"), datamodule.corpus.tgt_lang,
         decoding, final["tune_alphas"], final["tune_beams"], report=lambda row: log.info("%s", table_row(row)),
-        alphas_at_once=True,
+        alphas_at_once=True, say=lambda line: log.info("%s", line),
     )  # fmt: skip
     save_tuned(path, chosen, rows, f"{datamodule.corpus.name} validation")
     scores = {split: translation_scores(model, tokenizer, datamodule, split, chosen) for split in final["splits"]}
