@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import CONF, ROOT, run_process, run_train
-from transformer_mt.commandline import check_command_line, check_device, trainer_parameters
+from transformer_mt import commandline
+from transformer_mt.commandline import check_command_line, check_device, gpu_may_be_visible, trainer_parameters
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, remove_if_empty
@@ -124,18 +125,44 @@ def test_a_refused_start_is_one_line_before_any_data_and_leaves_no_run_folder(ar
 
 
 @pytest.mark.slow
-def test_a_misspelled_key_is_refused_before_torch_or_lightning_is_imported(tmp_path):
-    """The typo check costs Hydra's import, not torch's and Lightning's (~10 s on a 2-core machine, 50 s busy)."""
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["experiment=multi30k", "trainer.max_step=5"], "trainer.max_step: no such setting; did you mean trainer.max_"),
+        (["experiment=base"], "trainer.accelerator=gpu needs a CUDA GPU and none is visible here. On a CPU, train "),
+    ],
+)
+def test_a_typo_or_a_gpu_recipe_without_a_gpu_is_refused_before_torch_or_lightning_is_imported(argv, message, tmp_path):
+    """The typo check costs Hydra's import, not torch's and Lightning's (~10 s on a 2-core machine, 50 s busy); so
+    does the no-GPU refusal where no GPU driver is there (issue 43: it came after torch's import)."""
+    if "experiment=base" in argv and gpu_may_be_visible():
+        pytest.skip("a GPU driver is here: whether a GPU is visible takes torch to say")
     check = (
         "import sys\nfrom transformer_mt.train import main\n"
-        "sys.argv = ['train', 'experiment=multi30k', 'trainer.max_step=5', 'hydra.run.dir=run']\n"
+        f"sys.argv = ['train', *{argv!r}, 'hydra.run.dir=run']\n"
         "try:\n    main()\nexcept SystemExit as e:\n"
         "    print(e.code, sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))\n"
     )
     proc = run_process([sys.executable, "-c", check], tmp_path)
     assert proc.stdout.split("\n")[0] == "1 []", proc.stdout + proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: trainer.max_step: no such setting; did you mean trainer.max_steps?")
+    assert proc.stderr.startswith(f"error: {message}") and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_gpu_is_known_absent_without_torch_when_no_driver_file_exists_or_cuda_visible_devices_hides_all(
+    tmp_path, monkeypatch
+):
+    driver = tmp_path / "nvidiactl"
+    monkeypatch.setattr(commandline, "GPU_DEVICE_FILES", (str(driver),))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert not gpu_may_be_visible()
+    driver.touch()
+    assert gpu_may_be_visible()
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not gpu_may_be_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert gpu_may_be_visible()
 
 
 def test_base_and_big_carry_the_papers_values(tmp_path):

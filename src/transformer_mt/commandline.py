@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from difflib import get_close_matches
@@ -28,18 +29,32 @@ def trainer_parameters() -> set[str]:
     return {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"} | {"compile"}
 
 
+# Without one of these a CUDA GPU cannot be reached (NVIDIA's driver, or ROCm's for a ROCm build of torch).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
+def gpu_may_be_visible() -> bool:
+    """False where no CUDA GPU can be visible, known without importing torch (several seconds on a slow machine):
+    no GPU driver's device file, or CUDA_VISIBLE_DEVICES set to hide every GPU."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    return not hidden and any(Path(p).exists() for p in GPU_DEVICE_FILES)
+
+
 def check_device(accelerator: str) -> None:
-    """A GPU recipe on a machine without one is refused, pointing a CPU user at the recipe made for a CPU."""
+    """A GPU recipe on a machine without one is refused, pointing a CPU user at the recipe made for a CPU: before
+    torch is imported where no GPU driver is there (gpu_may_be_visible), else after torch has looked."""
     if accelerator not in ("gpu", "cuda"):
         return
-    import torch  # noqa: PLC0415 (only a GPU recipe asks; the typo check has already run)
+    if gpu_may_be_visible():
+        import torch  # noqa: PLC0415 (only a GPU recipe on a machine with a GPU driver asks)
 
-    if not torch.cuda.is_available():
-        raise InputError(
-            f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here. On a CPU, train the "
-            'Multi30k recipe (~26 minutes on 2 cores): make train CONFIG=multi30k [ARGS="data.path=<folder with '
-            'train.en, train.de, ...>"]; only to force this config onto the CPU (days for base) add trainer=cpu'
-        )
+        if torch.cuda.is_available():
+            return
+    raise InputError(
+        f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here. On a CPU, train the "
+        'Multi30k recipe (~26 minutes on 2 cores): make train CONFIG=multi30k [ARGS="data.path=<folder with '
+        'train.en, train.de, ...>"]; only to force this config onto the CPU (days for base) add trainer=cpu'
+    )
 
 
 def check_command_line(
