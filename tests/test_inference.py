@@ -29,12 +29,13 @@ from transformer_mt.checkpoint import (
     load_for_inference,
     read_checkpoint,
     run_checkpoints,
+    start_inference,
     write_checkpoint,
 )
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
-from transformer_mt.runtime import set_threads
+from transformer_mt.runtime import IDEEP_CACHE, ONEDNN_CACHE, set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
 from transformer_mt.tune import tune
@@ -341,6 +342,19 @@ def test_the_readme_python_example_translates(trained_run, capsys):
     model, tokenizer, _ = load_for_inference(ckpt)
     sentences = ast.literal_eval(re.search(r"\[(\"[^]]+)\]", example).group(0))
     assert capsys.readouterr().out.strip() == str(translate_lines(model, tokenizer, sentences, beam_size=4))
+
+
+def test_every_inference_command_bounds_onednns_and_ideeps_caches_as_training_does(trained_run, monkeypatch):
+    """evaluate, translate, tune and make attention start through start_inference: the capacities that keep a long
+    translation from growing per batch shape (test_allocator: what they do), unless the environment sets its own."""
+    for name in (ONEDNN_CACHE, IDEEP_CACHE):
+        monkeypatch.setenv(name, "recorded")  # so that the test's end restores the process's environment
+        monkeypatch.delenv(name)
+    start_inference(trained_run / "out" / "checkpoints" / "last.ckpt", "cpu")
+    assert (os.environ[ONEDNN_CACHE], os.environ[IDEEP_CACHE]) == ("0", "1")
+    monkeypatch.setenv(ONEDNN_CACHE, "64")
+    start_inference(trained_run / "out" / "checkpoints" / "last.ckpt", "cpu")
+    assert os.environ[ONEDNN_CACHE] == "64"
 
 
 def test_threads_option_sets_torch_threads_and_refuses_nonsense():

@@ -13,7 +13,7 @@ import torch
 from transformer_mt.errors import InputError, MissingInputError, UserError
 from transformer_mt.files import atomic_write
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.runtime import keep_freed_memory, pick_device, set_threads, use_tf32
+from transformer_mt.runtime import bound_onednn_cache, keep_freed_memory, pick_device, set_threads, use_tf32
 from transformer_mt.tokenizer import Tokenizer
 
 
@@ -98,8 +98,12 @@ def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) ->
     """What every inference command does first (evaluate, translate, make attention): glibc's allocator
     settings, the checkpoint in eval mode on `device` (auto: a GPU when there is one), `threads` CPU threads.
     On a GPU its fp32 products run in TF32 (use_tf32, tensor cores); the cuda tier requires fp32's beam-4
-    translations on >= 98% of Multi30k's test set (not yet run on a GPU)."""
+    translations on >= 98% of Multi30k's test set (not yet run on a GPU). oneDNN's and ideep's per-shape caches
+    are bounded as in training (runtime.bound_onednn_cache): a long translation meets a new shape per batch. (fp32
+    products on the CPU do not go through oneDNN in torch 2.13, ONEDNN_VERBOSE counts none: the bound costs
+    decoding nothing there; bf16 products do.)"""
     keep_freed_memory()
+    bound_onednn_cache()
     model, tokenizer, checkpoint = load_for_inference(ckpt)
     model.to(pick_device(device))
     if next(model.parameters()).device.type == "cuda":
