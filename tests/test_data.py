@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 import transformer_mt.data.cache as cache_module
 import transformer_mt.data.datamodule as datamodule_module
-from conftest import CONF, ROOT, SHARED_DATA, synthetic_corpus, tiny_config, write_corpus, write_pair
+from conftest import CONF, ROOT, SHARED_DATA, run_process, synthetic_corpus, tiny_config, write_corpus, write_pair
 from transformer_mt.configs import compose, run_folder
 from transformer_mt.data.batching import TokenBucketSampler, collate, padding_efficiency, update_shape
 from transformer_mt.data.corpus import Corpus, drop_empty, length_filter, read_text_pair
@@ -899,35 +899,43 @@ for i, pid in enumerate(loader):
 """
 
 
+# The training process's parent, as the test's stand-in for init: orphaned workers become its children
+# (PR_SET_CHILD_SUBREAPER), so their ends are waited for (events, no clock) and read (by which signal).
+REAPER = """
+import ctypes, os, signal, subprocess, sys
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+main = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+workers = set()
+while (line := main.stdout.readline().strip()) != "idle":
+    workers.add(int(line))
+def mask(pid, field):
+    return next(int(line.split()[1], 16) for line in open(f"/proc/{pid}/status") if line.startswith(field + ":"))
+stops = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+for pid in sorted(workers):  # Ctrl+C and a scheduler's SIGTERM reach the whole process group
+    os.kill(pid, signal.SIGINT)
+    os.kill(pid, signal.SIGTERM)
+for pid in sorted(workers):  # an ignored signal is dropped when sent: none pending, the worker still there
+    ignored = all(mask(pid, "SigIgn") >> (s - 1) & 1 for s in stops)
+    print("ignored" if ignored else "handled", mask(pid, "SigPnd") | mask(pid, "ShdPnd"), main.poll())
+main.kill()  # SIGKILL: no finally, no atexit, as the OOM killer or a lost node
+main.wait()
+for pid in sorted(workers):
+    _, status = os.waitpid(pid, 0)  # the worker is this process's child now: its end, as it came
+    print("signal" if os.WIFSIGNALED(status) else "exit", os.WTERMSIG(status) if os.WIFSIGNALED(status) else status)
+"""
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: PR_SET_PDEATHSIG, a subreaper, /proc")
 def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_path):
-    main = subprocess.Popen([sys.executable, "-c", WORKER_SCRIPT], stdout=subprocess.PIPE, text=True)
-
-    def running(pid: int) -> bool:  # a zombie (Z) has ended, waiting only for init to reap it
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    workers = set()
-    while (line := main.stdout.readline().strip()) != "idle":
-        workers.add(int(line))
-    time.sleep(0.3)
-    for pid in workers:  # Ctrl+C and a scheduler's SIGTERM reach the whole process group: the trainer's to handle
-        os.kill(pid, signal.SIGINT)
-        os.kill(pid, signal.SIGTERM)
-    time.sleep(0.3)
-    assert main.poll() is None and all(map(running, workers)), "a worker ended on SIGINT/SIGTERM"
-    main.kill()  # SIGKILL: no finally, no atexit, as the OOM killer or a lost node
-    main.wait()
-
-    deadline = time.monotonic() + 1.0  # torch's own workers notice a dead parent only after ~5 s
-    while time.monotonic() < deadline and any(map(running, workers)):
-        time.sleep(0.05)
-    alive = [pid for pid in workers if running(pid)]
-    for pid in alive:
-        os.kill(pid, 9)
-    assert not alive, f"workers {alive} still alive 1 s after the training process died"
+    """runtime.die_with_parent: SIGINT and SIGTERM are the training process's to handle (the worker ignores them),
+    and a training process killed by SIGKILL takes its workers with it at once, by the kernel's SIGKILL; torch's own
+    workers would notice a dead parent later, by a poll, and exit by themselves (status 0), which this tells apart."""
+    proc = run_process([sys.executable, "-c", REAPER, WORKER_SCRIPT], tmp_path, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 4, proc.stdout + proc.stderr[-2000:]
+    assert lines[:2] == ["ignored 0 None"] * 2, lines  # the stop signals ignored, none pending, the trainer alive
+    assert lines[2:] == [f"signal {int(signal.SIGKILL)}"] * 2, lines  # killed by the kernel with their parent
 
 
 # ---------------------------------------------------------------- damaged and unwritable caches
