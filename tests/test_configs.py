@@ -37,11 +37,19 @@ def compose_train(overrides: list[str], tmp_path: Path):
 def test_every_experiment_composes_and_instantiates(experiment, tmp_path):
     cfg = compose_train([f"experiment={experiment}", f"data.cache_dir={tmp_path}"], tmp_path)
     with torch.device("meta"):
-        Transformer(TransformerConfig(vocab_size=cfg.data.vocab_size, **cfg.model))
-    TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+        model = Transformer(TransformerConfig(vocab_size=cfg.data.vocab_size, **cfg.model))
+    layers, width = (len(model.encoder_layers), len(model.decoder_layers)), model.encoder_layers[0].ffn.w1.weight.shape
+    assert layers == (cfg.model.n_encoder_layers, cfg.model.n_decoder_layers) and width == (
+        cfg.model.d_ff,
+        cfg.model.d_model,
+    )
+    datamodule = TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    assert datamodule.cache_dir == tmp_path and datamodule.tokens_per_update == cfg.data.tokens_per_update
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         cfg.trainer.accelerator = "cpu"  # the same keys, checked on CPU
-    L.Trainer(**trainer_arguments(cfg.trainer), logger=False, callbacks=make_callbacks(cfg, tmp_path, StartupLog(0.0)))
+    callbacks = make_callbacks(cfg, tmp_path, StartupLog(0.0))
+    trainer = L.Trainer(**trainer_arguments(cfg.trainer), logger=False, callbacks=callbacks)
+    assert trainer.max_steps == cfg.trainer.max_steps and trainer.checkpoint_callback is not None
 
 
 @pytest.mark.parametrize("group", ["data", "model", "trainer", "logger"])
