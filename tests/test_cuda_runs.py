@@ -41,14 +41,14 @@ SENTENCES = [  # the DDP and FSDP checkpoints translate these
 ]
 # Two ranks on one GPU: NCCL refuses two ranks on one device, so they talk over gloo, which takes CUDA tensors too
 # (through the host). Lightning takes the backend from the strategy's constructor (process_group_backend), which
-# the trainer configs do not set: this runs the training entry point with the default of both strategies it
-# builds (train.make_strategy: DDPStrategy, LayerFSDP) switched to gloo; a backend given explicitly still wins.
+# the trainer configs do not set: this runs the training entry point with the default of the strategies it builds
+# (DDPStrategy, and trainer=fsdp's LayerFSDP, FSDP2 on DDPStrategy's constructor) switched to gloo; a backend given
+# explicitly still wins.
 GLOO_TRAIN = """\
 import runpy
 from functools import partialmethod
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
-for strategy in (DDPStrategy, FSDPStrategy):
-    strategy.__init__ = partialmethod(strategy.__init__, process_group_backend="gloo")
+from lightning.pytorch.strategies import DDPStrategy
+DDPStrategy.__init__ = partialmethod(DDPStrategy.__init__, process_group_backend="gloo")
 runpy.run_module("transformer_mt.train", run_name="__main__", alter_sys=True)
 """
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import OmegaConf
 
 import transformer_mt.training.fit
@@ -53,9 +53,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 &#10;assert 8.4 &lt; (0.85 * 8.5)">def test_multi30k_training_on_the_gpu_lowers_the_loss(...):
 E       AssertionError: loss 8.50 -&gt; 8.40</failure>
 </testcase>
-<testcase classname="tests.test_cuda_runs" name="test_two_gpu_training_then_translate[fsdp]" time="0.001">
-  <skipped type="pytest.skip" message="needs &gt;= 2 GPUs: on one GPU FSDP silently becomes NO_SHARD">\
-tests/test_cuda_runs.py:150: needs &gt;= 2 GPUs: on one GPU FSDP silently becomes NO_SHARD</skipped>
+<testcase classname="tests.test_cuda_runs" name="test_two_rank_training_then_translate[fsdp]" time="0.001">
+  <skipped type="pytest.skip" message="needs a CUDA GPU">tests/test_cuda_runs.py:255: needs a CUDA GPU</skipped>
 </testcase>
 <testcase classname="tests.test_cuda_runs" name="test_beam_search_on_the_gpu_gives_the_cpus_tokens[multi30k]" \
 time="0.002">
@@ -76,9 +75,9 @@ ROWS = [
         95.25,
     ),
     Row(
-        "test_two_gpu_training_then_translate[fsdp]",
+        "test_two_rank_training_then_translate[fsdp]",
         "SKIP",
-        "needs >= 2 GPUs: on one GPU FSDP silently becomes NO_SHARD",
+        "needs a CUDA GPU",
         0.001,
     ),
     Row(
@@ -344,7 +343,6 @@ def test_the_gloo_entry_point_makes_gloo_every_strategys_default(monkeypatch):
     """GLOO_TRAIN's patch, run here with the entry point replaced: DDP and trainer=fsdp's strategy choose gloo,
     and a backend given explicitly still wins."""
     monkeypatch.setattr(DDPStrategy, "__init__", DDPStrategy.__init__)  # undone after the test
-    monkeypatch.setattr(FSDPStrategy, "__init__", FSDPStrategy.__init__)
     monkeypatch.setattr("runpy.run_module", lambda *args, **kwargs: None)
     exec(GLOO_TRAIN, {})
     assert DDPStrategy(broadcast_buffers=False).process_group_backend == "gloo"
@@ -361,8 +359,7 @@ def test_on_one_gpu_each_process_of_the_launch_is_its_rank_on_cuda_0_over_gloo(s
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(transformer_mt.training.fit, "use_tf32", lambda: None)  # no global switch from a test
     monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)  # each Trainer sets it; restored after
-    for strategy_class in (DDPStrategy, FSDPStrategy):  # GLOO_TRAIN's patch, undone after
-        monkeypatch.setattr(strategy_class, "__init__", strategy_class.__init__)
+    monkeypatch.setattr(DDPStrategy, "__init__", DDPStrategy.__init__)  # GLOO_TRAIN's patch, undone after
     monkeypatch.setattr("runpy.run_module", lambda *args, **kwargs: None)  # GLOO_TRAIN without the entry point
 
     def trainer(command: list[str]) -> L.Trainer:

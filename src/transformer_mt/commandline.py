@@ -42,10 +42,10 @@ def gpu_may_be_visible() -> bool:
 
 def check_device(accelerator: str) -> None:
     """A GPU recipe on a machine without one is refused, pointing a CPU user at the recipe made for a CPU: before
-    torch is imported where no GPU driver is there (gpu_may_be_visible), else after torch has looked."""
+    torch is imported where no GPU driver is there (gpu_may_be_visible), else as torch says."""
     if accelerator not in ("gpu", "cuda"):
         return
-    if gpu_may_be_visible():
+    if "torch" in sys.modules or gpu_may_be_visible():  # torch loaded already: it says (the shortcut saves its import)
         import torch  # noqa: PLC0415 (only a GPU recipe on a machine with a GPU driver asks)
 
         if torch.cuda.is_available():
