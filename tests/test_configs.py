@@ -91,6 +91,12 @@ def test_unknown_config_keys_are_rejected(tmp_path):
         # the README's own commands carry hydra.run.dir: the check does not step aside for a hydra.* override
         (["trainer.max_step=5", "hydra.run.dir=outputs/m30k"], "trainer.max_step: no such setting; did you mean "),
         (["hydra.run.dir=x", "+data.max_tokns=5"], "data.max_tokns: no such setting; did you mean data.max_tokens?"),
+        # a sweep: Hydra composes every job before it runs one, so each is checked (glob() expanded too)
+        (["-m", "experiment=table3", "table3=glob(*)", "trainer.max_step=5"], "trainer.max_step: no such setting; "),
+        (["-m", "seed=1,2", "+data.max_tokns=5", "hydra.sweep.dir=x"], "data.max_tokns: no such setting; did you "),
+        (["--multirun", "seed=1,2", "optim.warmup_step=1,2"], "optim.warmup_step: no such setting; did you mean "),
+        (["-m", "experiment=base,bse"], "experiment=bse: no such option; did you mean experiment=base? (the options"),
+        (["-m", "hparams_search=optuna", "optim.lr_factor=interval(0.5,2)", "seeed=1"], "seeed: no such setting; "),
     ],
 )
 def test_a_misspelled_key_in_any_group_is_refused_in_one_line_with_the_closest_key(argv, message):
@@ -103,8 +109,10 @@ def test_a_misspelled_key_in_any_group_is_refused_in_one_line_with_the_closest_k
 def test_what_hydra_answers_itself_or_a_new_key_passes_the_command_line_check():
     addable = {"trainer": trainer_parameters()}
     assert check_command_line("train", ["+trainer.limit_val_batches=2", "+note=baseline"], addable).note == "baseline"
-    for argv in (["--help"], ["--cfg", "job", "trainer.max_step=5"], ["-m", "table3=glob(*)", "trainer.max_step=5"]):
-        assert check_command_line("train", argv, addable) is None  # Hydra's own answer (a sweep: per job)
+    for argv in (["--help"], ["--cfg", "job", "trainer.max_step=5"], ["seed=[1"]):
+        assert check_command_line("train", argv, addable) is None  # Hydra's own answer
+    sweep = ["-m", "experiment=table3_cpu", "table3_cpu=glob(*)", "optim.lr_factor=interval(0.5,2)"]
+    assert check_command_line("train", sweep, addable).table3_row.name == "A-h1"  # the first job (an interval: drawn)
     args = compose_train(["+trainer.max_step=5"], None).trainer  # in-process callers reach the Trainer's arguments
     with pytest.raises(InputError, match=r"^trainer.max_step: not a lightning.Trainer argument; did you mean "):
         trainer_arguments(args)
@@ -351,6 +359,42 @@ def test_train_help_lists_every_experiment_and_keys_that_exist():
 
 
 @pytest.mark.parametrize(
+    "name, argv, message",
+    [
+        ("finish", ["run", "--devce", "cpu"], "unrecognized arguments: --devce cpu; did you mean --device?"),
+        ("finish", ["run", "--tuen"], "unrecognized arguments: --tuen; did you mean --tune?"),
+        ("averaging", ["run", "--outptu", "a.ckpt"], "unrecognized arguments: --outptu a.ckpt; did you mean --output?"),
+        (
+            "averaging",
+            ["run", "--last", "3"],
+            "unrecognized arguments: --last 3 (the options: -h, --help, -n, -o, --out",
+        ),
+        (
+            "tools.export",
+            ["x.ckpt", "--formt", "hf", "--out", "o"],
+            "unrecognized arguments: --formt hf; did you mean ",
+        ),
+        ("tools.export", ["x.ckpt", "--format", "hff", "--out", "o"], "argument --format: invalid choice: 'hff' (choo"),
+        ("tools.attention_maps", ["x.ckpt", "--txt", "A"], "unrecognized arguments: --txt A; did you mean --text?"),
+        ("tools.plot", ["run", "--ot", "a.png"], "unrecognized arguments: --ot a.png; did you mean --out?"),
+        ("tools.table3", [], "the following arguments are required: runs (--help says more)"),
+    ],
+)
+def test_the_option_commands_refuse_a_wrong_option_in_one_line_with_the_closest(
+    name, argv, message, monkeypatch, capsys
+):
+    """make finish / average / export / attention / plot / table3 (and their console commands) take options, not
+    Hydra keys: a misspelled one is one `error:` line naming the closest option, status 1, before any work."""
+    module = importlib.import_module(f"transformer_mt.{name}")
+    monkeypatch.setattr(sys, "argv", [name, *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 1 and error.startswith(f"error: {message}") and error.count("\n") == 1, error
+
+
+@pytest.mark.parametrize("form", ["key=value", "+key=value", "-m"])
+@pytest.mark.parametrize(
     "name, typo, message",
     [
         ("evaluate", "decoding.beam=3", "error: decoding.beam: no such setting; did you mean decoding.beam_size?"),
@@ -359,13 +403,16 @@ def test_train_help_lists_every_experiment_and_keys_that_exist():
     ],
 )
 def test_evaluate_translate_and_tune_refuse_a_misspelled_key_in_one_line_and_leave_no_folder(
-    name, typo, message, tmp_path, monkeypatch, capsys
+    name, typo, message, form, tmp_path, monkeypatch, capsys
 ):
     """make evaluate / translate / tune and their console commands check the command line as make train does, with
-    hydra.run.dir given too (the README's commands carry it): Hydra never starts, its task never runs."""
+    hydra.run.dir given too (the README's commands carry it), with a plus, or in a sweep: Hydra never starts."""
     module = importlib.import_module(f"transformer_mt.{name}")
     monkeypatch.setattr(module, "run", lambda: pytest.fail("Hydra ran the task"))
-    monkeypatch.setattr(sys, "argv", [name, f"ckpt={tmp_path / 'model.ckpt'}", typo, f"hydra.run.dir={tmp_path / 'x'}"])
+    argv = [f"ckpt={tmp_path / 'model.ckpt'}", "+" * (form == "+key=value") + typo, f"hydra.run.dir={tmp_path / 'x'}"]
+    if form == "-m":
+        argv = ["-m", *argv, "tokens_per_batch=1000,2000", f"hydra.sweep.dir={tmp_path / 'x'}"]
+    monkeypatch.setattr(sys, "argv", [name, *argv])
     with pytest.raises(SystemExit) as exit_info:
         module.main()
     assert exit_info.value.code == 1 and capsys.readouterr().err.strip() == message

@@ -6,10 +6,10 @@ python -m transformer_mt.averaging outputs/<run> -n 5     (make average RUN=outp
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from transformer_mt.checkpoint import average_checkpoints, run_checkpoints, write_checkpoint
+from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import remove_stale_temporaries
 
@@ -29,11 +29,11 @@ def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("run_dir", help="a training run's directory (or its checkpoints/ folder)")
     parser.add_argument("-n", type=int, default=5, help="how many of the latest checkpoints (paper: 5 base, 20 big)")
     parser.add_argument("-o", "--output", help="where to write (default: <checkpoints>/average-last<N>.ckpt)")
-    args = parser.parse_args()
+    args = parser.parse()
     exit_on_user_error(average_run, args.run_dir, args.n, args.output)
 
 

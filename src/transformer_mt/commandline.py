@@ -4,17 +4,21 @@ lightning.Trainer's arguments read from its source, a GPU recipe refused on a ma
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib.util
+import itertools
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from difflib import get_close_matches
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.configs import compose
+from transformer_mt.configs import compose, hydra_on_conf
 from transformer_mt.errors import InputError, exit_on_user_error
 
 
@@ -64,11 +68,11 @@ def check_command_line(
     A misspelled key or group option (trainer.max_step=5, +trainer.max_step=5, experiment=bse) is refused in one
     line with the closest name: Hydra's own answer is several lines, and its `+key=` hint turns a typo into a
     Trainer's TypeError. A `+key` is a typo when it is close to an existing key, or when its section is read by a
-    signature (addable, e.g. trainer: lightning.Trainer's arguments) that does not take it. None where Hydra
-    answers itself: --help, --info, --cfg, another config, a syntax error; sweep and hydra.* overrides are left out."""
+    signature (addable, e.g. trainer: lightning.Trainer's arguments) that does not take it. In a sweep (-m) every
+    job is checked (sweep_jobs), and the first job's config returned. None where Hydra answers itself: --help,
+    --info, --cfg, another config, a syntax error. hydra.* overrides are left out."""
     from hydra._internal.utils import get_args_parser  # noqa: PLC0415 (Hydra only where configs are composed)
-    from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415
-    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException  # noqa: PLC0415
+    from hydra.errors import HydraException  # noqa: PLC0415
 
     args, _ = get_args_parser().parse_known_args(list(argv))
     if any(vars(args)[k] for k in ("help", "hydra_help", "info", "cfg", "shell_completion", "experimental_rerun")):
@@ -76,10 +80,47 @@ def check_command_line(
     if args.config_path or args.config_name or args.config_dir:
         return None
     try:
-        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        jobs = sweep_jobs(args.overrides)
     except HydraException:
         return None
-    kept = [o for o in parsed if not o.is_sweep_override() and not o.key_or_group.startswith("hydra")]
+    checked = [check_job(config_name, job, addable or {}) for job in jobs]
+    return checked[0]
+
+
+MAX_SWEEP_JOBS = 64  # past this many jobs, each swept value is checked once rather than every combination
+
+
+def sweep_jobs(overrides: Sequence[str]) -> list[list]:
+    """The jobs of a command line as Hydra's basic sweeper makes them (a,b, range(), choice() and glob() expanded;
+    one job where nothing sweeps), each a list of plain overrides, hydra.* left out. Hydra composes every job of a
+    sweep before it runs any, so a key wrong in one job stops them all: up to MAX_SWEEP_JOBS every job is checked,
+    past that each swept value once (the other sweeps at their first). A sweep that is not a list of values (an
+    Optuna interval()) is left out: the sweeper draws its values."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415
+    from hydra.core.override_parser.types import Override  # noqa: PLC0415
+
+    with hydra_on_conf() as config_loader:  # glob(*) lists a group's options
+        parsed = OverridesParser.create(config_loader=config_loader).parse_overrides(list(overrides))
+        kept = [o for o in parsed if not o.key_or_group.startswith("hydra")]
+        kept = [o for o in kept if o.is_discrete_sweep() or not o.is_sweep_override()]
+        key = Override.get_key_element
+        values = [
+            [f"{key(o)}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+            for o in kept
+        ]
+    if math.prod(map(len, values)) <= MAX_SWEEP_JOBS:
+        jobs = list(itertools.product(*values))
+    else:
+        first = [v[0] for v in values]
+        jobs = [first] + [first[:i] + [other] + first[i + 1 :] for i, v in enumerate(values) for other in v[1:]]
+    plain = OverridesParser.create()
+    return [plain.parse_overrides(list(job)) for job in jobs]
+
+
+def check_job(config_name: str, kept: list, addable: dict[str, set[str]]) -> DictConfig | None:
+    """One job's overrides (no sweep, no hydra.*) composed, or refused in one line (check_command_line)."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException  # noqa: PLC0415
+
     try:
         cfg = compose(config_name, [o.input_line for o in kept])
     except MissingConfigException as e:  # experiment=bse: conf/experiment/bse.yaml does not exist
@@ -91,19 +132,17 @@ def check_command_line(
         raise InputError(f"{group}={option}: no such option; {hint}(the options: {', '.join(e.options)})") from None
     except ConfigCompositionException as e:  # trainer.max_step=5: a key the config does not have
         key = getattr(e.__cause__, "full_key", None)
-        if not key or any(o.is_sweep_override() for o in parsed):  # a sweep left out may add the key: Hydra decides
-            return None
         given = next((o for o in kept if o.key_or_group == key), None)
         if given is None:
             return None
         others = compose(config_name, [o.input_line for o in kept if o is not given])
-        raise InputError(unknown_key(key, others, given.get_value_element_as_str(), addable or {})) from None
+        raise InputError(unknown_key(key, others, given.get_value_element_as_str(), addable)) from None
     for given in (o for o in kept if o.is_add()):  # +trainer.max_step=5: composes, but nothing reads it
         parent, _, name = given.key_or_group.rpartition(".")
-        if name in (addable or {}).get(parent, ()):  # +trainer.limit_val_batches=2: a Trainer argument
+        if name in addable.get(parent, ()):  # +trainer.limit_val_batches=2: a Trainer argument
             continue
-        problem = unknown_key(given.key_or_group, cfg, given.get_value_element_as_str(), addable or {})
-        if problem and (parent in (addable or {}) or "did you mean" in problem):  # else a new key: the user's own
+        problem = unknown_key(given.key_or_group, cfg, given.get_value_element_as_str(), addable)
+        if problem and (parent in addable or "did you mean" in problem):  # else a new key: the user's own
             raise InputError(problem)
     return cfg
 
@@ -135,3 +174,23 @@ def checked_main(config_name: str, run: Callable[[], None]) -> None:
     is one line, and no run folder is made."""
     exit_on_user_error(check_command_line, config_name, sys.argv[1:])
     run()
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for the commands that take options rather than Hydra keys (make finish, average, export, attention,
+    plot, table3): a wrong option is one `error:` line with the closest option and exit status 1, as a misspelled
+    key is for the Hydra commands (argparse's own answer: its usage, then the error, exit status 2)."""
+
+    def __init__(self, doc: str | None):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message: str) -> NoReturn:
+        options = [option for action in self._actions for option in action.option_strings]
+        given = message.partition("unrecognized arguments: ")[2].split()
+        hints = [f"did you mean {match}?" for g in given if g.startswith("-") and (match := closest(g, options))]
+        listed = f" (the options: {', '.join(options)})" if given and not hints else " (--help says more)"
+        raise InputError("; ".join([message, *hints]) + listed)
+
+    def parse(self) -> argparse.Namespace:
+        """The command line's options, or one `error:` line and exit status 1."""
+        return exit_on_user_error(self.parse_args)

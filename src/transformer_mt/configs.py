@@ -4,7 +4,8 @@ installed), and composing them outside an entry point (scripts, tests) exactly a
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -31,15 +32,25 @@ OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
 OmegaConf.register_new_resolver("own_folder", own_folder, replace=True)
 
 
+@contextmanager
+def hydra_on_conf() -> Iterator:
+    """Hydra's global state on conf/, which composing and glob() need; inside a Hydra app, the app's own (its
+    search path is already this one). Yields Hydra's config loader."""
+    from hydra import initialize_config_dir  # noqa: PLC0415 (Hydra only where configs are composed)
+    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415
+
+    if GlobalHydra.instance().is_initialized():
+        yield GlobalHydra.instance().config_loader()
+        return
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        yield GlobalHydra.instance().config_loader()
+
+
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
     """A primary config (train, evaluate, translate) with command-line style overrides."""
     from hydra import compose as hydra_compose  # noqa: PLC0415 (Hydra only where configs are composed)
-    from hydra import initialize_config_dir  # noqa: PLC0415
-    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415
 
-    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is already this one
-        return hydra_compose(config_name, overrides=list(overrides))
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+    with hydra_on_conf():
         return hydra_compose(config_name, overrides=list(overrides))
 
 

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from transformer_mt.checkpoint import read_checkpoint
+from transformer_mt.commandline import CommandParser
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import MissingInputError, exit_on_user_error
 from transformer_mt.files import remove_stale_temporaries
@@ -46,7 +47,7 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("run_dir", help="a training run's folder (holding checkpoints/last.ckpt)")
     parser.add_argument("--device", default="auto", help="auto (a CUDA GPU if there is one), cpu or cuda")
     parser.add_argument(
@@ -54,7 +55,7 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         help="choose decoding on the validation split first (final.tune)",
     )
-    args = parser.parse_args()
+    args = parser.parse()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     exit_on_user_error(finish, args.run_dir, args.device, args.tune)
 

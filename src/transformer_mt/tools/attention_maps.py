@@ -12,7 +12,6 @@ and writes output token r.
 
 from __future__ import annotations
 
-import argparse
 import textwrap
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +23,7 @@ from omegaconf import OmegaConf
 
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.checkpoint import start_inference
+from transformer_mt.commandline import CommandParser
 from transformer_mt.configs import compose
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
@@ -158,7 +158,7 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("ckpt", help="a training or averaged checkpoint")
     parser.add_argument("--text", help="the source sentence")
     parser.add_argument("--src", help="or a file of source sentences ...")
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--ref", help="a target to picture instead of the model's translation (a file with --src)")
     parser.add_argument("--out", help="the folder for the pictures (default: outputs/attention/<time>)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
-    args = parser.parse_args()
+    args = parser.parse()
     exit_on_user_error(draw, args.ckpt, args.text, args.src, args.line, args.ref, args.out, args.device)
 
 

@@ -10,7 +10,6 @@ it; the dimensions inside the heads and the FFN are left as they are.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib
 import json
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from transformer_mt.checkpoint import load_for_inference
+from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.length_penalties import HF_LENGTH_PENALTY
@@ -312,12 +312,12 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("ckpt", help="a training or averaged checkpoint")
     parser.add_argument("--format", default="hf", choices=["hf", "ct2"], help="hf: transformers; ct2: CTranslate2")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist)")
     parser.add_argument("--quantization", help="ct2 only: int8, int8_float16, float16, ... (default: float32)")
-    args = parser.parse_args()
+    args = parser.parse()
     exit_on_user_error(export, args.ckpt, args.format, args.out, args.quantization)
 
 

@@ -8,13 +8,13 @@ and BLEU.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 from pathlib import Path
 
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
+from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import MissingInputError, exit_on_user_error
 
 PANELS = [  # (title, [(metric, label)]); a metric "a|b" is a, or b in runs that did not log a
@@ -93,10 +93,10 @@ def plot_run(run: str, out: str | None = None) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("run", help="a training run's folder")
     parser.add_argument("--out", help="the PNG to write (default: <run>/curves.png)")
-    args = parser.parse_args()
+    args = parser.parse()
     exit_on_user_error(plot_run, args.run, args.out)
 
 

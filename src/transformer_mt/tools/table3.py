@@ -14,11 +14,11 @@ last checkpoints, or the final weights where averaging was off (Table 3's protoc
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
 
+from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
 from transformer_mt.files import RESULTS, atomic_write
 
@@ -164,9 +164,9 @@ def collect(*folders: str | Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("runs", nargs="+", help="the sweep's folder (multirun/<date>/<time>), or several")
-    args = parser.parse_args()
+    args = parser.parse()
     exit_on_user_error(collect, *args.runs)
 
 
