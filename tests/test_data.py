@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from types import SimpleNamespace
 
 import datasets
@@ -823,11 +822,19 @@ def test_scale_report_runs_the_wmt14_pipeline_on_20k_generated_pairs_cold_then_c
 
 def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypatch):
     builder, waiter = text_datamodule(tmp_path), text_datamodule(tmp_path)
-    started = threading.Event()
+    polled = threading.Event()  # the waiting rank has looked and found no cache
+    real_ready = waiter.cache.ready
 
-    def build_later():  # rank 0, slower to arrive than the waiting rank
-        started.wait(10)
-        time.sleep(0.3)
+    def ready(raw):
+        found = real_ready(raw)
+        if not found:
+            polled.set()
+        return found
+
+    monkeypatch.setattr(waiter.cache, "ready", ready)
+
+    def build_later():  # rank 0, arriving after the other rank has started to wait (an event, not a clock)
+        polled.wait()
         builder.build()
 
     rank_0 = threading.Thread(target=build_later)
@@ -840,7 +847,6 @@ def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypat
         return real_train(*args, **kwargs)
 
     monkeypatch.setattr(cache_module, "train_tokenizer", record)
-    started.set()
     waiter.build_when_cached(poll_seconds=0.05, timeout_seconds=3600)  # a hang guard only: rank 0 ends, however slowly
     rank_0.join()
     assert trained == [True]  # SentencePiece trained once, by rank 0
