@@ -56,9 +56,10 @@ def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: i
         prev = torch.where(t >= limits[alive], EOS_ID, logits.argmax(-1))
         tokens[alive, t] = prev
         done = prev.eq(EOS_ID)
-        if done.all():
+        stopped = int(done.sum())  # the step's one wait for the device
+        if stopped == alive.size(0):
             break
-        if done.any():
+        if stopped:
             keep = (~done).nonzero().squeeze(1)
             alive, prev = alive[keep], prev[keep]
             state.select(keep, sentences=keep)
@@ -70,12 +71,12 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
     return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
 
 
-def next_token_logprobs(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor) -> Tensor:
+def next_token_logprobs(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor | None) -> Tensor:
     """One decoding step: float32 log P(token) (n*K, V), normalised over the whole vocabulary, then PAD excluded
-    (-inf) and, where `at_limit` (n*K,) is True, every token but EOS."""
+    (-inf) and, where `at_limit` (n*K,) is True (None: nowhere), every token but EOS."""
     logprobs = model.decode_step(prev, state).float().log_softmax(-1)  # one pass (logsumexp and a subtraction: 4)
     logprobs[:, PAD_ID] = -torch.inf
-    if at_limit.any():  # rarely: a step's mask, not a pass over every row's logits at every step
+    if at_limit is not None and at_limit.any():  # rarely: a step's mask, not a pass over every row's logits
         eos = torch.arange(logprobs.size(1), device=logprobs.device) == EOS_ID
         logprobs[at_limit] = torch.where(eos, logprobs[at_limit], -torch.inf)
     return logprobs
@@ -176,17 +177,22 @@ def beam_search(
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
     state = model.start_decoding(memory, src_pad)  # B sentences; the cache grows to B * K rows after step 0
-
     alive_ids = torch.arange(B, device=device)  # original index of each sentence still searching
     alive_scores = torch.zeros((B, 1), device=device)  # (n, k) log P: one hypothesis (BOS) at step 0, then K
     alive_tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     finished = [Finished.empty(B, K, width, device) for _ in alphas]  # per alpha, per original sentence
-    in_beam = torch.arange(2 * K, device=device) < K
+    # Per sentence still searching, kept in step as sentences leave: its maximum length and, per alpha, the score
+    # of its n_best-th finished hypothesis (floor) and the penalty at its maximum length (ceiling): a live
+    # hypothesis can score at most log P / ceiling, its log P only falls.
+    alive_limits = limits
+    floors = [torch.full((B,), -torch.inf, device=device) for _ in alphas]
+    ceilings = [length_penalty(limits + 1, a) for a in alphas]
+    soonest = int(limits.min())  # the first step at which a sentence still searching must end
 
     for t in range(width):
         n, k = alive_scores.shape
-        at_limit = (t >= limits[alive_ids]).repeat_interleave(k)  # EOS is forced at the maximum length
+        at_limit = (t >= alive_limits).repeat_interleave(k) if t >= soonest else None  # EOS forced there
         logprobs = next_token_logprobs(model, prev, state, at_limit)  # (n*k, V)
         top_scores, beam, token = best_candidates(logprobs, alive_scores, 2 * K)  # 2K: at most K end in EOS
         history = gather_hypotheses(alive_tokens, beam)  # (n, 2K, width)
@@ -200,19 +206,24 @@ def beam_search(
         prev = alive_tokens[:, :, t].reshape(-1)
 
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
-        # with those kept so far, the best K kept. Early stop: no live hypothesis can beat the n_best-th finished.
-        ended = ends & in_beam[: ends.size(1)]
-        done = torch.ones(n, dtype=torch.bool, device=device)
-        for fin, a in zip(finished, alphas):
-            best_fin = fin.add(
-                alive_ids, torch.where(ended, top_scores / length_penalty(t + 1, a), -torch.inf), history
-            )
-            done &= best_fin[:, n_best - 1] >= alive_scores[:, 0] / length_penalty(limits[alive_ids] + 1, a)
-        if done.all():
+        # with those kept so far, the best K kept; most steps end none. Early stop: no live hypothesis can beat
+        # the n_best-th finished.
+        ended = ends[:, :K]
+        if ended.any():
+            for i, (fin, a) in enumerate(zip(finished, alphas)):
+                scores = torch.where(ended, top_scores[:, :K] / length_penalty(t + 1, a), -torch.inf)
+                floors[i] = fin.add(alive_ids, scores, history[:, :K])[:, n_best - 1]
+        done = floors[0] >= alive_scores[:, 0] / ceilings[0]
+        for floor, ceiling in zip(floors[1:], ceilings[1:]):
+            done &= floor >= alive_scores[:, 0] / ceiling
+        stopped = int(done.sum())  # the step's one wait for the device, beside ended.any()
+        if stopped == n:
             break
-        if done.any():  # drop finished sentences (and their encoder states) from the batch
+        if stopped:  # drop finished sentences (and their encoder states) from the batch
             keep = (~done).nonzero().squeeze(1)
             alive_ids, alive_scores, alive_tokens = alive_ids[keep], alive_scores[keep], alive_tokens[keep]
+            alive_limits, soonest = alive_limits[keep], int(alive_limits[keep].min())
+            floors, ceilings = [f[keep] for f in floors], [c[keep] for c in ceilings]
             state.select(rows.view(n, K)[keep].view(-1), sentences=keep)
             prev = prev.view(n, K)[keep].view(-1)
         else:  # rows only permute (or, after step 0, expand) the beams of each sentence: encoder states stay
