@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from transformer_mt.decoding_state import decoding_weights
 from transformer_mt.model import Transformer
 from transformer_mt.search import beam_search, greedy, length_penalty, source_batch, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -178,10 +179,14 @@ def test_compiled_decoding_chooses_eagers_tokens_and_scores():
     assert model.state_dict().keys() == weights.keys()  # checkpoints of a compiled model are eager's
 
 
-def test_decoding_follows_the_weights_when_they_change_in_place():
-    """Decoding multiplies by copies of the weights (decoding_state.decoding_weights, made for each batch): changed in
-    place, as an optimizer step or load_state_dict changes them, the next decode uses the new weights."""
-    model, src = trained_like_model(0), source_batch(SOURCES)
+@pytest.mark.parametrize("trained", [True, False], ids=["training", "inference"])
+def test_decoding_follows_the_weights_when_they_change_in_place(trained):
+    """Decoding multiplies by copies of the weights (decoding_state.decoding_weights): made for each batch while the
+    model trains, kept by a model for inference (no gradients) while its weights stay as they are. Changed in place,
+    as an optimizer step or load_state_dict changes them, the next decode uses the new weights."""
+    model, src = trained_like_model(0).requires_grad_(trained), source_batch(SOURCES)
+    kept = decoding_weights(model) is decoding_weights(model)
+    assert kept is not trained  # a model for inference pays for its copies once
     before = beam_search(model, src, beam_size=4, max_len_b=8)[0], greedy(model, src, max_len_b=8)
     with torch.no_grad():
         for i, parameter in enumerate(model.parameters()):

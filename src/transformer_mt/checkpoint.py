@@ -91,7 +91,7 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
     if "sentencepiece" not in checkpoint:
         raise InputError(f"{path}: has no SentencePiece model inside (written by an older version?)")
     tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin=f"{path} (sentencepiece)")
-    return model.eval(), tokenizer, checkpoint
+    return model.requires_grad_(False).eval(), tokenizer, checkpoint  # no gradients: decoding keeps its copies
 
 
 def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) -> tuple[Transformer, Tokenizer, dict]:
