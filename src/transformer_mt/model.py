@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.attention_recording import explicit_attention
-from transformer_mt.decoding_state import DecoderState, LayerCache, Stacked, decoding_weights
+from transformer_mt.decoding_state import DecoderState, LayerCache, decoding_weights
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
 FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
@@ -161,22 +161,14 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
 
-    def project_stacked(self, x: Tensor, stacked: Stacked) -> list[Tensor]:
-        """x (B, L, d) through the projections of `stacked` in one product, each result split into heads."""
-        out = torch.addmm(stacked.bias, x.reshape(-1, x.size(-1)), stacked.weight).view(*x.shape[:-1], -1)
-        return [self.split_heads(part) for part in out.split(stacked.widths, dim=-1)]
-
     def forward(
-        self,
-        query: Tensor,
-        kv: tuple[Tensor, Tensor],
-        mask: Tensor | None = None,
-        causal: bool = False,
-        q: Tensor | None = None,
+        self, query: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None, causal: bool = False
     ) -> Tensor:
-        # query: (B, Lq, d); kv: keys (B, H, Lk, dk) and values (B, H, Lk, dv), already projected; q (B, H, Lq, dk)
-        q = self.split_heads(self.q_proj(query)) if q is None else q  # q given: projected with k and v (decoding)
-        k, v = kv
+        # query: (B, Lq, d); kv: keys (B, H, Lk, dk) and values (B, H, Lk, dv), already projected
+        return self.out_proj(self.attend(self.split_heads(self.q_proj(query)), *kv, mask=mask, causal=causal))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """The heads' attention, concatenated: q (B, H, Lq, dk), k (B, H, Lk, dk), v (B, H, Lk, dv) -> (B, Lq, H dv)."""
         if self.recording:
             out, self.weights = explicit_attention(q, k, v, mask, causal)
         else:
@@ -188,7 +180,7 @@ class MultiHeadAttention(nn.Module):
             with sdpa_kernel(SDPBackend.MATH) if bf16_sentences else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, dv)
         B, H, Lq, d_v = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * d_v))
+        return out.transpose(1, 2).reshape(B, Lq, H * d_v)
 
 
 class FeedForward(nn.Module):
@@ -257,24 +249,29 @@ class DecoderLayer(nn.Module):
         def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
             if cache is None:
                 return self.self_attn(h, self.self_attn.project_kv(h), causal=True)
-            q, k, v = self.self_attn.project_stacked(h, cache.weights.self_qkv)  # decoding: one product
+            qkv = cache.weights.self_qkv  # decoding: one product for the three
+            q, k, v = map(self.self_attn.split_heads, qkv(h).split(qkv.widths, dim=-1))
             if cache.self_kv:
                 k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
             cache.self_kv = [k, v]
-            return self.self_attn(h, (k, v), q=q)
+            return cache.weights.self_out(self.self_attn.attend(q, k, v))
 
         def cross_attention(h: Tensor) -> Tensor:
-            if cache is not None and cache.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv): once per sentence
-                cache.memory_kv = tuple(self.cross_attn.project_stacked(memory, cache.weights.memory_kv))
-            memory_kv = self.cross_attn.project_kv(memory) if cache is None else cache.memory_kv
+            if cache is None:
+                return self.cross_attn(h, self.cross_attn.project_kv(memory), mask=src_mask)
+            weights = cache.weights
+            if cache.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv): once per sentence
+                kv = weights.memory_kv(memory).split(weights.memory_kv.widths, dim=-1)
+                cache.memory_kv = tuple(map(self.cross_attn.split_heads, kv))
+            k, v = cache.memory_kv
             # The hypotheses of one sentence share its memory and attend to it as one block of queries
             # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
-            queries = h.view(memory_kv[0].size(0), -1, h.size(-1))
-            return self.cross_attn(queries, memory_kv, mask=src_mask).view_as(h)
+            q = self.cross_attn.split_heads(weights.cross_q(h.view(k.size(0), -1, h.size(-1))))
+            return weights.cross_out(self.cross_attn.attend(q, k, v, mask=src_mask)).view_as(h)
 
         x = self.self_attn_res(x, self_attention)
         x = self.cross_attn_res(x, cross_attention)
-        return self.ffn_res(x, self.ffn)
+        return self.ffn_res(x, self.ffn if cache is None else cache.weights.feed_forward)
 
 
 class Transformer(nn.Module):
@@ -284,6 +281,8 @@ class Transformer(nn.Module):
     is still the output projection; "none": the output projection too has its own matrix (`output`).
     norm="pre": each stack ends with a LayerNorm (`encoder_norm`, `decoder_norm`), as fairseq and
     torch.nn.Transformer(norm_first=True); without it the residual stream would reach the output unnormalised."""
+
+    compiled_decoding = False  # compile_decoding: encode and decode_step through torch.compile
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -360,7 +359,7 @@ class Transformer(nn.Module):
     def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
         step, once per sentence (shared by its beam hypotheses), and keeps them."""
-        output, layers = decoding_weights(self)
+        output, layers = decoding_weights(self, pack=not self.compiled_decoding)  # a compiled step: plain copies
         return DecoderState(key_mask(src_pad), memory, [LayerCache(weights) for weights in layers], output=output)
 
     def compile_decoding(self) -> Transformer:
@@ -378,7 +377,7 @@ class Transformer(nn.Module):
             return step(prev.contiguous(), state)
 
         self.encode = torch.compile(self.encode, dynamic=True)  # instance attributes shadow the methods
-        self.decode_step = decode_step
+        self.decode_step, self.compiled_decoding = decode_step, True
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         return self
 
@@ -391,7 +390,7 @@ class Transformer(nn.Module):
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
         state.length, state.memory = state.length + 1, None  # every layer holds its projection now
-        return self.final_norm(x[:, 0], "decoder") @ state.output  # = project(), by the transposed copy
+        return state.output(self.final_norm(x[:, 0], "decoder"))  # = project(), by decoding's copy
 
 
 def training_flops(cfg: TransformerConfig, src_lens: Sequence[int] | Tensor, tgt_lens: Sequence[int] | Tensor) -> float:

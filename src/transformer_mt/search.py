@@ -139,6 +139,48 @@ class Finished:
         return lists
 
 
+@dataclass
+class Searching:
+    """The sentences still searching, kept in step as sentences leave the batch: each one's original index, maximum
+    length and live hypotheses, and per alpha the score of its n_best-th finished hypothesis (floor; -inf while it
+    has fewer) and the length penalty at its maximum length (ceiling): a live hypothesis can score at most
+    log P / ceiling, its log P only falls."""
+
+    ids: Tensor  # (n,)
+    limits: Tensor  # (n,)
+    scores: Tensor  # (n, k) log P: one hypothesis (BOS) at step 0, then K
+    tokens: Tensor  # (n, k, width)
+    floors: list[Tensor]  # per alpha, (n,)
+    ceilings: list[Tensor]  # per alpha, (n,)
+
+    @classmethod
+    def start(cls, limits: Tensor, alphas: list[float], width: int) -> Searching:
+        B, device = limits.size(0), limits.device
+        return cls(
+            torch.arange(B, device=device),
+            limits,
+            torch.zeros((B, 1), device=device),
+            torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device),
+            [torch.full((B,), -torch.inf, device=device) for _ in alphas],
+            [length_penalty(limits + 1, a) for a in alphas],
+        )
+
+    def done(self) -> Tensor:
+        """(n,) True where no live hypothesis can beat the n_best-th finished one, whichever the alpha."""
+        best = self.scores[:, 0]
+        done = self.floors[0] >= best / self.ceilings[0]
+        for floor, ceiling in zip(self.floors[1:], self.ceilings[1:]):
+            done &= floor >= best / ceiling
+        return done
+
+    def keep(self, index: Tensor) -> None:
+        """Only the sentences `index` (n',) go on searching, in that order."""
+        self.ids, self.limits, self.scores, self.tokens = (
+            x[index] for x in (self.ids, self.limits, self.scores, self.tokens)
+        )
+        self.floors, self.ceilings = [f[index] for f in self.floors], [c[index] for c in self.ceilings]
+
+
 Alphas = float | Sequence[float]  # one length penalty, or several served by one search (beam_search)
 
 
@@ -177,53 +219,41 @@ def beam_search(
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
     state = model.start_decoding(memory, src_pad)  # B sentences; the cache grows to B * K rows after step 0
-    alive_ids = torch.arange(B, device=device)  # original index of each sentence still searching
-    alive_scores = torch.zeros((B, 1), device=device)  # (n, k) log P: one hypothesis (BOS) at step 0, then K
-    alive_tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
+    alive = Searching.start(limits, alphas, width)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     finished = [Finished.empty(B, K, width, device) for _ in alphas]  # per alpha, per original sentence
-    # Per sentence still searching, kept in step as sentences leave: its maximum length and, per alpha, the score
-    # of its n_best-th finished hypothesis (floor) and the penalty at its maximum length (ceiling): a live
-    # hypothesis can score at most log P / ceiling, its log P only falls.
-    alive_limits = limits
-    floors = [torch.full((B,), -torch.inf, device=device) for _ in alphas]
-    ceilings = [length_penalty(limits + 1, a) for a in alphas]
     soonest = int(limits.min())  # the first step at which a sentence still searching must end
 
     for t in range(width):
-        n, k = alive_scores.shape
-        at_limit = (t >= alive_limits).repeat_interleave(k) if t >= soonest else None  # EOS forced there
+        n, k = alive.scores.shape
+        at_limit = (t >= alive.limits).repeat_interleave(k) if t >= soonest else None  # EOS forced there
         logprobs = next_token_logprobs(model, prev, state, at_limit)  # (n*k, V)
-        top_scores, beam, token = best_candidates(logprobs, alive_scores, 2 * K)  # 2K: at most K end in EOS
-        history = gather_hypotheses(alive_tokens, beam)  # (n, 2K, width)
+        top_scores, beam, token = best_candidates(logprobs, alive.scores, 2 * K)  # 2K: at most K end in EOS
+        history = gather_hypotheses(alive.tokens, beam)  # (n, 2K, width)
         history[:, :, t] = token
         ends = token.eq(EOS_ID)
 
         # Alive: the best K candidates that did not end.
-        alive_scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
-        alive_tokens = gather_hypotheses(history, pick)
+        alive.scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
+        alive.tokens = gather_hypotheses(history, pick)
         rows = (torch.arange(n, device=device)[:, None] * k + beam.gather(1, pick)).view(-1)  # (n*K,) of n*k
-        prev = alive_tokens[:, :, t].reshape(-1)
+        prev = alive.tokens[:, :, t].reshape(-1)
 
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
-        # with those kept so far, the best K kept; most steps end none. Early stop: no live hypothesis can beat
-        # the n_best-th finished.
+        # with those kept so far, the best K kept; most steps end none.
         ended = ends[:, :K]
         if ended.any():
             for i, (fin, a) in enumerate(zip(finished, alphas)):
                 scores = torch.where(ended, top_scores[:, :K] / length_penalty(t + 1, a), -torch.inf)
-                floors[i] = fin.add(alive_ids, scores, history[:, :K])[:, n_best - 1]
-        done = floors[0] >= alive_scores[:, 0] / ceilings[0]
-        for floor, ceiling in zip(floors[1:], ceilings[1:]):
-            done &= floor >= alive_scores[:, 0] / ceiling
+                alive.floors[i] = fin.add(alive.ids, scores, history[:, :K])[:, n_best - 1]
+        done = alive.done()
         stopped = int(done.sum())  # the step's one wait for the device, beside ended.any()
         if stopped == n:
             break
         if stopped:  # drop finished sentences (and their encoder states) from the batch
             keep = (~done).nonzero().squeeze(1)
-            alive_ids, alive_scores, alive_tokens = alive_ids[keep], alive_scores[keep], alive_tokens[keep]
-            alive_limits, soonest = alive_limits[keep], int(alive_limits[keep].min())
-            floors, ceilings = [f[keep] for f in floors], [c[keep] for c in ceilings]
+            alive.keep(keep)
+            soonest = int(alive.limits.min())
             state.select(rows.view(n, K)[keep].view(-1), sentences=keep)
             prev = prev.view(n, K)[keep].view(-1)
         else:  # rows only permute (or, after step 0, expand) the beams of each sentence: encoder states stay
