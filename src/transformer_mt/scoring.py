@@ -3,6 +3,7 @@ tokenized BLEU with compound splitting (tensor2tensor's get_ende_bleu.sh), label
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -59,7 +60,13 @@ def paired_bootstrap_p(baseline: list[str], system: list[str], refs: list[str]) 
     """sacreBLEU's paired bootstrap test (1,000 resamples, its fixed seed): the p-value of the difference in BLEU
     between two systems' translations of the same sentences (small: the difference is not the luck of the sample)."""
     test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [refs], test_type="bs")
-    _, results = test()
+    sacrebleu_log = logging.getLogger("sacrebleu")  # its progress lines would sit between make tune's own
+    level = sacrebleu_log.level
+    sacrebleu_log.setLevel(logging.WARNING)
+    try:
+        _, results = test()
+    finally:
+        sacrebleu_log.setLevel(level)
     return results["BLEU"][1].p_value
 
 
