@@ -131,7 +131,10 @@ def test_a_gpu_recipe_without_a_gpu_points_at_the_cpu_recipe():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [["+trainer.max_step=5"], ["trainer.max_step=5"], ["experiment=base"]])
+@pytest.mark.parametrize(
+    "args",
+    [["+trainer.max_step=5"], ["trainer.max_step=5"], ["experiment=base"], ["-m", "seed=1,2", "trainer.max_step=5"]],
+)
 def test_a_refused_start_is_one_line_before_any_data_and_leaves_no_run_folder(args, tmp_path):
     cache = {"TRANSFORMER_MT_CACHE": str(tmp_path / "cache")}
     proc = run_process([sys.executable, "-m", "transformer_mt.train", *args], tmp_path, env=cache)
