@@ -39,7 +39,7 @@ from transformer_mt.runtime import IDEEP_CACHE, ONEDNN_CACHE, set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
 from transformer_mt.tune import tune
-from transformer_mt.tuning import read_tuned, search_grid, table_row, tuned_path
+from transformer_mt.tuning import read_tuned, save_tuned, search_grid, table_row, tuned_path
 
 # ---------------------------------------------------------------- averaging
 
@@ -568,3 +568,29 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     assert read_tuned(other)[0] is None and "another version" in read_tuned(other)[1]
     with pytest.raises(InputError, match="never on the test split"):
         tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"beam_size": 0}, "decoding.beam_size=0 is not a whole number of hypotheses, at least 1; correct it, or "),
+        ({"alpha": "0.6"}, 'decoding.alpha="0.6" is not a length penalty exponent, a number at least 0; correct it'),
+        ({"alpha": None}, "decoding.alpha=null is not a length penalty exponent"),
+        ({"max_len_b": 2.5}, "decoding.max_len_b=2.5 is not a whole number at least 0"),
+        ({"beam_size": True}, "decoding.beam_size=true is not a whole number"),
+        ({"max_len_a": ...}, "decoding.max_len_a is missing (a number at least 0"),  # ...: the key removed
+    ],
+)
+def test_a_hand_edited_tune_record_is_refused_in_one_line_naming_the_setting(edit, message, tmp_path):
+    """make tune's <ckpt>.decoding.json, edited by hand: a setting beam search cannot take is one line naming the file,
+    the setting and the fix, not a traceback from inside the search (issue 45)."""
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"the checkpoint's bytes")  # the record names their SHA-256
+    paper = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
+    chosen = {key: value for key, value in (paper | edit).items() if value is not ...}
+    save_tuned(ckpt, chosen, [], "text validation")
+    with pytest.raises(InputError) as error:
+        read_tuned(ckpt)
+    assert str(error.value).startswith(f"{tuned_path(ckpt)}: {message}") and "\n" not in str(error.value)
+    save_tuned(ckpt, {"beam_size": 4, "alpha": 1, "max_len_a": 1, "max_len_b": 50}, [], "text validation")
+    assert read_tuned(ckpt)[0]["alpha"] == 1  # whole numbers are numbers too

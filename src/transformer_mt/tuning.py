@@ -7,12 +7,14 @@ SHA-256) and `make translate` / `make evaluate` use it by default, saying so."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from transformer_mt.engines import file_digest
+from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write
 from transformer_mt.scoring import evaluate_translations, paired_bootstrap_p
 
@@ -244,10 +246,35 @@ def read_tuned(ckpt: str | Path) -> tuple[dict | None, str]:
             None,
             f"{path} was chosen for another version of {ckpt}: decoding as conf/decoding says (make tune again)",
         )
+    check_settings(chosen, path)
     return chosen, (
         f"decoding: beam {chosen['beam_size']}, alpha {chosen['alpha']}, max length {chosen['max_len_a']} x source + "
         f"{chosen['max_len_b']}, chosen on the {split} split by make tune ({path}); tuned=false for conf/decoding's"
     )
+
+
+# What make tune's record may hold for each setting: (a whole number only, the least value, what it is)
+SETTING_KINDS = {
+    "beam_size": (True, 1, "a whole number of hypotheses, at least 1"),
+    "alpha": (False, 0, "a length penalty exponent, a number at least 0"),
+    "max_len_a": (False, 0, "a number at least 0 (the length limit's factor of the source length)"),
+    "max_len_b": (True, 0, "a whole number at least 0 (the length limit's offset)"),
+}
+
+
+def check_settings(chosen, path: Path) -> None:
+    """make tune's record's settings each of the kind beam search takes (a hand-edited record may not be), or one
+    line naming the file, the setting and the fix."""
+    fix = "correct it, or delete the file to decode as conf/decoding says (make tune writes it again)"
+    if not isinstance(chosen, dict):
+        raise InputError(f"{path}: 'decoding' holds {chosen!r}, not the settings {', '.join(SETTINGS)}; {fix}")
+    for key, (whole, least, what) in SETTING_KINDS.items():
+        if key not in chosen:
+            raise InputError(f"{path}: decoding.{key} is missing ({what}); {fix}")
+        value = chosen[key]
+        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (whole and not isinstance(value, int)) or value < least:
+            raise InputError(f"{path}: decoding.{key}={json.dumps(value)} is not {what}; {fix}")
 
 
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
