@@ -19,6 +19,7 @@ from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.evaluate import evaluate
+from transformer_mt.files import RunFolderLock
 from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export
 from transformer_mt.tools.table3 import collect
@@ -316,6 +317,33 @@ def test_the_collector_orders_rows_as_table_3_and_marks_differences_beyond_the_b
     assert [r[9] for r in rows] == ["", "", "-1.25*", "+2.75*"]  # Δ test against 31.25, spread 0.50
     assert "dev_bleu 1.00" in text and "4 runs, 4 minutes of training" in text
     assert (first / "table3.md").read_text() == text
+
+
+def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped_short(variant_run, tmp_path, capsys):
+    """make finish beside a live training (the folder's lock held) is refused in one line naming the holder, and
+    nothing is written; on a run whose training stopped before its schedule's end it says so, and what finishing
+    then means (issue 45)."""
+    from transformer_mt.finish import finish  # noqa: PLC0415
+
+    run = tmp_path / "run"
+    shutil.copytree(variant_run, run)
+    (run / "results.json").unlink()
+    with RunFolderLock(run), pytest.raises(InputError, match=r"is in use by a training that is still running \(pid "):
+        finish(run, device="cpu", tune=False)
+    assert not (run / "results.json").exists()
+    finish(run, device="cpu", tune=False)  # a finished run: nothing to warn about
+    assert "warning" not in capsys.readouterr().out
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    planned = last["hyper_parameters"]["config"]["trainer"]["max_steps"]
+    last["global_step"] = planned - 2  # as a run killed two updates before its end leaves it
+    torch.save(last, run / "checkpoints" / "last.ckpt")
+    finish(run, device="cpu", tune=False)
+    warning = f"warning: {run}'s training stopped at update {planned - 2:,} of the {planned:,} its schedule planned"
+    assert warning in capsys.readouterr().out
+    del last["hyper_parameters"]["config"]["final"]  # a run from before the end-of-run protocol: its defaults
+    torch.save(last, run / "checkpoints" / "last.ckpt")
+    assert "test" in finish(run, device="cpu", tune=False)["models"]["average-last3"]
+    assert "holds no end-of-run settings (trained before the `final` block)" in capsys.readouterr().out
 
 
 def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(variant_run, tmp_path, caplog):
