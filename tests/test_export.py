@@ -1,11 +1,16 @@
 """make export (transformers' MarianMTModel, CTranslate2), make attention, make plot, and make bench's tables
 (scripts/benchmark.py, scripts/host_overhead.py), on tiny models."""
 
+import contextlib
 import csv
 import json
+import resource
+import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +21,7 @@ import torch
 from conftest import ROOT, run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
 from transformer_mt.engines import CT2Process, ct2_export
-from transformer_mt.errors import InputError, UserError
+from transformer_mt.errors import InputError, UserError, exit_on_user_error
 from transformer_mt.model import Transformer, sinusoidal_positions
 from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids, translate_lines
@@ -25,6 +30,7 @@ from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
 from transformer_mt.tools.plot import find, read_metrics
 from transformer_mt.training.checkpoints import UpdateCheckpoint
+from transformer_mt.tuning import save_tuned
 
 SENTENCES = [
     "the cat sees a dog .",
@@ -486,3 +492,38 @@ def test_a_pruned_checkpoint_takes_its_ct2_export_along(tmp_path):
     trainer = SimpleNamespace(strategy=strategy, is_global_zero=True)
     UpdateCheckpoint(every=40, dirpath=tmp_path)._remove_checkpoint(trainer, str(tmp_path / "step0000040.ckpt"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step0000080.ckpt", "step0000080.ct2"]
+
+
+@contextlib.contextmanager
+def full_disk(bytes_per_file: int):
+    """Every file write past `bytes_per_file` bytes fails, as on a full disk (RLIMIT_FSIZE: EFBIG, SIGXFSZ ignored)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (bytes_per_file, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.mark.parametrize("what", ["hf", "ct2", "make tune's record"])
+def test_a_full_disk_while_exporting_or_writing_make_tunes_record_is_one_line_and_leaves_nothing(
+    what, random_checkpoint, tmp_path, capsys
+):
+    """make export (transformers, CTranslate2) and make tune's record on a full disk: one `error:` line, status 1, and
+    no folder or temporary left beside the checkpoint (issue 45, point 5)."""
+    ckpt = tmp_path / "model.ckpt"
+    shutil.copy(random_checkpoint, ckpt)  # before the disk fills
+    if what == "make tune's record":
+        rows = [{"beam_size": 4, "note": "x" * 5000}]  # a record longer than the disk's room
+        write = partial(save_tuned, ckpt, {"beam_size": 4, "alpha": 0.6, "max_len_a": 1, "max_len_b": 50}, rows, "val")
+    else:
+        write = partial(export, str(ckpt), what, str(tmp_path / "out"))
+    with full_disk(4096), pytest.raises(SystemExit) as exit_info:
+        exit_on_user_error(write)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 1 and error.startswith("error: a write was refused") and error.count("\n") == 1, (
+        error
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"]  # no export, no record, no temporary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -35,7 +36,12 @@ def exit_on_user_error(fn: Callable, *args):
 
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None  # None: a plain argparse tool
     try:
-        return fn(*args)
+        try:
+            return fn(*args)
+        except OSError as e:
+            if (fault := write_fault(e)) is None:
+                raise
+            raise fault from None
     except UserError as e:
         if hydra_cfg is not None:
             remove_if_empty(Path(hydra_cfg.runtime.output_dir))
@@ -46,6 +52,22 @@ def exit_on_user_error(fn: Callable, *args):
             # Hydra prints a CompactHydraException as its text alone: here none, the line above says it all
             raise CompactHydraException("") from None
         raise SystemExit(1) from None
+
+
+# A write the machine refused: a full disk or quota, a file-size limit, a read-only or forbidden folder.
+WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def write_fault(e: OSError) -> InputError | None:
+    """An OSError of WRITE_FAULTS as one line a user can act on (None: another fault). The project's files are
+    written whole or not at all (files.atomic_write): the one cut short is removed, the files before it are whole."""
+    if e.errno not in WRITE_FAULTS:
+        return None
+    where = f" ({e.filename})" if e.filename else ""
+    return InputError(
+        f"a write was refused{where}: {e.strerror} (a full disk or quota, a file-size limit, or a folder that cannot "
+        "be written); free space there or write elsewhere, then run the command again"
+    )
 
 
 def folder_in_use(run_dir: Path) -> bool:

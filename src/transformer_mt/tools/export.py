@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -166,7 +168,12 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
     transformers = optional("transformers")
     hf = marian_model(model).eval()
     hf.generation_config = generation_config(model)
-    hf.save_pretrained(directory)
+    try:
+        hf.save_pretrained(directory)
+    except Exception as e:  # safetensors' own error for an OSError in its Rust writer: "... (os error 28)"
+        if number := re.search(r"\(os error (\d+)\)", str(e)):
+            raise OSError(int(number[1]), os.strerror(int(number[1])), str(directory)) from None
+        raise
     # The tokenizer: our SentencePiece model for both sides, and its pieces in id order.
     spm_file = tokenizer.save(directory)
     vocab = {tokenizer.sp.id_to_piece(i): i for i in range(len(tokenizer))}
