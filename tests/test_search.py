@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from transformer_mt.decoding_state import decoding_weights
+from transformer_mt.decoding_state import decoding_weights, onednn_packs
 from transformer_mt.model import Transformer
 from transformer_mt.search import beam_search, greedy, length_penalty, source_batch, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -13,9 +13,10 @@ SOURCES = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
 
 
 def trained_like_model(seed: int) -> Transformer:
-    """A random tiny model whose EOS logit is raised, so hypotheses end at varied lengths."""
+    """A random tiny model whose EOS logit is raised, so hypotheses end at varied lengths; for inference, as
+    load_for_inference gives it (no gradients: decoding keeps its weight copies, packed for oneDNN on a CPU)."""
     torch.manual_seed(seed)
-    model = Transformer(tiny_config(vocab_size=30, max_positions=128, dropout=0.0)).eval()
+    model = Transformer(tiny_config(vocab_size=30, max_positions=128, dropout=0.0)).eval().requires_grad_(False)
     with torch.no_grad():
         model.embed.tokens.weight[EOS_ID] *= 3
     return model
@@ -219,3 +220,22 @@ def test_one_search_for_several_alphas_equals_a_search_for_each(seed, beam):
                 assert got == alone
                 chosen.add(tuple(map(tuple, got)))
     assert len(chosen) > 1  # the alphas chose differently: the test tests something
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["training", "inference"])
+def test_decodings_projections_compute_the_models_linear_layers(trained):
+    """decoding_weights' Projections (stacked, oneDNN-packed for a model for inference on a CPU in fp32, else a
+    transposed copy) give what the model's own layers give."""
+    model = trained_like_model(0).requires_grad_(trained)
+    output, layers = decoding_weights(model)
+    assert output.packed == (not trained and onednn_packs())
+    x, layer, weights = torch.randn(5, 2, model.cfg.d_model), model.decoder_layers[1], layers[1]
+    a, c = layer.self_attn, layer.cross_attn
+    with torch.no_grad():
+        torch.testing.assert_close(weights.self_qkv(x), torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1))
+        torch.testing.assert_close(weights.memory_kv(x), torch.cat([c.k_proj(x), c.v_proj(x)], -1))
+        for projection, linear in ((weights.self_out, a.out_proj), (weights.cross_q, c.q_proj)):
+            torch.testing.assert_close(projection(x), linear(x))
+        torch.testing.assert_close(weights.cross_out(x), c.out_proj(x))
+        torch.testing.assert_close(weights.feed_forward(x), layer.ffn(x))
+        torch.testing.assert_close(output(x), model.project(x))

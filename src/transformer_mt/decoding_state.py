@@ -78,7 +78,7 @@ class LayerWeights(NamedTuple):
 def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, list[LayerWeights]]:
     """Decoding's copies of a Transformer's weights (Projection): the output projection and each decoder layer's
     LayerWeights, in autocast's format where autocast is on (cast once here, not at every step: autocast keeps casts
-    of parameters only); pack=False: never oneDNN's layout (a compiled step).
+    of parameters only); pack=False: never oneDNN's layout (a compiled step). Only a model for inference packs.
 
     A model being trained gets them made anew for each batch (start_decoding): fused Adam, which training uses,
     updates parameters in place without bumping their version counter, and a copy kept across batches went stale
@@ -89,33 +89,19 @@ def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, l
     weight = model.output_weight
     on = torch.is_autocast_enabled(weight.device.type)
     dtype = torch.get_autocast_dtype(weight.device.type) if on else weight.dtype
-    key = None
-    if not any(p.requires_grad for p in model.parameters()):
-        key = (dtype, pack, *((p.data_ptr(), p._version) for p in model.parameters()))
-        kept = model.__dict__.get("_decoding_weights")
-        if kept is not None and kept[0] == key:
-            return kept[1]
+    inference = not any(p.requires_grad for p in model.parameters())
+    pack = pack and inference  # packing costs ~0.4 ms a matrix: only where the copies are kept
+    key = (dtype, pack, *((p.data_ptr(), p._version) for p in model.parameters())) if inference else None
+    if key is not None and (kept := model.__dict__.get("_decoding_weights")) and kept[0] == key:
+        return kept[1]
+
+    def layer_weights(layer: nn.Module) -> LayerWeights:
+        a, c, f = layer.self_attn, layer.cross_attn, layer.ffn
+        groups = ((a.q_proj, a.k_proj, a.v_proj), (a.out_proj,), (c.q_proj,), (c.k_proj, c.v_proj), (c.out_proj,))
+        return LayerWeights(*(Projection.of_layers(*g, dtype=dtype, pack=pack) for g in (*groups, (f.w1,), (f.w2,))))
+
     with torch.no_grad():
-        made = (
-            Projection.of([weight], None, dtype, pack),
-            [
-                LayerWeights(
-                    *(
-                        Projection.of_layers(*linears, dtype=dtype, pack=pack)
-                        for linears in (
-                            (a.q_proj, a.k_proj, a.v_proj),
-                            (a.out_proj,),
-                            (c.q_proj,),
-                            (c.k_proj, c.v_proj),
-                            (c.out_proj,),
-                            (layer.ffn.w1,),
-                            (layer.ffn.w2,),
-                        )
-                    )  # fmt: skip
-                )
-                for layer, a, c in ((layer, layer.self_attn, layer.cross_attn) for layer in model.decoder_layers)
-            ],
-        )
+        made = Projection.of([weight], None, dtype, pack), [layer_weights(layer) for layer in model.decoder_layers]
     if key is not None:
         model.__dict__["_decoding_weights"] = (key, made)
     return made
