@@ -173,3 +173,28 @@ def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lo
     with RunFolderLock(run):
         (run / ".hydra" / "config.yaml").write_text("seed: 1\n")  # as Hydra of the refused start does
     assert (run / ".hydra" / "config.yaml").read_text() == "seed: 0\n"
+
+
+def test_a_lightning_hpc_checkpoint_in_the_run_folder_is_refused_under_slurm_not_restored(
+    corpus, tmp_path, monkeypatch
+):
+    """Lightning restores <run>/hpc_ckpt_<N>.ckpt by itself under SLURM when given no checkpoint, past every check of
+    the project's resume: a start that would be restored from one is refused in one line naming it and the two ways
+    on; ckpt_path=<it> puts it through the project's own checks (issue 45, point 4)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "hpc_ckpt_2.ckpt").write_bytes(b"from somewhere else")
+    (run_dir / "hpc_ckpt_10.ckpt").write_bytes(b"from somewhere else")
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # what Lightning's SLURMEnvironment.detect() reads
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    args = [f"data.path={corpus}", "trainer.max_steps=2"]
+    with pytest.raises(InputError) as error:
+        train_in_process(args, tmp_path, run_dir)
+    hpc = run_dir / "hpc_ckpt_10.ckpt"  # the one Lightning would take: the highest number
+    assert str(error.value).startswith(f"{hpc}: a Lightning HPC checkpoint, which Lightning would restore under SLURM")
+    assert str(error.value).endswith(f"ckpt_path={hpc}") and not (run_dir / "checkpoints").exists()
+    with pytest.raises(InputError, match="not a checkpoint|cannot be read|damaged"):  # given on purpose: checked
+        train_in_process([*args, f"ckpt_path={hpc}"], tmp_path, run_dir)
+    monkeypatch.delenv("SLURM_NTASKS")  # off SLURM Lightning restores nothing: the run starts as usual
+    train_in_process(args, tmp_path, run_dir)
+    assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2

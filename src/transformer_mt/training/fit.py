@@ -43,7 +43,13 @@ from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.final import final_metrics, finish_run
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.resume import RandomState, check_resume, check_update_size, resume_checkpoint
+from transformer_mt.training.resume import (
+    RandomState,
+    check_resume,
+    check_update_size,
+    refuse_lightnings_own_resume,
+    resume_checkpoint,
+)
 from transformer_mt.training.sharding import LayerFSDP
 
 log = logging.getLogger(__name__)
@@ -237,6 +243,8 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
     checkpoint_dir = run_dir / "checkpoints"
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
     resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
+    if resume_path is None:
+        refuse_lightnings_own_resume(run_dir)
     saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
     if launched_rank() == 0:

@@ -145,6 +145,21 @@ def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path
     return Path(ckpt_path), read_checkpoint(ckpt_path, mmap=True)
 
 
+def refuse_lightnings_own_resume(run_dir: Path) -> None:
+    """Under SLURM, Lightning restores <run>/hpc_ckpt_<N>.ckpt by itself when fit is given no checkpoint, past every
+    check of this project's resume (check_resume, finite weights, weights-only loading). The project never writes
+    one (a requeued job continues from checkpoints/): a start that Lightning would restore from one is refused."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: PLC0415
+
+    found = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=lambda p: int(p.stem.rpartition("_")[2] or 0))
+    if found and SLURMEnvironment.detect():
+        raise InputError(
+            f"{found[-1]}: a Lightning HPC checkpoint, which Lightning would restore under SLURM past this project's "
+            f"checks (its runs continue from {run_dir / 'checkpoints'}: ckpt_path=last). Move it out of {run_dir}, "
+            f"or continue from it on purpose, checked like any checkpoint: ckpt_path={found[-1]}"
+        )
+
+
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
     saved = checkpoint["hyper_parameters"]
