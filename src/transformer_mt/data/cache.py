@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import itertools
+import json
 import logging
 import shutil
 import tempfile
@@ -34,6 +35,7 @@ from transformer_mt.launcher import launched_rank
 from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
 
 log = logging.getLogger(__name__)
+ENTRY_FILE = "entry.json"  # beside a cache entry's sentencepiece.model: its SHA-256 and the settings that made it
 
 CACHE_FILE = "pairs.arrow"  # one tokenized split: Arrow IPC stream, read memory-mapped by datasets
 SIZE_FILE = "pairs.size"  # pairs.arrow's size as written: a cut-short file is noticed when opened
@@ -193,33 +195,62 @@ class TokenCache:
 
     # -- the tokenizer
 
+    def tokenizer_settings(self, train: RawSplit) -> dict:
+        """What makes the SentencePiece model of a cache entry: the training text and the options."""
+        return {
+            "data": train.fingerprint,
+            "langs": [self.corpus.src_lang, self.corpus.tgt_lang],
+            "vocab": self.vocab_size,
+            "max_sentences": self.spm_max_sentences,
+            "seed": self.seed,
+            "sampling": 2,  # SentencePiece's reservoir sample of the streamed sentences
+        }
+
     def tokenizer_directory(self, train: RawSplit) -> Path:
-        key = cache_key(
-            data=train.fingerprint,
-            langs=[self.corpus.src_lang, self.corpus.tgt_lang],
-            vocab=self.vocab_size,
-            max_sentences=self.spm_max_sentences,
-            seed=self.seed,
-            sampling=2,  # SentencePiece's reservoir sample of the streamed sentences
-        )
-        return self.directory / "sentencepiece" / key
+        return self.directory / "sentencepiece" / cache_key(**self.tokenizer_settings(train))
 
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
+        """The cache entry's SentencePiece model, checked against what made it (ENTRY_FILE: its SHA-256 and settings;
+        a wrong model is one line naming the entry), or trained and recorded now."""
         directory = self.tokenizer_directory(train)
         if (directory / MODEL_FILE).exists():
             try:
-                return Tokenizer(directory / MODEL_FILE)
+                tokenizer = Tokenizer(directory / MODEL_FILE)
             except InputError as e:  # damaged after it was written (a disk fault, a stray copy): build it again
                 log.warning("damaged cache, built again: %s", e)
                 shutil.rmtree(directory)
+            else:
+                self.check_entry(directory, tokenizer)
+                return tokenizer
         sentences = self.sentences(train)
         first = next(sentences, None)
         if first is None:
             raise InputError(
                 f"{train.describe()}: no training pair with text on both sides; check data.path (and data.text_files)"
             )
-        return train_tokenizer(
+        tokenizer = train_tokenizer(
             itertools.chain([first], sentences), directory, self.vocab_size, self.spm_max_sentences, self.seed
+        )
+        record = {"sha256": hashlib.sha256(tokenizer.proto).hexdigest(), "settings": self.tokenizer_settings(train)}
+        with atomic_write(directory / ENTRY_FILE) as tmp:
+            tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        return tokenizer
+
+    def check_entry(self, directory: Path, tokenizer: Tokenizer) -> None:
+        """The model in a cache entry is the one the entry made (its recorded SHA-256; an entry from before the
+        record: its vocabulary size), or one line naming the entry and how to build it again."""
+        try:
+            recorded = json.loads((directory / ENTRY_FILE).read_text(encoding="utf-8"))["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None
+        found = hashlib.sha256(tokenizer.proto).hexdigest()
+        if recorded == found or (recorded is None and len(tokenizer) == self.vocab_size):
+            return
+        what = f"SHA-256 {found[:12]}, recorded {recorded[:12]}" if recorded else f"{len(tokenizer):,} pieces"
+        raise InputError(
+            f"{directory / MODEL_FILE}: not the SentencePiece model this cache entry made ({what}; "
+            f"data.vocab_size={self.vocab_size}); a changed or copied file. Remove the entry to train it again: "
+            f"rm -r {directory} (its tokenized splits follow), or point data.cache_dir elsewhere"
         )
 
     def sentences(self, train: RawSplit) -> Iterator[str]:
