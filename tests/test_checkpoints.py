@@ -198,3 +198,26 @@ def test_a_lightning_hpc_checkpoint_in_the_run_folder_is_refused_under_slurm_not
     monkeypatch.delenv("SLURM_NTASKS")  # off SLURM Lightning restores nothing: the run starts as usual
     train_in_process(args, tmp_path, run_dir)
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2
+
+
+def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(corpus, tmp_path, monkeypatch):
+    """A batch script that runs python twice without srun (one folder, slurm-<job>): a restart of the same training
+    continues by itself; a second training with other settings (seed 0, then seed 1) is refused in one line naming
+    the folder, the settings and both ways on, and the first run's checkpoints stay as they were (issue 45, point 1)."""
+    for key in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_ARRAY_JOB_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7001")  # sbatch's script running python itself: the job's folder
+    monkeypatch.setenv("ENVIRONMENT", "BATCH")
+    run_dir, args = tmp_path / "slurm-7001", [f"data.path={corpus}", "trainer.max_steps=2", "seed=0"]
+    train_in_process(args, tmp_path, run_dir)
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.ckpt")}
+    with pytest.raises(InputError) as error:
+        train_in_process([*args[:2], "seed=1"], tmp_path, run_dir)
+    message = str(error.value)
+    assert message.startswith(
+        f"{run_dir} holds another training of slurm-7001, made with other settings (data.seed 0 -> 1; seed 0 -> 1)"
+    )
+    assert message.endswith("these settings on purpose (ckpt_path=last)") and "\n" not in message
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.ckpt")} == before
+    train_in_process(args, tmp_path, run_dir)  # the same training restarted (requeued): it continues by itself
+    assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2

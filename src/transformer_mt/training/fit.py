@@ -46,6 +46,7 @@ from transformer_mt.training.module import TranslationModule
 from transformer_mt.training.resume import (
     RandomState,
     check_resume,
+    check_same_training,
     check_update_size,
     refuse_lightnings_own_resume,
     resume_checkpoint,
@@ -245,6 +246,8 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
     resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
     if resume_path is None:
         refuse_lightnings_own_resume(run_dir)
+    elif cfg.ckpt_path is None:  # a launched job continuing its folder by itself: only as the same training
+        check_same_training(run_dir, resumed, plain(cfg), launch_id())
     saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
     if launched_rank() == 0:

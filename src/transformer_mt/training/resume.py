@@ -160,6 +160,28 @@ def refuse_lightnings_own_resume(run_dir: Path) -> None:
         )
 
 
+def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str) -> None:
+    """A launched job restarted or requeued continues its folder by itself (fit.resume_target) only as the same
+    training: another training of the job (a second python in the batch script, another make train in an srun
+    shell) with other settings is refused in one line, instead of continuing the first one's run."""
+    differ = changed_settings(checkpoint, config)
+    if differ:
+        shown = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in list(differ.items())[:4])
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        raise InputError(
+            f"{run_dir} holds another training of {job}, made with other settings ({shown}{more}): a restarted job "
+            "continues its folder by itself only with the same settings. Start this one in a folder of its own "
+            "(hydra.run.dir=<another folder>), or continue that run with these settings on purpose (ckpt_path=last)"
+        )
+
+
+def changed_settings(checkpoint: dict, config: dict) -> dict[str, tuple]:
+    """The settings (flattened keys, ckpt_path aside) whose values differ between a checkpoint's run and `config`."""
+    before, now = flatten(checkpoint["hyper_parameters"].get("config") or {}), flatten(config)
+    keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
+    return {k: (before.get(k), now.get(k)) for k in keys}
+
+
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
     saved = checkpoint["hyper_parameters"]
@@ -178,12 +200,11 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
             "these data settings give (data.path, data.vocab_size, seed ...); resume with the run's own "
             "data settings (the same CONFIG and ARGS), or start a new run without ckpt_path"
         )
-    before, now = flatten(saved.get("config") or {}), flatten(config)
-    differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
+    differ = changed_settings(checkpoint, config)
     if differ and rank_zero_only.rank == 0:
         log.warning(
             "resuming with settings that differ from the checkpoint's: %s",
-            "; ".join(f"{k}: {before.get(k)} -> {now.get(k)}" for k in differ),
+            "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items()),
         )
 
 
