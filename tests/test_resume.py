@@ -42,9 +42,9 @@ def uninterrupted(tmp_path_factory) -> Path:
     return root / "run" / "checkpoints"
 
 
-def assert_same_training_state(expected: Path, actual: Path) -> None:
+def assert_same_training_state(expected: Path, actual: Path, step: int = MAX_STEPS) -> None:
     a, b = load(expected), load(actual)
-    assert a["global_step"] == b["global_step"] == MAX_STEPS
+    assert a["global_step"] == b["global_step"] == step
     for key, value in a["state_dict"].items():
         assert torch.equal(b["state_dict"][key], value), key
     for param, state in a["optimizer_states"][0]["state"].items():
@@ -94,6 +94,18 @@ def validation_lines(run: Path) -> dict[int, str]:
     return lines
 
 
+def assert_same_run(expected: Path, actual: Path, step: int) -> None:
+    """An interrupted run against the uninterrupted one, on the full criterion: last.ckpt's weights, Adam state,
+    update and schedule; best.ckpt (its update and weights); every validation once, with the same values, in the
+    CSV and in the log (a validation added or lost by a stop shows here)."""
+    assert_same_training_state(expected / "checkpoints" / "last.ckpt", actual / "checkpoints" / "last.ckpt", step)
+    best, expected_best = load(actual / "checkpoints" / "best.ckpt"), load(expected / "checkpoints" / "best.ckpt")
+    assert best["global_step"] == expected_best["global_step"]
+    assert all(torch.equal(best["state_dict"][k], v) for k, v in expected_best["state_dict"].items())
+    assert validation_rows(actual) == validation_rows(expected) != {}
+    assert validation_lines(actual) == validation_lines(expected)
+
+
 def resumed_from(proc) -> tuple[str, int]:
     found = re.search(r"resuming from (\S+) \(update (\d+)\)", proc.stdout)
     assert found, proc.stdout[-3000:]
@@ -140,7 +152,7 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         if following is not None:
             continue
 
-        assert_same_training_state(uninterrupted / "last.ckpt", checkpoints / "last.ckpt")
+        assert_same_run(uninterrupted.parent, run, MAX_STEPS)
         periodic = f"step{MAX_STEPS:07d}.ckpt"
         assert_same_training_state(uninterrupted / periodic, checkpoints / periodic)
         # The same files as the uninterrupted run: the last 5 periodic ones, last, best. No stale temporary
@@ -149,12 +161,6 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
         expected = {p.name for p in uninterrupted.iterdir()}
         files = {p.name for p in checkpoints.iterdir()}
         assert expected <= files and files - expected <= resumed_files, (sorted(files), sorted(expected))
-        best, expected_best = load(checkpoints / "best.ckpt"), load(uninterrupted / "best.ckpt")
-        assert best["global_step"] == expected_best["global_step"]
-        assert all(torch.equal(best["state_dict"][k], v) for k, v in expected_best["state_dict"].items())
-        # Every validation, once, with the uninterrupted run's values: in the CSV and in the log.
-        assert validation_rows(run) == validation_rows(uninterrupted.parent)
-        assert validation_lines(run) == validation_lines(uninterrupted.parent)
 
 
 def test_ddp_with_accumulation_and_time_based_checkpoints_killed_and_resumed_is_bit_identical(tmp_path):
@@ -182,13 +188,7 @@ def test_ddp_with_accumulation_and_time_based_checkpoints_killed_and_resumed_is_
     resumed = run_train([*args, "ckpt_path=last", f"hydra.run.dir={run}"], tmp_path)
     _, step = resumed_from(resumed)
     assert 1 <= step <= 7
-    a, b = load(uninterrupted / "checkpoints" / "last.ckpt"), load(run / "checkpoints" / "last.ckpt")
-    assert a["global_step"] == b["global_step"] == 12
-    for key, value in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][key], value), key
-    for param, state in a["optimizer_states"][0]["state"].items():
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
+    assert_same_run(uninterrupted, run, 12)
 
 
 # ---------------------------------------------------------------- stopped by a signal
@@ -269,10 +269,8 @@ def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_r
     # Continued: the documented command, or (SLURM) the same command again, as a requeued job runs it.
     proc = run_train([*args, *([] if slurm else ["ckpt_path=last"])], tmp_path, env=env)
     assert resumed_from(proc) == ("last.ckpt", 8)
-    for name in ("last.ckpt", "step0000012.ckpt"):
-        a, b = load(accumulated / name), load(run / "checkpoints" / name)
-        for key, value in a["state_dict"].items():
-            assert torch.equal(b["state_dict"][key], value), (name, key)
+    assert_same_run(accumulated.parent, run, 12)
+    assert_same_training_state(accumulated / "step0000012.ckpt", run / "checkpoints" / "step0000012.ckpt", 12)
 
 
 def test_a_sigterm_while_the_run_starts_stops_it_at_the_first_update_with_status_143(tmp_path):
@@ -461,14 +459,9 @@ def test_a_budgeted_run_killed_stopped_and_resumed_continues_its_schedule_bit_id
     assert resumed_from(proc) == ("last.ckpt", 40)
     assert "0:00:40 used; the schedule ends at update 96 (fixed at update 30)" in proc.stdout + proc.stderr
     assert "so the cool-down from update 77 ends at update 98 (planned: 96)" in proc.stdout + proc.stderr
+    assert_same_run(whole, run, 98)
     a, b = load(whole / "checkpoints" / "last.ckpt"), load(run / "checkpoints" / "last.ckpt")
-    assert a["global_step"] == b["global_step"] == 98
-    for key, value in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][key], value), key
-    for param, state in a["optimizer_states"][0]["state"].items():
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
-    assert a["lr_schedulers"] == b["lr_schedulers"] and a["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 98
+    assert a["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 98
     assert a["totals"]["train_seconds"] == b["totals"]["train_seconds"] == 98.0  # the redone updates counted once
 
 
