@@ -202,8 +202,9 @@ def test_a_lightning_hpc_checkpoint_in_the_run_folder_is_refused_under_slurm_not
 
 def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(corpus, tmp_path, monkeypatch):
     """A batch script that runs python twice without srun (one folder, slurm-<job>): a restart of the same training
-    continues by itself; a second training with other settings (seed 0, then seed 1) is refused in one line naming
-    the folder, the settings and both ways on, and the first run's checkpoints stay as they were (issue 45, point 1)."""
+    continues by itself (with a longer schedule too); a second training with other settings (seed 0, then seed 1) is
+    refused in one line naming the folder, the settings and both ways on, the first run's checkpoints untouched
+    (issue 45, point 1)."""
     for key in ("TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_ARRAY_JOB_ID", "SLURM_NTASKS"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "7001")  # sbatch's script running python itself: the job's folder
@@ -221,3 +222,5 @@ def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(
     assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").glob("*.ckpt")} == before
     train_in_process(args, tmp_path, run_dir)  # the same training restarted (requeued): it continues by itself
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2
+    train_in_process([args[0], "trainer.max_steps=3", "seed=0"], tmp_path, run_dir)  # run on: the same training
+    assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3

@@ -163,8 +163,9 @@ def refuse_lightnings_own_resume(run_dir: Path) -> None:
 def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str) -> None:
     """A launched job restarted or requeued continues its folder by itself (fit.resume_target) only as the same
     training: another training of the job (a second python in the batch script, another make train in an srun
-    shell) with other settings is refused in one line, instead of continuing the first one's run."""
-    differ = changed_settings(checkpoint, config)
+    shell) with other settings is refused in one line, instead of continuing the first one's run. A longer schedule
+    (trainer.max_steps) is the same training run on."""
+    differ = {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}
     if differ:
         shown = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in list(differ.items())[:4])
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
