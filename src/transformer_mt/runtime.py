@@ -20,10 +20,12 @@ import contextlib
 import ctypes
 import functools
 import gc
+import logging
 import os
 import platform
 import re
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -284,7 +286,25 @@ def end_process_group() -> list[str]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     gc.collect()
+    return gloo_threads()
+
+
+def gloo_threads() -> list[str]:
     return [name for name in thread_names() if name.startswith(("pt_gloo", "gloo"))]
+
+
+def leave_if_gloo_remains(status: int) -> None:
+    """End the process now, past Python's finalization, where gloo's threads outlive the process group: under
+    trainer=fsdp, FSDP2's per-layer states keep the group alive after the run (a reference cycle that runs through
+    hooks held on the C++ side, which Python's gc cannot collect), and a gloo thread that released a tensor while
+    the interpreter was finalizing aborted its process (end_process_group). Logs and output are flushed first; the
+    process ends with `status`, the run's own. Elsewhere (DDP, one process) a no-op: the exit is Python's."""
+    if not gloo_threads():
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def thread_names() -> list[str]:

@@ -233,9 +233,10 @@ def train(cfg: DictConfig) -> float | None:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
         raise
     finally:
-        # After fit returned, its Trainer is garbage: the process group goes with it, gloo's threads joined.
+        # After fit returned, its Trainer is garbage: the process group goes with it, gloo's threads joined; where
+        # they outlive it (trainer=fsdp), the entry point leaves past finalization (runtime.leave_if_gloo_remains).
         if still_running := end_process_group():
-            log.warning("the process group outlived the run (threads %s): the exit may abort", still_running)
+            log.info("the process group outlived the run (threads %s): ending past finalization", still_running)
 
 
 def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog) -> float | None:
