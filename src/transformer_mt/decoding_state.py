@@ -6,6 +6,7 @@ Shapes as in model.py: B sentences (memory rows), beam hypotheses each, H heads,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 
+@functools.cache
 def onednn_packs() -> bool:
     """Whether this torch can multiply by oneDNN's packed weights on the CPU (mkldnn::_linear_pointwise, what
     inductor's CPU linear uses)."""
@@ -57,6 +59,10 @@ class Projection(NamedTuple):
         else:
             out = torch.addmm(self.bias, rows, self.weight)
         return out.view(*x.shape[:-1], out.size(-1))
+
+    def parts(self, x: Tensor) -> tuple[Tensor, ...]:
+        """x through the product, cut into each layer's output (q, k, v for self-attention's)."""
+        return self(x).split(self.widths, dim=-1)
 
 
 class LayerWeights(NamedTuple):

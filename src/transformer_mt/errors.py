@@ -59,8 +59,8 @@ WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
 
 
 def write_fault(e: OSError) -> InputError | None:
-    """An OSError of WRITE_FAULTS as one line a user can act on (None: another fault). The project's files are
-    written whole or not at all (files.atomic_write): the one cut short is removed, the files before it are whole."""
+    """An OSError of WRITE_FAULTS as one line a user can act on (None: another fault). Checkpoints, exports, caches
+    and make tune's record are written through files.atomic_write: the one cut short is removed."""
     if e.errno not in WRITE_FAULTS:
         return None
     where = f" ({e.filename})" if e.filename else ""

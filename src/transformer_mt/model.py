@@ -249,8 +249,7 @@ class DecoderLayer(nn.Module):
         def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
             if cache is None:
                 return self.self_attn(h, self.self_attn.project_kv(h), causal=True)
-            qkv = cache.weights.self_qkv  # decoding: one product for the three
-            q, k, v = map(self.self_attn.split_heads, qkv(h).split(qkv.widths, dim=-1))
+            q, k, v = map(self.self_attn.split_heads, cache.weights.self_qkv.parts(h))  # decoding: one product
             if cache.self_kv:
                 k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
             cache.self_kv = [k, v]
@@ -261,8 +260,7 @@ class DecoderLayer(nn.Module):
                 return self.cross_attn(h, self.cross_attn.project_kv(memory), mask=src_mask)
             weights = cache.weights
             if cache.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv): once per sentence
-                kv = weights.memory_kv(memory).split(weights.memory_kv.widths, dim=-1)
-                cache.memory_kv = tuple(map(self.cross_attn.split_heads, kv))
+                cache.memory_kv = tuple(map(self.cross_attn.split_heads, weights.memory_kv.parts(memory)))
             k, v = cache.memory_kv
             # The hypotheses of one sentence share its memory and attend to it as one block of queries
             # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.

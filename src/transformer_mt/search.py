@@ -247,7 +247,7 @@ def beam_search(
                 scores = torch.where(ended, top_scores[:, :K] / length_penalty(t + 1, a), -torch.inf)
                 alive.floors[i] = fin.add(alive.ids, scores, history[:, :K])[:, n_best - 1]
         done = alive.done()
-        stopped = int(done.sum())  # the step's one wait for the device, beside ended.any()
+        stopped = int(done.sum())  # a wait for the device, as ended.any() above: two a step
         if stopped == n:
             break
         if stopped:  # drop finished sentences (and their encoder states) from the batch
