@@ -55,17 +55,15 @@ from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import model_preset
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import read_text_pair
-from transformer_mt.engines import CT2Process, ct2_export
+from transformer_mt.decoding import HF_LENGTH_PENALTY, PAPER
+from transformer_mt.evaluation.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
-from transformer_mt.length_penalties import HF_LENGTH_PENALTY
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
 from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory, matmul_peak, usable_cores
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import export, marian_model, optional
-
-OUR_ALPHA = 0.6  # §6.1
 
 
 def median_of(values: list[float]) -> float:
@@ -316,13 +314,13 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
             model.compile_decoding()
 
         def run(lines, beam):
-            return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=OUR_ALPHA)
+            return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=PAPER.alpha)
 
     elif system == "engine=ct2":
         engine = CT2Process(Path(exported["engine"]), device="cpu", threads=threads)
 
         def run(lines, beam):
-            return engine.translate_lines(lines, beam_size=beam, alpha=OUR_ALPHA)
+            return engine.translate_lines(lines, beam_size=beam, alpha=PAPER.alpha)
 
     elif system == "transformers generate":
         transformers = optional("transformers")
@@ -440,14 +438,14 @@ def bench_exports(args) -> None:
         print(f"\nexports: {len(sources)} sentences of {args.src}; {args.ckpt}")
         print(f"{'system':<18} {'beam':>4} {'alpha':>5} {'vs ours':>12} {'identical':>9} {'BLEU':>6}")
         ours = {}
-        for beam, alpha in [(1, 0.0), (4, OUR_ALPHA), (4, 0.0)]:
+        for beam, alpha in [(1, 0.0), (4, PAPER.alpha), (4, 0.0)]:
             ours[beam, alpha] = translate_lines(model, tokenizer, sources, beam_size=beam, alpha=alpha)
             bleu = sacrebleu.corpus_bleu(ours[beam, alpha], [references]).score
             print(f"{'ours':<18} {beam:>4} {alpha:>5.2f} {'':>12} {'':>9} {bleu:>6.2f}")
         for system, run in systems.items():
             for beam, alpha in [(1, 0.0)] + [(4, a) for a in args.alphas]:
                 hyps = run(beam, alpha)
-                key = (1, 0.0) if beam == 1 else (4, 0.0 if alpha == 0 else OUR_ALPHA)
+                key = (1, 0.0) if beam == 1 else (4, 0.0 if alpha == 0 else PAPER.alpha)
                 same = 100 * sum(h == o for h, o in zip(hyps, ours[key])) / len(hyps)
                 bleu = sacrebleu.corpus_bleu(hyps, [references]).score
                 versus = f"beam {key[0]} a={key[1]}"

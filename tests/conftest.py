@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.training.fit import train
@@ -188,7 +189,7 @@ def train_in_process(args: list[str], tmp_path: Path, run_dir: Path) -> float | 
     """transformer_mt.train.train() with TINY_RUN and `args`, in this process (~1 s instead of ~5 s of
     imports per subprocess); returns what train returns (the last validation BLEU)."""
     _, overrides = train_overrides(args, tmp_path)
-    return train(hydra_task("train", overrides, run_dir))
+    return train(hydra_task("train", overrides, run_dir), hydra_job())
 
 
 def run_translate(ckpt: Path, text: bytes | str, *overrides: str, monkeypatch, capsys) -> tuple[str, str]:

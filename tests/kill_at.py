@@ -36,9 +36,9 @@ import lightning as L
 import torch
 
 import transformer_mt.checkpoint
+import transformer_mt.evaluation.protocol
 import transformer_mt.launcher
 import transformer_mt.train
-import transformer_mt.training.final
 import transformer_mt.training.fit
 import transformer_mt.training.update
 
@@ -112,15 +112,15 @@ def protocol_after_rank_1() -> None:
         named.with_suffix(".tmp").write_text(str(os.getpid()))
         named.with_suffix(".tmp").rename(named)
         return
-    finish_run = transformer_mt.training.fit.finish_run
+    run_on = transformer_mt.evaluation.protocol.Protocol.run_on
 
     def after_rank_1(*args, **kwargs):
         pidfd = os.pidfd_open(int(named.read_text()))
         exited = bool(select.select([pidfd], [], [], 120)[0])
         print(f"rank 0's protocol starts; rank 1 {'has exited' if exited else 'is still running'}", flush=True)
-        return finish_run(*args, **kwargs)
+        return run_on(*args, **kwargs)
 
-    transformer_mt.training.fit.finish_run = after_rank_1
+    transformer_mt.evaluation.protocol.Protocol.run_on = after_rank_1
 
 
 def main() -> None:
@@ -133,7 +133,7 @@ def main() -> None:
     elif kind == "after-rank-1":
         protocol_after_rank_1()
     elif kind == "final":
-        transformer_mt.training.final.evaluate_split = lambda *args, **kwargs: die()
+        transformer_mt.evaluation.protocol.Protocol.scores = lambda *args, **kwargs: die()
     else:
         if kind == "signal":
             kind, where = where[0], where[1:]

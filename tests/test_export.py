@@ -20,8 +20,11 @@ import torch
 
 from conftest import ROOT, run_train, synthetic_corpus, tiny_config, write_corpus
 from transformer_mt.checkpoint import load_for_inference, write_checkpoint
-from transformer_mt.engines import CT2Process, ct2_export
+from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError, UserError, exit_on_user_error
+from transformer_mt.evaluation.engines import CT2Process, ct2_export
+from transformer_mt.evaluation.results import Results
+from transformer_mt.evaluation.tuned import save_tuned
 from transformer_mt.model import Transformer, sinusoidal_positions
 from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids, translate_lines
@@ -30,7 +33,6 @@ from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
 from transformer_mt.tools.plot import find, read_metrics
 from transformer_mt.training.checkpoints import UpdateCheckpoint
-from transformer_mt.tuning import save_tuned
 
 SENTENCES = [
     "the cat sees a dog .",
@@ -196,12 +198,14 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
     ckpt.write_bytes(random_checkpoint.read_bytes())
     entry = {"checkpoint": "/elsewhere/run/checkpoints/average-last5.ckpt"}  # written before the folder moved
     entry |= {"validation": scores(21.37, 48.2, 1014), "test": scores(23.05, 51.9, 1000)}
-    results = {"updates": 1625, "train_seconds": 1572.0, "target_tokens": 5_400_000, "devices": 1}
     overrides = [f"data.path={tmp_path}/m30k", f"hydra.run.dir={tmp_path}/run", "optim.lr_factor=2"]
-    results |= {"decoding": {"beam_size": 4, "alpha": 0.6}, "overrides": overrides, "models": {"a": entry}}
     chosen = {"beam_size": 8, "alpha": 1.5, "max_len_a": 1.0, "max_len_b": 50}  # final.tune's
-    results["tuned"] = {"a": {"decoding": chosen, "tune_seconds": 3.0, "test": scores(24.12, 52.7, 1000)}}
-    (tmp_path / "run" / "results.json").write_text(json.dumps(results), encoding="utf-8")
+    tuned = {"a": {"decoding": chosen, "tune_seconds": 3.0, "test": scores(24.12, 52.7, 1000)}}
+    figures = dict.fromkeys(("target_tokens_per_second", "model_flops_per_second", "mfu", "peak_flops_per_second"))
+    Results(
+        updates=1625, train_seconds=1572.0, target_tokens=5_400_000, devices=1, peak=None, parameters=1000,
+        decoding=PAPER.settings(), overrides=overrides, models={"a": entry}, tuned=tuned, **figures,
+    ).write(tmp_path / "run" / "results.json")  # fmt: skip
     out = export(str(ckpt), "hf", str(tmp_path / "hf"))
     card = ModelCard.load(out / "README.md")  # a local file: nothing reaches the network
     assert card.data.language == ["en", "de"] and "translation" in card.data.tags
@@ -517,7 +521,7 @@ def test_a_full_disk_while_exporting_or_writing_make_tunes_record_is_one_line_an
     shutil.copy(random_checkpoint, ckpt)  # before the disk fills
     if what == "make tune's record":
         rows = [{"beam_size": 4, "note": "x" * 5000}]  # a record longer than the disk's room
-        write = partial(save_tuned, ckpt, {"beam_size": 4, "alpha": 0.6, "max_len_a": 1, "max_len_b": 50}, rows, "val")
+        write = partial(save_tuned, ckpt, PAPER, rows, "val")
     else:
         write = partial(export, str(ckpt), what, str(tmp_path / "out"))
     with full_disk(4096), pytest.raises(SystemExit) as exit_info:

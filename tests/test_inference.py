@@ -33,13 +33,16 @@ from transformer_mt.checkpoint import (
     write_checkpoint,
 )
 from transformer_mt.data.corpus import Corpus
+from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
+from transformer_mt.evaluation.grid import search_grid, table_row
+from transformer_mt.evaluation.tuned import read_tuned, save_tuned, tuned_path
+from transformer_mt.files import file_digest
 from transformer_mt.runtime import IDEEP_CACHE, ONEDNN_CACHE, set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
 from transformer_mt.search import translate_lines
 from transformer_mt.tune import tune
-from transformer_mt.tuning import read_tuned, save_tuned, search_grid, table_row, tuned_path
 
 # ---------------------------------------------------------------- averaging
 
@@ -423,7 +426,9 @@ def test_a_killed_writers_temporaries_are_removed_by_the_next_average(trained_ru
 
 def test_engines_imports_without_torch_as_the_ct2_path_needs():
     """engines.py defers every torch import: engine=ct2 decodes without torch (two OpenMP runtimes slow both)."""
-    check = "import sys, transformer_mt.engines; assert 'torch' not in sys.modules, 'engines.py imported torch'"
+    check = (
+        "import sys, transformer_mt.evaluation.engines; assert 'torch' not in sys.modules, 'engines.py imported torch'"
+    )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
@@ -443,14 +448,14 @@ def test_a_grid_row_whose_translations_run_away_is_abandoned_early_and_never_cho
         return [" ".join(["ein kurzer Satz ."] * (3 if alpha == 2.0 else 1)) for _ in lines]
 
     reported = []
-    decoding = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
+    decoding = PAPER
     chosen, rows = search_grid(translate, sources, references, "de", decoding, [0.6, 2.0], [4], reported.append)
     runaway = next(r for r in rows if r["alpha"] == 2.0)
     assert runaway["bleu"] is None and runaway["abandoned"].startswith(
         "abandoned: 3.00x the usual length after 20 of 100"
     )
     assert [n for alpha, n in asked if alpha == 2.0] == [20]  # one fifth translated, then abandoned
-    assert chosen["alpha"] == 0.6 and reported == rows and "abandoned" in table_row(runaway)
+    assert chosen.alpha == 0.6 and reported == rows and "abandoned" in table_row(runaway)
 
 
 def test_the_alpha_rows_from_one_search_abandon_a_runaway_alpha_as_the_rows_one_by_one_do():
@@ -464,14 +469,14 @@ def test_the_alpha_rows_from_one_search_abandon_a_runaway_alpha_as_the_rows_one_
         outputs = [[" ".join(["ein kurzer Satz ."] * (3 if a == 2.0 else 1)) for _ in lines] for a in alphas]
         return outputs if isinstance(alpha, list) else outputs[0]
 
-    decoding = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
+    decoding = PAPER
     chosen, rows = search_grid(
         translate, sources, references, "de", decoding, [0.6, 1.0, 2.0], [4], alphas_at_once=True
     )
     assert asked == [((0.6, 1.0, 2.0), 20)] + [((0.6, 1.0), 20)] * 4 + [(0.6, 20)] * 5  # then the limit's row
     runaway = next(r for r in rows if r["alpha"] == 2.0)
     assert runaway["bleu"] is None and runaway["abandoned"].startswith("abandoned: 3.00x the usual length after 20 of")
-    assert chosen["alpha"] == 0.6 and "one search for 3 alphas" in table_row(rows[0])
+    assert chosen.alpha == 0.6 and "one search for 3 alphas" in table_row(rows[0])
 
 
 def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_paired_bootstraps_noise():
@@ -494,12 +499,12 @@ def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_pai
         return [out[int(line.split()[1])] for line in lines]
 
     sources = [f"source {i}" for i in range(300)]
-    decoding = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
+    decoding = PAPER
     said: list[str] = []
     chosen, rows = search_grid(translate, sources, references, "de", decoding, [0.6, 1.0], [8], say=said.append)
     scores = {(r["beam_size"], r["alpha"], r["max_len_b"]): r["bleu"] for r in rows}
     assert scores[(4, 0.6, 50)] < scores[(4, 1.0, 50)] < scores[(4, 0.6, 50)] + 1 < scores[(8, 0.6, 50)]
-    assert (chosen["beam_size"], chosen["alpha"], chosen["max_len_b"]) == (8, 0.6, 50)
+    assert (chosen.beam_size, chosen.alpha, chosen.max_len_b) == (8, 0.6, 50)
     penalty, beam, limit = said
     assert penalty.startswith("length penalty: kept beam 4, alpha 0.6, max length 1 x source + 50: beam 4, alpha 1.0,")
     assert re.search(r"paired bootstrap p = 0\.\d{3} \(not < 0\.05\)$", penalty), penalty
@@ -507,7 +512,7 @@ def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_pai
     assert beam.endswith("(< 0.05)"), beam
     assert limit.endswith("beam 8, alpha 0.6, max length 1 x source + 100 gives the same translations"), limit
     chosen, _ = search_grid(translate, sources, references, "de", decoding, [0.6, 1.0], [4], significance=1.0)
-    assert chosen["alpha"] == 1.0  # without the margin, a hair's win is taken
+    assert chosen.alpha == 1.0  # without the margin, a hair's win is taken
 
 
 def test_the_grid_from_one_search_for_its_alphas_equals_the_grid_row_by_row(trained_run):
@@ -517,7 +522,7 @@ def test_the_grid_from_one_search_for_its_alphas_equals_the_grid_row_by_row(trai
     sources = (trained_run / "corpus" / "valid.en").read_text().splitlines()[:40]
     references = (trained_run / "corpus" / "valid.de").read_text().splitlines()[:40]
     translate = functools.partial(translate_lines, model, tokenizer)
-    decoding = {"beam_size": 3, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 6}
+    decoding = Decoding(beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=6)
     grids = [
         search_grid(translate, sources, references, "de", decoding, [0.0, 0.6, 2.0], [2], alphas_at_once=joint)
         for joint in (False, True)
@@ -543,14 +548,14 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     # 2 alphas at beam 4, beams 1 and 2 at the best alpha, then the length limit doubled: 5 decodes, each printed
     assert [(r["beam_size"], r["alpha"]) for r in rows[:2]] == [(4, 0.0), (4, 2.0)] and len(rows) == 5
     assert rows[-1]["max_len_b"] == 16 and {r["beam_size"] for r in rows[2:4]} == {1, 2}
-    assert record["decoding"] == chosen and any(chosen.items() <= r.items() for r in rows)
+    assert record["decoding"] == chosen.settings() and any(chosen.settings().items() <= r.items() for r in rows)
     assert all(f"\n{step}: " in out for step in ("length penalty", "beam", "length limit"))  # why, at each step
     assert out.count(" BP ") == 1 and all(f"{r['length_ratio']:.3f}" in out for r in rows) and "signature: nrefs" in out
-    expected = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", *[f"decoding.{k}={v}" for k, v in chosen.items()]],
-                                   tmp_path / "explicit"))  # fmt: skip
+    explicit = [f"decoding.{k}={v}" for k, v in chosen.settings().items()]
+    expected = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", *explicit], tmp_path / "explicit"))
     # make evaluate and make translate: the stored choice by default, and they say so
     result = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "default"))
-    assert result["decoding"] == chosen and result["bleu"] == expected["bleu"]
+    assert result["decoding"] == chosen.settings() and result["bleu"] == expected["bleu"]
     assert "chosen on the text validation split by make tune" in capsys.readouterr().out
     paper = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", "tuned=false"], tmp_path / "paper"))["decoding"]
     assert (paper["beam_size"], paper["alpha"]) == (4, 0.6)
@@ -558,7 +563,6 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     assert given["beam_size"] == 4  # a decoding key on the command line: conf/decoding's settings, as given
     source = "the cat sees a dog .\n"
     tuned_out, err = run_translate(ckpt, source, monkeypatch=monkeypatch, capsys=capsys)
-    explicit = [f"decoding.{k}={v}" for k, v in chosen.items()]
     assert "by make tune" in err and tuned_out == run_translate(ckpt, source, *explicit, monkeypatch=monkeypatch,
                                                                  capsys=capsys)[0]  # fmt: skip
     # a record made for other bytes is not used, and that is said
@@ -588,9 +592,10 @@ def test_a_hand_edited_tune_record_is_refused_in_one_line_naming_the_setting(edi
     ckpt.write_bytes(b"the checkpoint's bytes")  # the record names their SHA-256
     paper = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
     chosen = {key: value for key, value in (paper | edit).items() if value is not ...}
-    save_tuned(ckpt, chosen, [], "text validation")
+    record = {"decoding": chosen, "chosen_on": "text validation", "checkpoint_sha256": file_digest(ckpt), "grid": []}
+    tuned_path(ckpt).write_text(json.dumps(record))
     with pytest.raises(InputError) as error:
         read_tuned(ckpt)
     assert str(error.value).startswith(f"{tuned_path(ckpt)}: {message}") and "\n" not in str(error.value)
-    save_tuned(ckpt, {"beam_size": 4, "alpha": 1, "max_len_a": 1, "max_len_b": 50}, [], "text validation")
-    assert read_tuned(ckpt)[0]["alpha"] == 1  # whole numbers are numbers too
+    save_tuned(ckpt, Decoding(beam_size=4, alpha=1, max_len_a=1, max_len_b=50), [], "text validation")
+    assert read_tuned(ckpt)[0].alpha == 1  # whole numbers are numbers too

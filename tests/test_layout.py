@@ -4,6 +4,7 @@ names every module and folder that exists (nothing needs an import map to be fou
 import ast
 import shlex
 import subprocess
+import sys
 
 from conftest import ROOT
 
@@ -25,7 +26,17 @@ def test_every_module_and_script_starts_with_a_docstring_that_says_what_it_is_fo
 def test_where_things_are_lists_every_folder_module_and_script():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Where things are", 1)[1].split("\n## ", 1)[0]
-    for folder in ("conf/", "src/transformer_mt/", "data/", "training/", "tools/", "scripts/", "tests/", "docs/"):
+    for folder in (
+        "conf/",
+        "src/transformer_mt/",
+        "data/",
+        "training/",
+        "evaluation/",
+        "tools/",
+        "scripts/",
+        "tests/",
+        "docs/",
+    ):
         assert f"{folder}`" in section, folder
     for path in python_files():
         if path.name != "__init__.py":
@@ -53,36 +64,102 @@ def test_no_module_over_420_lines_no_function_over_70_and_the_lightning_module_w
                 assert size <= 180, f"{where}: {node.name} is {size} lines"
 
 
-IMPORT_RULES = {  # module -> packages it must not import: the core never reaches into a wing or a front door
-    "search.py": ("transformer_mt.data", "transformer_mt.training", "transformer_mt.tools"),
-    "model.py": ("transformer_mt.data", "transformer_mt.training", "transformer_mt.tools"),
-    "tools/table3.py": ("transformer_mt.training",),
-}
-# engines.py converts a checkpoint for CTranslate2 with tools/export.py only when asked (a deferred import): at its
-# module level it must load nothing that loads torch (test_inference.py runs the import without torch).
-TOP_LEVEL_RULES = {"engines.py": ("transformer_mt.tools", "transformer_mt.training", "transformer_mt.data")}
+# The package's rooms. Front doors: the commands, and the two modules that serve only them (configs.py composes the
+# Hydra configs, commandline.py checks a command line and hands Hydra's job down); Hydra stops there. The core is
+# what every room uses; the wings (data, training, evaluation, tools) build on it.
+DOORS = {"train", "evaluate", "tune", "translate", "finish", "averaging", "configs", "commandline"}
+WINGS = ("data", "training", "evaluation", "tools")
+
+
+def module_name(path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def imported_modules(path, top_level_only: bool = False) -> set[str]:
+    """Every module `path` imports, wherever the import stands (a function's, a TYPE_CHECKING block's included)."""
     names = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in tree.body if top_level_only else ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # from package import module
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return names
 
 
-def test_imports_go_from_the_wings_and_front_doors_to_the_core_not_back():
-    for name, forbidden in IMPORT_RULES.items():
-        wrong = sorted(m for m in imported_modules(PACKAGE / name) if m.startswith(forbidden))
-        assert not wrong, f"{name} imports {wrong}"
-    for name, forbidden in TOP_LEVEL_RULES.items():
-        wrong = sorted(m for m in imported_modules(PACKAGE / name, top_level_only=True) if m.startswith(forbidden))
-        assert not wrong, f"{name} imports {wrong} at its module level"
-    for path in (PACKAGE / "training").glob("*.py"):  # the averaging command is a front door; its core: checkpoint.py
-        assert "transformer_mt.averaging" not in imported_modules(path), path.name
+def import_graph() -> dict[str, set[str]]:
+    """module (e.g. "evaluation.protocol") -> the package's modules it imports."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    prefix = "transformer_mt."
+    return {
+        name: {m.removeprefix(prefix) for m in imported_modules(path) if m.removeprefix(prefix) in paths} - {name, ""}
+        for name, path in paths.items()
+    }
+
+
+def room(module: str) -> str:
+    top = module.split(".")[0]
+    return "door" if top in DOORS else top if top in WINGS else "core"
+
+
+def test_the_import_graph_has_no_circle_and_no_arrow_from_the_core_to_a_door_or_wing():
+    graph = import_graph()
+    arrows = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if room(a) == "core" != room(b))
+    assert not arrows, f"the core imports a door or a wing: {arrows}"
+    done, path = set(), []
+
+    def visit(module: str) -> None:  # depth first; a module met again on the current path closes a circle
+        if module in path:
+            raise AssertionError(f"an import circle: {' -> '.join(path[path.index(module) :] + [module])}")
+        if module in done:
+            return
+        path.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_hydra_stays_in_the_front_doors_and_the_evaluation_wing_reaches_no_lightning():
+    graph = {name: {m for m in targets} for name, targets in import_graph().items()}
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    external = {name: imported_modules(path) for name, path in paths.items()}
+    hydra = sorted(
+        n for n, names in external.items() if room(n) != "door" and any(m.split(".")[0] == "hydra" for m in names)
+    )
+    assert not hydra, f"modules outside the front doors import Hydra: {hydra}"
+    reached, todo = set(), [n for n in graph if room(n) == "evaluation"]
+    while todo:  # every package module the wing loads, by any import
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    lightning = sorted(
+        n for n in reached if any(m.split(".")[0] in ("lightning", "pytorch_lightning") for m in external[n])
+    )
+    assert not lightning, f"the evaluation wing reaches Lightning through {lightning}"
+
+
+def test_make_finish_loads_no_lightning():
+    """make finish scores a run without a Trainer: importing it leaves Lightning out of the process."""
+    check = "import sys, transformer_mt.finish; assert 'lightning' not in sys.modules, 'lightning was imported'"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_engines_loads_nothing_that_loads_torch_at_its_module_level():
+    """engines.py converts a checkpoint for CTranslate2 with tools/export.py only when asked (a deferred import):
+    at its module level it loads nothing that loads torch (test_inference.py runs the import without torch)."""
+    wrong = imported_modules(PACKAGE / "evaluation" / "engines.py", top_level_only=True)
+    wrong = sorted(
+        m for m in wrong if m.startswith(("transformer_mt.tools", "transformer_mt.training", "transformer_mt.data"))
+    )
+    assert not wrong, f"engines.py imports {wrong} at its module level"
 
 
 def test_make_install_passes_a_torch_with_pip_options_as_separate_arguments():

@@ -15,6 +15,7 @@ import transformer_mt.runtime
 import transformer_mt.training.fit
 import transformer_mt.training.update
 from conftest import hydra_task, load, run_train, train_in_process, train_overrides
+from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.runtime import Peak, duration
 from transformer_mt.training.callbacks import ProgressLog, unreached
@@ -28,14 +29,15 @@ def test_wandb_without_a_key_warns_once_per_run_not_once_per_rank(tmp_path, monk
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     cfg = compose_config("train", ["logger=wandb"]).logger
-    hydra_task("train", [], tmp_path / "run")  # make_logger reads the run's HydraConfig
+    hydra_task("train", [], tmp_path / "run")  # the run's HydraConfig, handed down as a Job
+    job = hydra_job()
     seen = []
     for rank in (0, 1):
         monkeypatch.delenv("WANDB_MODE", raising=False)
         monkeypatch.setattr(rank_zero_only, "rank", rank)
         caplog.clear()
         with caplog.at_level("INFO"):
-            make_logger(OmegaConf.merge(cfg, {"save_dir": str(tmp_path / f"w{rank}")}))
+            make_logger(OmegaConf.merge(cfg, {"save_dir": str(tmp_path / f"w{rank}")}), job)
         seen.append("no API key found" in caplog.text)
     assert seen == [True, False]
 

@@ -1,4 +1,4 @@
-"""The end of a run (training/final.py): averaging, beam search on the splits, results.json and the log block;
+"""The end of a run (evaluation/protocol.py): averaging, beam search on the splits, results.json and the log block;
 the moving average of the weights (training/ema.py); and every tool on a model with every switch on."""
 
 import json
@@ -16,15 +16,16 @@ from torch import nn
 
 from conftest import hydra_task, run_process, run_train, train_in_process, write_corpus
 from transformer_mt.averaging import average_run
-from transformer_mt.checkpoint import read_checkpoint
+from transformer_mt.checkpoint import EMA_KEY as STATE_KEY
+from transformer_mt.checkpoint import ema_state, read_checkpoint
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.evaluate import evaluate
+from transformer_mt.evaluation.tuned import tuned_path
 from transformer_mt.files import RunFolderLock
 from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export
 from transformer_mt.tools.table3 import collect
-from transformer_mt.training.ema import STATE_KEY, ExponentialMovingAverage, ema_state
-from transformer_mt.tuning import tuned_path
+from transformer_mt.training.ema import ExponentialMovingAverage
 
 SWITCHES = ["model.d_k=6", "model.d_v=10", "model.positions=learned", "model.norm=pre", "model.share_embeddings=none"]
 RUN = ["data.max_tokens=400", "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=2", "ema_decay=0.9"]
@@ -46,7 +47,7 @@ def variant_run(tmp_path_factory) -> Path:
     """6 updates of a tiny model with every switch on, the end-of-run protocol and a moving average."""
     root = tmp_path_factory.mktemp("variant")
     corpus = write_corpus(root / "corpus")
-    handler, logger = Lines(), logging.getLogger("transformer_mt.training.final")
+    handler, logger = Lines(), logging.getLogger("transformer_mt.evaluation.protocol")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
@@ -342,7 +343,7 @@ def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped
     assert warning in capsys.readouterr().out
     del last["hyper_parameters"]["config"]["final"]  # a run from before the end-of-run protocol: its defaults
     torch.save(last, run / "checkpoints" / "last.ckpt")
-    assert "test" in finish(run, device="cpu", tune=False)["models"]["average-last3"]
+    assert "test" in finish(run, device="cpu", tune=False).models["average-last3"]
     assert "holds no end-of-run settings (trained before the `final` block)" in capsys.readouterr().out
 
 

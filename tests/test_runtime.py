@@ -7,14 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra.types import RunMode
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.strategies import DDPStrategy
-from omegaconf import OmegaConf
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import transformer_mt.training.fit
-import transformer_mt.training.update
 from transformer_mt import runtime
 from transformer_mt.errors import InputError
 from transformer_mt.runtime import device_peak, end_process_group, use_tf32
@@ -40,24 +36,15 @@ def test_ddp_broadcasts_no_buffers_and_sweeps_refuse_fsdp_that_would_relaunch_th
         assert isinstance(strategy, DDPStrategy) and strategy._start_method == start, name
         assert strategy._ddp_kwargs == {"broadcast_buffers": False}  # no broadcast of the sinusoids per forward
 
-    class Sweep:  # HydraConfig of a `-m` run started from a shell
-        @staticmethod
-        def initialized():
-            return True
-
-        @staticmethod
-        def get():
-            return OmegaConf.create({"mode": RunMode.MULTIRUN})
-
-    monkeypatch.setattr(transformer_mt.training.fit, "HydraConfig", Sweep)
+    # a `-m` job started from a shell (train.py hands down Hydra's mode as the Job's sweep_dir)
     for key in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
-    assert make_strategy("ddp")._start_method == "spawn"
+    assert make_strategy("ddp", sweep=True)._start_method == "spawn"
     with pytest.raises(InputError, match=r"trainer=fsdp in a Hydra multirun .* hydra/launcher=slurm"):
-        make_strategy("fsdp", devices=-1)
-    assert isinstance(make_strategy("fsdp", devices=1), LayerFSDP)  # one device: no other rank to start
+        make_strategy("fsdp", devices=-1, sweep=True)
+    assert isinstance(make_strategy("fsdp", devices=1, sweep=True), LayerFSDP)  # one device: no other rank to start
     monkeypatch.setenv("SLURM_NTASKS", "8")  # each rank started by srun (hydra/launcher=slurm): nothing re-runs
-    assert isinstance(make_strategy("fsdp", devices=-1), LayerFSDP)
+    assert isinstance(make_strategy("fsdp", devices=-1, sweep=True), LayerFSDP)
     assert make_strategy("ddp")._start_method == "popen"
 
 

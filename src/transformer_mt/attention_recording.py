@@ -9,13 +9,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
-
-if TYPE_CHECKING:
-    from transformer_mt.model import MultiHeadAttention, Transformer
+from torch import Tensor, nn
 
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> tuple[Tensor, Tensor]:
@@ -36,7 +32,7 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cau
 
 
 @contextlib.contextmanager
-def record_attention(model: Transformer) -> Iterator[dict[str, list[MultiHeadAttention]]]:
+def record_attention(model: nn.Module) -> Iterator[dict[str, list[nn.Module]]]:  # model.Transformer's layers
     """Inside the block, every attention layer computes its weights explicitly and keeps those of
     its last call in `.weights`. Yields the layers by kind, each list in layer order:
     "encoder" (self-attention), "decoder" (masked self-attention), "cross" (encoder-decoder)."""

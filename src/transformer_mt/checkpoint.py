@@ -160,3 +160,16 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
     averaged = {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in total.items()}
     keep = {k: reference[k] for k in ("hyper_parameters", "sentencepiece", "global_step", "epoch") if k in reference}
     return {**keep, "state_dict": averaged, "averaged_from": [str(p) for p in paths]}
+
+
+EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a checkpoint
+
+
+def ema_state(checkpoint: dict) -> dict[str, torch.Tensor]:
+    """A checkpoint's moving average (training/ema.py) as a state_dict of the LightningModule (names under
+    "model."), in the trained weights' dtypes."""
+    state = checkpoint.get("callbacks", {}).get(EMA_KEY)
+    if state is None:
+        raise KeyError("the checkpoint holds no moving average (trained without ema_decay)")
+    weights = checkpoint["state_dict"]
+    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in state["average"].items()}

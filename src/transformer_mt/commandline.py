@@ -19,7 +19,10 @@ from typing import NoReturn
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.configs import compose, hydra_on_conf
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.decoding import Decoding
+from transformer_mt.errors import InputError, exit_on_user_error, required
+from transformer_mt.evaluation.tuned import decoding_for
+from transformer_mt.launcher import Job
 
 
 def trainer_parameters() -> set[str]:
@@ -174,6 +177,51 @@ def checked_main(config_name: str, run: Callable[[], None]) -> None:
     is one line, and no run folder is made."""
     exit_on_user_error(check_command_line, config_name, sys.argv[1:])
     run()
+
+
+def run_task(fn: Callable, *args):
+    """fn(*args) as a Hydra task (errors.exit_on_user_error): on a UserError the run folder Hydra made is removed if
+    it holds nothing but Hydra's own files, and in a sweep the job fails after its line with an exception that
+    Hydra reports without a traceback: Hydra records the failed job, the other jobs still run, and the sweep ends
+    with Hydra's one-line summary ("Error executing job with overrides: ...") and status 1."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (Hydra only where configs are composed)
+    from hydra.errors import CompactHydraException  # noqa: PLC0415
+    from hydra.types import RunMode  # noqa: PLC0415
+
+    if not HydraConfig.initialized():
+        return exit_on_user_error(fn, *args)
+    hydra = HydraConfig.get()
+    sweep = hydra.mode == RunMode.MULTIRUN  # Hydra prints a CompactHydraException as its text alone: here none
+    failed = (lambda: CompactHydraException("")) if sweep else None
+    return exit_on_user_error(fn, *args, run_dir=Path(hydra.runtime.output_dir), failed=failed)
+
+
+def hydra_job() -> Job:
+    """The running Hydra job as launcher.Job: what a training needs to know of Hydra, handed down by train.py."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+    from hydra.types import RunMode  # noqa: PLC0415
+    from hydra.utils import instantiate  # noqa: PLC0415
+
+    hydra = HydraConfig.get()
+    sweep = hydra.mode == RunMode.MULTIRUN
+    return Job(
+        run_dir=Path(hydra.runtime.output_dir),
+        overrides=tuple(hydra.overrides.task),
+        sweep_dir=hydra.sweep.dir if sweep else None,
+        number=hydra.job.num if sweep else None,
+        instantiate=instantiate,
+    )
+
+
+def chosen_decoding(cfg: DictConfig, say: Callable[[str], None]) -> Decoding:
+    """What make translate / make evaluate decode with: conf/decoding's settings, or make tune's for this
+    checkpoint unless tuned=false or the command line sets decoding or a decoding.* key (evaluation/tuned.py)."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+
+    given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    configured = Decoding.of(OmegaConf.to_container(cfg.decoding, resolve=True))
+    decoding_given = any(o.lstrip("+~").startswith("decoding") for o in given)
+    return decoding_for(required(cfg, "ckpt"), configured, cfg.tuned, decoding_given, say)
 
 
 class CommandParser(argparse.ArgumentParser):

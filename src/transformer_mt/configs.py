@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt.decoding import PAPER, TUNE_GRID
 from transformer_mt.launcher import launch_id
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
@@ -30,6 +31,9 @@ def own_folder() -> str:
 
 OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
 OmegaConf.register_new_resolver("own_folder", own_folder, replace=True)
+# ${paper:alpha} in conf/decoding/beam.yaml, ${tune_grid:alphas} in conf/tune.yaml and train.yaml: decoding.py's values
+OmegaConf.register_new_resolver("paper", lambda key: PAPER.settings()[key], replace=True)
+OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)
 
 
 @contextmanager

@@ -24,17 +24,11 @@ class MissingInputError(UserError, FileNotFoundError):
     """A file or directory that is not where the configuration says."""
 
 
-def exit_on_user_error(fn: Callable, *args):
-    """fn(*args) as a Hydra task; a UserError ends the program with one `error: ...` line on stderr
-    and exit status 1 (with HYDRA_FULL_ERROR=1, the full traceback instead), and a run folder that
-    holds nothing but Hydra's own files is removed. In a sweep the job fails after its line with an
-    exception that Hydra reports without a traceback: Hydra records the failed job, the other jobs still run,
-    and the sweep ends with Hydra's one-line summary ("Error executing job with overrides: ...") and status 1."""
-    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (only entry points use Hydra)
-    from hydra.errors import CompactHydraException  # noqa: PLC0415
-    from hydra.types import RunMode  # noqa: PLC0415
-
-    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None  # None: a plain argparse tool
+def exit_on_user_error(fn: Callable, *args, run_dir: Path | None = None, failed: Callable | None = None):
+    """fn(*args); a UserError ends the program with one `error: ...` line on stderr and exit status 1 (with
+    HYDRA_FULL_ERROR=1, the full traceback instead). run_dir: an entry point's run folder, removed if it holds
+    nothing but Hydra's own files; failed: the exception to end with instead of exit status 1 (a sweep's job:
+    commandline.run_task)."""
     try:
         try:
             return fn(*args)
@@ -43,14 +37,13 @@ def exit_on_user_error(fn: Callable, *args):
                 raise
             raise fault from None
     except UserError as e:
-        if hydra_cfg is not None:
-            remove_if_empty(Path(hydra_cfg.runtime.output_dir))
+        if run_dir is not None:
+            remove_if_empty(run_dir)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
-        if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
-            # Hydra prints a CompactHydraException as its text alone: here none, the line above says it all
-            raise CompactHydraException("") from None
+        if failed is not None:
+            raise failed() from None
         raise SystemExit(1) from None
 
 

@@ -12,21 +12,21 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from transformer_mt.commandline import checked_main
+from transformer_mt.commandline import checked_main, chosen_decoding, run_task
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
-from transformer_mt.engines import open_engine
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.errors import InputError
+from transformer_mt.evaluation.engines import engine_name, open_engine
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import nbest_lines
-from transformer_mt.tuning import decoding_settings
 
 log = logging.getLogger(__name__)
 
 
 def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]]:
-    """(name, sources, references) from files, a sacreBLEU test set, or the data config's split."""
+    """(name, sources, references) from files, a sacreBLEU test set, or the data config's split (Corpus.texts: as
+    the end of a run and make tune read it)."""
     if cfg.src or cfg.ref:
         if not (cfg.src and cfg.ref):
             raise InputError("give both src and ref (SRC=... REF=...), or neither")
@@ -36,8 +36,7 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
         langpair = cfg.langpair or f"{data_cfg['src_lang']}-{data_cfg['tgt_lang']}"
         return f"{cfg.testset} ({langpair})", *sacrebleu_test_set(cfg.testset, langpair)
     corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
-    src, ref = corpus.load(cfg.split).pairs()
-    return f"{corpus.name} {cfg.split}", src, ref
+    return f"{corpus.name} {cfg.split}", *corpus.texts(cfg.split)
 
 
 def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
@@ -69,21 +68,24 @@ def evaluate(cfg: DictConfig) -> dict:
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
-        decoding = decoding_settings(cfg, say=print)
-        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding)
+        decoding = chosen_decoding(cfg, say=print)
+        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding.settings())
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
-    engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch" + (" compiled" if cfg.compile else "")
-    result = {"checkpoint": str(cfg.ckpt), "test_set": name, "decoding": decoding, "engine": engine, **scores}
-    nbest = outputs if cfg.n_best else None
-    seconds = result["seconds"]
+    result = {
+        "checkpoint": str(cfg.ckpt),
+        "test_set": name,
+        "decoding": decoding.settings(),
+        "engine": engine_name(cfg),
+    }
+    result |= scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    if nbest:
-        (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(nbest)), nbest)), encoding="utf-8")
+    if cfg.n_best:
+        (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(outputs)), outputs)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    print(f"{name}: {len(hyps)} sentences, beam {decoding['beam_size']}, {seconds:.1f} s, engine {result['engine']}")
+    print(f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}")
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")
     print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")
@@ -97,7 +99,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
 def run(cfg: DictConfig) -> None:
-    exit_on_user_error(evaluate, cfg)
+    run_task(evaluate, cfg)
 
 
 def main() -> None:

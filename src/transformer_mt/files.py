@@ -1,11 +1,13 @@
-"""Files: atomic writes (a crash never leaves a half-written file), stale temporaries, reading UTF-8 lines, and a
-run folder's lock and results file."""
+"""Files: atomic writes (a crash never leaves a half-written file), stale temporaries, reading UTF-8 lines, a
+file's SHA-256, and a training run's folder (RunFolder: the names in it, its lock)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import glob
+import hashlib
+import logging
 import os
 import secrets
 import shutil
@@ -13,11 +15,13 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from transformer_mt.errors import InputError, MissingInputError
+from transformer_mt.errors import InputError, MissingInputError, folder_in_use
 
-RESULTS = "results.json"  # in a run folder: the end-of-run protocol's scores (training/final.py)
+log = logging.getLogger(__name__)
+RESULTS = "results.json"  # in a run folder: the end-of-run protocol's scores (evaluation/results.py)
 TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
 
@@ -159,3 +163,68 @@ class RunFolderLock:
                 if not path.is_file() or path.read_bytes() != content:
                     path.write_bytes(content)
         os.close(self.fd)  # releases the lock; the file stays, free for the next start
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes (which checkpoint an export or make tune's record was made from)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A training run's folder and the names in it: checkpoints/ (training's step<N>.ckpt, last.ckpt and
+    best.ckpt; the end-of-run protocol's average-last<N>.ckpt and ema.ckpt), results.json, and .lock, which a
+    training holds while it runs (RunFolderLock)."""
+
+    path: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def last(self) -> Path:
+        return self.checkpoints / "last.ckpt"
+
+    @property
+    def ema(self) -> Path:
+        return self.checkpoints / "ema.ckpt"
+
+    def average(self, n: int) -> Path:
+        return self.checkpoints / f"average-last{n}.ckpt"
+
+    @property
+    def results(self) -> Path:
+        return self.path / RESULTS
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / ".lock"
+
+    def lock(self) -> RunFolderLock:
+        return RunFolderLock(self.path)
+
+    def in_use(self) -> bool:
+        """Whether a training holds the folder's lock."""
+        return folder_in_use(self.path)
+
+    def holder(self) -> str:
+        """Who holds the lock, as its file says (pid, host, since when)."""
+        return self.lock_file.read_text(encoding="utf-8", errors="replace").strip() or "a process"
+
+    def keep_earlier_results(self) -> Path | None:
+        """An earlier results.json of the run (make finish on a finished run, a run extended and finished again) is
+        kept beside the new one as results.<n>.json, the first free n, and the log says so: nothing is overwritten."""
+        if not self.results.is_file():
+            return None
+        n = 1
+        while (kept := self.results.with_name(f"{self.results.stem}.{n}{self.results.suffix}")).exists():
+            n += 1
+        self.results.rename(kept)
+        log.warning("%s was there already (an earlier end of this run): kept as %s, beside the new one", self.results,
+                    kept.name)  # fmt: skip
+        return kept

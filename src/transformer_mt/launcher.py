@@ -4,6 +4,9 @@ variables only, nothing imported (the command line's check and the run folder's 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 
 def launched_rank() -> int:
@@ -36,3 +39,16 @@ def launch_id() -> str | None:
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         return f"slurm-{job}-{env['SLURM_STEP_ID']}"
     return f"slurm-{job}" if env.get("ENVIRONMENT") == "BATCH" else None
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the entry point (Hydra, in train.py) tells a training about its job: its run folder, its command-line
+    overrides, the sweep it is one job of (a -m job: the sweep's folder and the job's number; None: no sweep), and
+    the function that makes objects of the configs with a _target_ (the loggers: hydra.utils.instantiate)."""
+
+    run_dir: Path
+    overrides: tuple[str, ...] = ()
+    sweep_dir: str | None = None
+    number: int | None = None
+    instantiate: Callable | None = None

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from transformer_mt.decoding import PAPER
 from transformer_mt.decoding_state import DecoderState
 from transformer_mt.errors import InputError
 from transformer_mt.model import Transformer
@@ -33,7 +34,7 @@ def source_batch(sources: Sequence[Sequence[int]], device: torch.device | str = 
     return padded(sources, suffix=[EOS_ID]).to(device)
 
 
-def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
+def max_output_lengths(src: Tensor, a: float = PAPER.max_len_a, b: int = PAPER.max_len_b) -> Tensor:
     """§6.1: at most a * input length + b output tokens before EOS (paper: a = 1, b = 50).
 
     src rows are ids + EOS + padding (source_batch's layout); the EOS is not counted.
@@ -42,7 +43,9 @@ def max_output_lengths(src: Tensor, a: float = 1.0, b: int = 50) -> Tensor:
 
 
 @torch.inference_mode()
-def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[list[int]]:
+def greedy(
+    model: Transformer, src: Tensor, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b
+) -> list[list[int]]:
     """Arg-max decoding; returns each sentence's tokens without BOS/EOS. Finished sentences leave the batch."""
     memory, src_pad = model.encode(src)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
@@ -67,7 +70,7 @@ def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: i
 
 
 def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
-    """GNMT (Wu et al., 2016) length penalty ((5 + |Y|) / 6)^alpha; |Y| counts the EOS (theirs: length_penalties.py)."""
+    """GNMT (Wu et al., 2016) length penalty ((5 + |Y|) / 6)^alpha; |Y| counts the EOS (theirs: decoding.py)."""
     return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
 
 
@@ -196,10 +199,10 @@ def alpha_list(alpha: Alphas) -> list[float]:
 def beam_search(
     model: Transformer,
     src: Tensor,
-    beam_size: int = 4,
-    alpha: Alphas = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
+    beam_size: int = PAPER.beam_size,
+    alpha: Alphas = PAPER.alpha,
+    max_len_a: float = PAPER.max_len_a,
+    max_len_b: int = PAPER.max_len_b,
     n_best: int = 1,
 ) -> tuple[list[list[int]], list[list[tuple[list[int], float]]]] | list:
     """§6.1 beam search, vectorised over sentences and beams; the first step once per sentence, from BOS, before
@@ -267,9 +270,9 @@ def translate_ids(
     model: Transformer,
     sources: list,
     beam_size: int = 1,
-    alpha: Alphas = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
+    alpha: Alphas = PAPER.alpha,
+    max_len_a: float = PAPER.max_len_a,
+    max_len_b: int = PAPER.max_len_b,
     tokens_per_batch: int = 16384,
     progress: bool = False,
     n_best: int = 0,
@@ -347,7 +350,7 @@ def translate_lines(
             outputs[i] = text
         return outputs
 
-    return texts(results) if one_alpha(decoding.get("alpha", 0.6)) else [texts(r) for r in results]
+    return texts(results) if one_alpha(decoding.get("alpha", PAPER.alpha)) else [texts(r) for r in results]
 
 
 def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:

@@ -9,7 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from transformer_mt.commandline import check_command_line, check_device, trainer_parameters
+from transformer_mt.commandline import check_command_line, check_device, hydra_job, run_task, trainer_parameters
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.errors import exit_on_user_error
 
@@ -18,7 +18,7 @@ from transformer_mt.errors import exit_on_user_error
 def run(cfg: DictConfig) -> float | None:
     from transformer_mt.training.fit import train  # noqa: PLC0415 (torch and Lightning once the command line is good)
 
-    return exit_on_user_error(train, cfg)
+    return run_task(train, cfg, hydra_job())
 
 
 def main() -> None:

@@ -9,13 +9,12 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from transformer_mt.commandline import checked_main
+from transformer_mt.commandline import checked_main, chosen_decoding, run_task
 from transformer_mt.configs import CONF_DIR
-from transformer_mt.engines import open_engine
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.errors import InputError
+from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import decode_line
 from transformer_mt.search import nbest_lines
-from transformer_mt.tuning import decoding_settings
 
 
 def stderr(message: str) -> None:
@@ -43,7 +42,7 @@ def translate(cfg: DictConfig) -> None:
 
 
 def translate_stdin(cfg: DictConfig, translate_lines) -> None:
-    decoding = decoding_settings(cfg, say=stderr)
+    decoding = chosen_decoding(cfg, say=stderr)
     # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
     batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
     lines_done, start = 0, time.perf_counter()
@@ -58,7 +57,7 @@ def translate_stdin(cfg: DictConfig, translate_lines) -> None:
             progress=sys.stderr.isatty() and batch_lines > 1,
             n_best=cfg.n_best,
             tokens_per_batch=cfg.tokens_per_batch,
-            **decoding,
+            **decoding.settings(),
         )
         for number, result in enumerate(results, lines_done):
             sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
@@ -69,13 +68,13 @@ def translate_stdin(cfg: DictConfig, translate_lines) -> None:
     seconds = time.perf_counter() - start
     stderr(
         f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
-        f"beam {decoding['beam_size']}, engine {cfg.engine})"
+        f"beam {decoding.beam_size}, engine {cfg.engine})"
     )
 
 
 @hydra.main(config_path=CONF_DIR, config_name="translate", version_base="1.3")
 def run(cfg: DictConfig) -> None:
-    exit_on_user_error(translate, cfg)
+    run_task(translate, cfg)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Decoding settings chosen on the development set (§6.1): `make tune CKPT=<checkpoint>` (tuning.py)."""
+"""Decoding settings chosen on the development set (§6.1): `make tune CKPT=<checkpoint>` (evaluation/grid.py)."""
 
 from __future__ import annotations
 
@@ -8,30 +8,32 @@ from functools import partial
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.commandline import checked_main
+from transformer_mt.commandline import checked_main, run_task
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus
-from transformer_mt.engines import open_engine
-from transformer_mt.errors import InputError, exit_on_user_error, required
-from transformer_mt.tuning import PAPER, TABLE_HEADER, save_tuned, search_grid, table_row
+from transformer_mt.decoding import PAPER, Decoding
+from transformer_mt.errors import InputError, required
+from transformer_mt.evaluation.engines import open_engine
+from transformer_mt.evaluation.grid import TABLE_HEADER, search_grid, table_row
+from transformer_mt.evaluation.tuned import save_tuned
 
 
-def tune(cfg: DictConfig) -> dict:
+def tune(cfg: DictConfig) -> Decoding:
     if cfg.split == "test":
         raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
     start = time.perf_counter()
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})
         corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
-        sources, references = corpus.load(cfg.split).pairs()
+        sources, references = corpus.texts(cfg.split)  # as the end of a run and make evaluate read it
         if cfg.sentences:
             sources, references = sources[: cfg.sentences], references[: cfg.sentences]
         alphas, beams = list(cfg.alphas), list(cfg.beams)
-        decoding = OmegaConf.to_container(cfg.decoding)
-        decodes = len(alphas) + len([b for b in beams if b != decoding["beam_size"]]) + 1
+        decoding = Decoding.of(OmegaConf.to_container(cfg.decoding, resolve=True))
+        decodes = len(alphas) + len([b for b in beams if b != decoding.beam_size]) + 1
         print(
             f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
-            f"length penalties at beam {decoding['beam_size']}, beams {beams} at the best, then the length limit: "
+            f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
             f"up to {decodes} rows"
             + (f", the {len(alphas)} length penalties from one search" if cfg.engine == "torch" else ""),
             flush=True,
@@ -43,14 +45,13 @@ def tune(cfg: DictConfig) -> dict:
             report=lambda row: print(table_row(row), flush=True), alphas_at_once=cfg.engine == "torch",
             say=lambda line: print(line, flush=True), significance=cfg.significance,
         )  # fmt: skip
-    best = next(r for r in rows if all(r[k] == v for k, v in chosen.items()))
-    paper = [r for r in rows if all(r[k] == v for k, v in {**decoding, **PAPER}.items() if k in chosen)]
+    best = next(r for r in rows if Decoding.of(r) == chosen)
+    paper = [r for r in rows if Decoding.of(r) == decoding.but(beam_size=PAPER.beam_size, alpha=PAPER.alpha)]
     scored = [r for r in rows if r["bleu"] is not None]
     signature = f"signature: {scored[0]['bleu_signature']}; " if scored else "every setting ran away; "
     print(f"{signature}{time.perf_counter() - start:.0f} s for {len(rows)} rows of the grid")
     print(
-        f"chosen: beam {chosen['beam_size']}, alpha {chosen['alpha']}, max length {chosen['max_len_a']:g} x source + "
-        f"{chosen['max_len_b']}: sacreBLEU {best['bleu'] or 0:.2f}"
+        f"chosen: {chosen.text()}: sacreBLEU {best['bleu'] or 0:.2f}"
         + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu'] or 0:.2f})" if paper else "")
     )
     path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}")
@@ -60,7 +61,7 @@ def tune(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path=CONF_DIR, config_name="tune", version_base="1.3")
 def run(cfg: DictConfig) -> None:
-    exit_on_user_error(tune, cfg)
+    run_task(tune, cfg)
 
 
 def main() -> None:

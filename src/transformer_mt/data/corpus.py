@@ -139,6 +139,15 @@ class Corpus:
             "(scripts/make_wmt14_layout.py builds it from aligned text files)"
         )
 
+    def texts(self, split: str) -> tuple[list[str], list[str]]:
+        """A split's (sources, references) as they are scored, by the end of a run, make evaluate and make tune
+        alike: both sides stripped, the pairs with an empty side left out (drop_empty, as its cache keeps them)."""
+        raw = self.load(split)
+        sources, references, _ = drop_empty(*raw.pairs())
+        if not sources:
+            raise InputError(f"{raw.describe()}: the {split} split has no pair with text on both sides")
+        return sources, references
+
     def load(self, split: str) -> RawSplit:
         if self.path is None:
             if not self.hub_name:

@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
-from omegaconf import OmegaConf
 
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.checkpoint import start_inference
 from transformer_mt.commandline import CommandParser
-from transformer_mt.configs import compose
+from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
@@ -124,9 +123,8 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
         tgt_ids = tokenizer.encode([reference.strip()])[0][: model.cfg.max_positions - 1]
         origin = "the reference"
     else:
-        decoding = OmegaConf.to_container(compose("translate", ["ckpt=none"]).decoding)  # conf/decoding/beam.yaml
-        tgt_ids = translate_ids(model, [src_ids], **decoding)[0]
-        origin = f"its own translation (beam {decoding['beam_size']})"
+        tgt_ids = translate_ids(model, [src_ids], **PAPER.settings())[0]  # conf/decoding/beam.yaml's
+        origin = f"its own translation (beam {PAPER.beam_size})"
     weights = attention_weights(model, src_ids, tgt_ids)
 
     out_dir = Path(out or f"outputs/attention/{datetime.now():%Y-%m-%d_%H-%M-%S}")

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.commandline import CommandParser
+from transformer_mt.decoding import HF_LENGTH_PENALTY
 from transformer_mt.errors import InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
-from transformer_mt.length_penalties import HF_LENGTH_PENALTY
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_mt.tools.model_card import LICENSE_NAME, model_card

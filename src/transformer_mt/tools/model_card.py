@@ -2,16 +2,17 @@
 front matter (languages, tags, data set, a model-index with the run's scores and their sacreBLEU signatures),
 then what the model is, how it was trained, how it scores and how to use the folder.
 
-The scores come from the run's results.json (training/final.py, the end-of-run protocol) when it scored this
+The scores come from the run's results.json (evaluation/results.py, the end-of-run protocol's) when it scored this
 very checkpoint (the run folder is the checkpoint's grandparent: <run>/checkpoints/<name>.ckpt); a checkpoint
 without them gets a card that says it has no scores, never someone else's."""
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from pathlib import Path
 
+from transformer_mt.decoding import Decoding
+from transformer_mt.evaluation.results import Results
 from transformer_mt.files import RESULTS
 
 # The weights' terms follow the training data's (Multi30k's, WMT14's corpora each have their own), not this project's
@@ -26,18 +27,15 @@ BLEU_NOTE = (
 )
 
 
-def run_scores(ckpt: Path) -> tuple[Path, dict, dict] | None:
-    """(results.json, its whole content, its entry for ckpt) when ckpt's run scored this checkpoint, else None.
+def run_scores(ckpt: Path) -> tuple[Path, Results, dict] | None:
+    """(results.json, its content, its entry for ckpt) when ckpt's run scored this checkpoint, else None.
     Matched by file name within the run folder, so a moved or copied run folder still finds its scores."""
     path = ckpt.resolve().parent.parent / RESULTS
     if not path.is_file():
         return None
-    results = json.loads(path.read_text(encoding="utf-8"))
-    for name, entry in results.get("models", {}).items():
-        if Path(entry.get("checkpoint", "")).name == ckpt.name:
-            tuned = results.get("tuned", {}).get(name)  # final.tune: the splits at the dev-chosen settings too
-            return path, results, {**entry, **({"tuned": tuned} if tuned else {})}
-    return None
+    results = Results.read(path)
+    entry = results.entry(ckpt)
+    return (path, results, entry) if entry is not None else None
 
 
 def card_data(config: dict, name: str, scores: tuple[Path, dict, dict] | None):
@@ -87,7 +85,7 @@ def recipe_lines(checkpoint: dict, config: dict, scores: tuple[Path, dict, dict]
         f"{model.get('d_model')}, d_ff {model.get('d_ff')}, {model.get('n_heads')} heads, a shared vocabulary of "
         f"{model.get('vocab_size')} SentencePiece pieces (post-norm, ReLU, sinusoidal positions, tied embeddings)",
         f"- data: {data.get('name', 'unknown')} ({data.get('src_lang', 'en')} -> {data.get('tgt_lang', 'de')})",
-        f"- updates: {checkpoint.get('global_step') or (scores and scores[1].get('updates')) or 'unknown'}"
+        f"- updates: {checkpoint.get('global_step') or (scores and scores[1].updates) or 'unknown'}"
         + (
             f", weights averaged over {len(checkpoint['averaged_from'])} checkpoints"
             if "averaged_from" in checkpoint
@@ -96,12 +94,12 @@ def recipe_lines(checkpoint: dict, config: dict, scores: tuple[Path, dict, dict]
     ]
     if scores:
         results = scores[1]
-        took, machine = timedelta(seconds=int(results["train_seconds"])), results.get("machine") or results.get("peak")
+        took, peak = timedelta(seconds=int(results.train_seconds)), results.peak
         lines.append(
-            f"- training: {took}, {results['target_tokens']:,} target tokens on {results.get('devices', 1)} "
-            f"device(s)" + (f"; {machine}" if machine else "")
+            f"- training: {took}, {results.target_tokens:,} target tokens on {results.devices} device(s)"
+            + (f"; {peak}" if peak else "")
         )
-        overrides = [o for o in results.get("overrides", []) if not o.split("=")[0].endswith(("path", "dir"))]
+        overrides = [o for o in results.overrides or [] if not o.split("=")[0].endswith(("path", "dir"))]
         lines.append(f"- command-line overrides: `{' '.join(overrides) or '(none)'}` (local paths left out)")
     return lines
 
@@ -152,8 +150,8 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
     ]
     if scores:
         results, entry = scores[1], scores[2]
-        decoding = results.get("decoding", {})
-        lines.append(f"From {scores[0].name} (beam {decoding.get('beam_size')}, alpha {decoding.get('alpha')}):")
+        decoding = Decoding.of(results.decoding, where=str(scores[0]))
+        lines.append(f"From {scores[0].name} (beam {decoding.beam_size}, alpha {decoding.alpha}):")
         lines.append("")
         lines.append("| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |")
         lines.append("|---|---|---|---|---|")

@@ -14,12 +14,12 @@ last checkpoints, or the final weights where averaging was off (Table 3's protoc
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
+from transformer_mt.evaluation.results import Results
 from transformer_mt.files import RESULTS, atomic_write
 
 GROUPS = ["base", "(A)", "(B)", "(C)", "(D)", "(E)", "big"]  # Table 3's order of rows
@@ -40,22 +40,22 @@ def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
         if not path.is_file():
             unfinished.append(job)
             continue
-        results = json.loads(path.read_text(encoding="utf-8"))
-        row = results.get("table3_row") or {}
-        model_name, model = next(iter(results["models"].items()))
+        results = Results.read(path)
+        row = results.table3_row or {}
+        model_name, model = next(iter(results.models.items()))
         dev, test = model.get("validation"), model.get("test")
         entries.append(
             {
                 "job": job.name,
                 "name": row.get("name", job.name),
                 "row": row.get("row", ""),
-                "change": row.get("change", " ".join(results.get("overrides", []))),
+                "change": row.get("change", " ".join(results.overrides or [])),
                 "paper": row.get("paper") or {},
-                "seed": results.get("seed"),
+                "seed": results.seed,
                 "evaluated": model_name,
-                "params_millions": results["parameters"] / 1e6,
-                "updates": results["updates"],
-                "train_seconds": results["train_seconds"],
+                "params_millions": results.parameters / 1e6,
+                "updates": results.updates,
+                "train_seconds": results.train_seconds,
                 "dev_ppl": dev and dev["ppl"],
                 "dev_bleu": dev and dev["tokenized_bleu_compound_split"],
                 "dev_sacrebleu": dev and dev["bleu"],

@@ -8,7 +8,6 @@ checkpoints.py  every checkpoint written during training (periodic, best, last.c
 resume.py       resuming exactly: every rank's random state, which checkpoint a run continues from
 callbacks.py    what a run tells a person (progress lines, start-up line, update bar) and how it ends (signals)
 logs.py         where a run's lines and metrics go: the log file, CSV, TensorBoard, Weights & Biases
-final.py        the end-of-run protocol (§6.1): average, beam-decode and score the splits, results.json
 ema.py          an exponential moving average of the weights, beside them
 batch_fit.py    data.max_tokens=auto: the largest micro-batch a GPU's memory holds, the fastest per token on a CPU
 budget.py       trainer.max_time as a time budget: the schedule's horizon from the measured speed, ending inside it

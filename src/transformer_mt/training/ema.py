@@ -1,7 +1,7 @@
 """An exponential moving average of the weights (`ema_decay`): Marian's exponential smoothing, Eole's
 average_decay. Kept beside the trained weights, not in their place: checkpoints, validation and
 `make average` see the trained weights as without it; the end of the run evaluates the average too
-(training/final.py writes it as ema.ckpt).
+(evaluation/protocol.py writes it as ema.ckpt).
 
 Lightning's own EMAWeightAveraging puts the average in the checkpoints' state_dict and validates with it,
 so the last-N checkpoint average (§6.1) would average averages: hence this small callback.
@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-STATE_KEY = "ExponentialMovingAverage"
+from transformer_mt.checkpoint import EMA_KEY
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class ExponentialMovingAverage(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return STATE_KEY
+        return EMA_KEY
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         params = dict(module.model.named_parameters())
@@ -63,13 +63,3 @@ class ExponentialMovingAverage(L.Callback):
                 "ema_decay=%s: the checkpoint's moving average was kept with %s until now", self.decay, state["decay"]
             )
         self.updates, self.average = state["updates"], dict(state["average"])
-
-
-def ema_state(checkpoint: dict) -> dict[str, Tensor]:
-    """A checkpoint's moving average as a state_dict of the LightningModule (names under "model."), in the
-    trained weights' dtypes."""
-    state = checkpoint.get("callbacks", {}).get(STATE_KEY)
-    if state is None:
-        raise KeyError("the checkpoint holds no moving average (trained without ema_decay)")
-    weights = checkpoint["state_dict"]
-    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in state["average"].items()}

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
@@ -24,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from transformer_mt.commandline import check_device, closest, trainer_parameters
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError
-from transformer_mt.files import RunFolderLock, remove_stale_temporaries
-from transformer_mt.launcher import first_process, launch_id, launched_rank
+from transformer_mt.evaluation.protocol import Protocol
+from transformer_mt.files import RunFolder, RunFolderLock, remove_stale_temporaries
+from transformer_mt.launcher import Job, first_process, launch_id, launched_rank
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import (
     bound_onednn_cache,
@@ -40,7 +39,6 @@ from transformer_mt.training.budget import TimeBudget, budget_seconds
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
 from transformer_mt.training.checkpoints import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.ema import ExponentialMovingAverage
-from transformer_mt.training.final import final_metrics, finish_run
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
 from transformer_mt.training.resume import (
@@ -60,8 +58,9 @@ def plain(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def trainer_arguments(cfg: DictConfig) -> dict:
-    """conf/trainer as lightning.Trainer arguments, checked against this machine before any work."""
+def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
+    """conf/trainer as lightning.Trainer arguments, checked against this machine before any work. sweep: the run
+    is one job of a Hydra multirun (-m)."""
     args = plain(cfg)
     args.pop("compile", None)  # the module's (TranslationModule.compile_training), not Lightning's
     args.pop("max_time", None)  # a time budget (training/budget.py), not Lightning's Timer
@@ -78,7 +77,7 @@ def trainer_arguments(cfg: DictConfig) -> dict:
         args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
         if args["precision"] == "32-true":
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
-    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1))
+    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1), sweep)
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() and "32" in str(args["precision"]):
         use_tf32()
         log.info("precision %s on CUDA: fp32 matrix products in TF32 (runtime.use_tf32)", args["precision"])
@@ -178,13 +177,13 @@ def check_config(cfg: DictConfig) -> None:
             raise InputError(f"final.average_last={average!r}: must be a whole number, 0 (no averaging) or more")
 
 
-def make_strategy(name, precision: str | None = None, devices=1):
+def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = False):
     """String strategies from trainer configs: FSDP wrapped per encoder/decoder layer (sharding.py); DDP
     without the per-forward broadcast of buffers (the sinusoid table is the same on every rank)."""
     launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
     # Lightning's ddp and fsdp start the other ranks by re-running sys.argv, which under `-m` from a
     # shell would re-run the whole sweep in every child.
-    shell_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN and not launched_outside
+    shell_sweep = sweep and not launched_outside
     if name == "fsdp":
         if shell_sweep and devices != 1:
             raise InputError(
@@ -215,20 +214,20 @@ def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
     return on_cuda and trainer.get("strategy") != "fsdp"
 
 
-def train(cfg: DictConfig) -> float | None:
-    """Fit one run; returns the last validation BLEU (the objective of hparams_search)."""
+def train(cfg: DictConfig, job: Job) -> float | None:
+    """Fit one run in job.run_dir; returns the last validation BLEU (the objective of hparams_search)."""
     startup = StartupLog(time.monotonic())
     setup_logging()
     check_config(cfg)
     keep_freed_memory()  # no page faults for each step's activations (runtime.py)
     bound_onednn_cache()  # host memory stays bounded over a long run (runtime.py)
-    trainer_args = trainer_arguments(cfg.trainer)
+    trainer_args = trainer_arguments(cfg.trainer, sweep=job.sweep_dir is not None)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = job.run_dir
     # One training per run folder: a second start into it is refused (the job's first process holds it).
     try:
         with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
-            return fit(cfg, run_dir, trainer_args, startup)
+            return fit(cfg, job, trainer_args, startup)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
         raise
@@ -239,9 +238,10 @@ def train(cfg: DictConfig) -> float | None:
             log.info("the process group outlived the run (threads %s): ending past finalization", still_running)
 
 
-def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog) -> float | None:
+def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> float | None:
     """The run in its folder: what to resume from, the data, the module, the Trainer, then fit; a run
     stopped by a signal exits with 128 + its number."""
+    run_dir = job.run_dir
     checkpoint_dir = run_dir / "checkpoints"
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
     resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
@@ -277,7 +277,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         saved_update = resumed.get("update_tokens")  # None in checkpoints written before it was kept
         saved_max_tokens = resumed.get("max_tokens")
         del resumed  # Lightning reads the file itself
-    loggers = make_loggers(cfg.get("logger"), run_dir)
+    loggers = make_loggers(cfg.get("logger"), job)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
     trainer = L.Trainer(
         **trainer_args,
@@ -305,7 +305,7 @@ def fit(cfg: DictConfig, run_dir: Path, trainer_args: dict, startup: StartupLog)
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
-        return finish(cfg, run_dir, trainer, datamodule, loggers)
+        return finish(cfg, job, trainer, loggers)
     finally:
         finish_wandb(loggers)
 
@@ -321,7 +321,7 @@ def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
     return cfg.ckpt_path
 
 
-def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, loggers: list) -> float | None:
+def finish(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
     """After fit: a run stopped by a signal exits with 128 + its number; a finished one applies the paper's
     protocol (final.enabled, on the first process alone: the other ranks leave), whose scores also reach the
     loggers (wandb: before it closes), then the next commands. Returns the last validation BLEU (the
@@ -340,20 +340,13 @@ def finish(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, datamodule, logge
                 "the end of the run on rank 0 alone: the other %d rank(s) exit without waiting for it",
                 trainer.world_size - 1,
             )
-        extra = {"table3_row": plain(cfg).get("table3_row"), "seed": cfg.seed, "overrides": overrides()}
         progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
-        results = finish_run(
-            run_dir, plain(cfg.final), plain(cfg.decoding), datamodule, trainer.strategy.root_device,
-            cfg.label_smoothing, bool(cfg.ema_decay), extra, progress.peak, trainer.world_size,
-        )  # fmt: skip
+        protocol = Protocol.of_run(RunFolder(job.run_dir), plain(cfg), devices=trainer.world_size)
+        protocol.extra["overrides"] = list(job.overrides)
+        results = protocol.run_on(trainer.strategy.root_device, progress.peak)
         for logger in loggers:
-            logger.log_metrics(final_metrics(results), step=results["updates"])
+            logger.log_metrics(results.metrics(), step=results.updates)
             logger.save()
-        run_end.log_summary(trainer, results["updates"])  # the commands that follow, after the averaging
+        run_end.log_summary(trainer, results.updates)  # the commands that follow, after the averaging
     bleu = trainer.callback_metrics.get("val/bleu")
     return float(bleu) if bleu is not None else None
-
-
-def overrides() -> list[str]:
-    """The job's command-line overrides (Hydra's), e.g. ["table3=A-h1", "seed=1"]."""
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []

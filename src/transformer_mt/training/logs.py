@@ -8,12 +8,11 @@ import os
 import warnings
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
+
+from transformer_mt.launcher import Job
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +58,16 @@ def wandb_has_credentials() -> bool:
     return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
-def make_loggers(cfg: DictConfig | None, run_dir: Path) -> list:
+def make_loggers(cfg: DictConfig | None, job: Job) -> list:
     """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
     what `make plot` reads)."""
-    configured = [make_logger(cfg)] if cfg is not None else []
+    configured = [make_logger(cfg, job)] if cfg is not None else []
     if any(isinstance(logger, CSVLogger) for logger in configured):
         return configured
-    return [*configured, CSVLogger(run_dir, name="csv")]
+    return [*configured, CSVLogger(job.run_dir, name="csv")]
 
 
-def make_logger(cfg: DictConfig):
+def make_logger(cfg: DictConfig, job: Job):
     kwargs = {}
     if cfg._target_.endswith("WandbLogger"):
         if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
@@ -81,11 +80,10 @@ def make_logger(cfg: DictConfig):
         # No ~35-line history and summary when the run closes: the run's last lines are its results and the
         # next commands (train.finish); wandb's own lines at the start still say where the run is.
         kwargs["settings"] = wandb.Settings(quiet=True)
-        hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode == RunMode.MULTIRUN:  # one wandb run per job (see finish_wandb), grouped by sweep
-            kwargs["group"] = cfg.group or hydra_cfg.sweep.dir
-            kwargs["name"] = cfg.name or f"{Path(hydra_cfg.sweep.dir).name}-{hydra_cfg.job.num}"
-    return hydra.utils.instantiate(cfg, **kwargs)
+        if job.sweep_dir is not None:  # one wandb run per job (see finish_wandb), grouped by sweep
+            kwargs["group"] = cfg.group or job.sweep_dir
+            kwargs["name"] = cfg.name or f"{Path(job.sweep_dir).name}-{job.number}"
+    return job.instantiate(cfg, **kwargs)
 
 
 def finish_wandb(loggers: list) -> None:

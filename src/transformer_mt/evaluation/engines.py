@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import shutil
 import subprocess
@@ -22,20 +21,12 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, UserError
-from transformer_mt.files import atomic_write
-from transformer_mt.length_penalties import HF_LENGTH_PENALTY, PAPER_ALPHA
+from transformer_mt.files import atomic_write, file_digest
 
 ENGINES = ("torch", "ct2")
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
@@ -87,7 +78,7 @@ class CT2Process:
 
         self.info = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "transformer_mt.ct2_worker"],
+            [sys.executable, "-m", "transformer_mt.evaluation.ct2_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -113,10 +104,10 @@ class CT2Process:
         lines: list[str],
         warn=None,
         first_line: int = 1,
-        beam_size: int = 4,
-        alpha: float = 0.6,
-        max_len_a: float = 1.0,
-        max_len_b: int = 50,
+        beam_size: int = PAPER.beam_size,
+        alpha: float = PAPER.alpha,
+        max_len_a: float = PAPER.max_len_a,
+        max_len_b: int = PAPER.max_len_b,
         tokens_per_batch: int = 16384,
         n_best: int = 0,
         progress: bool = False,
@@ -141,7 +132,7 @@ class CT2Process:
             dict(
                 lines=lines,
                 beam_size=beam_size,
-                length_penalty=HF_LENGTH_PENALTY / PAPER_ALPHA * alpha,  # 0.45 for 0.6
+                length_penalty=Decoding(beam_size, alpha, max_len_a, max_len_b).ct2_length_penalty,  # 0.45 for 0.6
                 max_len_a=max_len_a,
                 max_len_b=max_len_b,
                 max_source_tokens=self.info["max_source_tokens"],
@@ -164,6 +155,11 @@ class CT2Process:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def engine_name(cfg) -> str:
+    """The engine of conf/inference.yaml's keys as scores.json names it: torch (compiled), or ct2 <compute type>."""
+    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch" + (" compiled" if cfg.compile else "")
 
 
 @contextlib.contextmanager

@@ -1,26 +1,18 @@
 """Decoding settings chosen on the development set, as the paper chose beam 4 and alpha 0.6 (§6.1): a grid
 over the length penalty, then the beam size at the best alpha, then whether the output-length limit binds.
 `make tune` (tune.py) and the end-of-run protocol (final.tune=true) run it on the validation split, never
-on the test split; the choice is stored beside the checkpoint (<name>.decoding.json, with the checkpoint's
-SHA-256) and `make translate` / `make evaluate` use it by default, saying so."""
+on the test split; the choice is stored beside the checkpoint (tuned.py) and `make translate` / `make evaluate`
+use it by default, saying so."""
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from transformer_mt.engines import file_digest
-from transformer_mt.errors import InputError
-from transformer_mt.files import atomic_write
+from transformer_mt.decoding import PAPER, TUNE_GRID, Decoding
 from transformer_mt.scoring import evaluate_translations, paired_bootstrap_p
 
-PAPER = {"beam_size": 4, "alpha": 0.6}  # §6.1, conf/decoding/beam.yaml
-ALPHAS = (0.0, 0.3, 0.6, 1.0, 1.5, 2.0)
-BEAMS = (2, 4, 8)
 DETAIL = re.compile(r"BP = ([\d.]+) ratio = ([\d.]+)")
 # A setting whose translations run away (a weak model under a strong length penalty decodes to the length limit,
 # 7x the time of alpha 0.6 once) is abandoned as soon as a part of the split (one of CHUNKS) ends RUNAWAY times
@@ -86,12 +78,7 @@ def alphas_in_one_search(
     return scored, seconds
 
 
-def tuned_path(ckpt: str | Path) -> Path:
-    ckpt = Path(ckpt)
-    return ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".decoding.json")
-
-
-SETTINGS = ("beam_size", "alpha", "max_len_a", "max_len_b")
+SETTINGS = tuple(PAPER.settings())
 # A setting replaces the current choice only when it scores higher and sacreBLEU's paired bootstrap test (1,000
 # resamples of the split's sentences) puts the difference beyond luck: p below this. A win of 26.92 against 26.91
 # on 1,014 sentences is not one.
@@ -99,9 +86,7 @@ SIGNIFICANCE = 0.05
 
 
 def setting_text(row: dict) -> str:
-    return (
-        f"beam {row['beam_size']}, alpha {row['alpha']}, max length {row['max_len_a']:g} x source + {row['max_len_b']}"
-    )
+    return Decoding.of(row).text()
 
 
 class Grid:
@@ -173,7 +158,7 @@ class Grid:
 def best_first(row: dict) -> tuple:
     """The order of a step's rows: the highest sacreBLEU; a tie to the paper's settings, then the smaller beam and
     alpha."""
-    paper = row["beam_size"] == PAPER["beam_size"] and row["alpha"] == PAPER["alpha"]
+    paper = row["beam_size"] == PAPER.beam_size and row["alpha"] == PAPER.alpha
     return (-1.0 if row["bleu"] is None else row["bleu"], paper, -row["beam_size"], -row["alpha"])
 
 
@@ -182,14 +167,14 @@ def search_grid(
     sources: Sequence[str],
     references: Sequence[str],
     tgt_lang: str,
-    decoding: dict,
-    alphas: Sequence[float] = ALPHAS,
-    beams: Sequence[int] = BEAMS,
+    decoding: Decoding,
+    alphas: Sequence[float] = tuple(TUNE_GRID["alphas"]),
+    beams: Sequence[int] = tuple(TUNE_GRID["beams"]),
     report: Callable[[dict], None] = lambda row: None,
     alphas_at_once: bool = False,
     say: Callable[[str], None] = lambda line: None,
     significance: float = SIGNIFICANCE,
-) -> tuple[dict, list[dict]]:
+) -> tuple[Decoding, list[dict]]:
     """(the chosen decoding settings, every row scored). `translate(lines, **settings)`; `decoding` holds the
     starting settings: its alpha is the choice each alpha is measured against, its beam the one they are decoded at,
     and its length limit the one doubled last. Three steps (length penalty, beam, length limit), each keeping the
@@ -197,7 +182,8 @@ def search_grid(
     `say` gets a line per step that says why. Each row reaches `report` as it is scored; a row whose translations run
     away (RUNAWAY) is abandoned early, with bleu None and why. alphas_at_once: `translate` takes a list of alphas
     (search.translate_lines, our engine): the alpha rows come from one search."""
-    grid = Grid(translate, sources, references, tgt_lang, decoding, report, say, significance)
+    grid = Grid(translate, sources, references, tgt_lang, decoding.settings(), report, say, significance)
+    decoding = decoding.settings()
     if alphas_at_once and len(alphas) > 1:
         settings = {k: v for k, v in decoding.items() if k in SETTINGS and k != "alpha"}
         scored, seconds = alphas_in_one_search(translate, sources, references, tgt_lang, settings, list(alphas))
@@ -219,62 +205,7 @@ def search_grid(
     # Does the length limit bind? Twice the offset: where no translation changes, it did not.
     longer = grid.run(**{**current, "max_len_b": 2 * current["max_len_b"]})
     chosen = grid.step("length limit", current, [longer])
-    return {k: chosen[k] for k in SETTINGS}, grid.rows
-
-
-def save_tuned(ckpt: str | Path, chosen: dict, rows: list[dict], split: str) -> Path:
-    """<ckpt name>.decoding.json: the chosen settings, the grid, and the checkpoint they were chosen for."""
-    path = tuned_path(ckpt)
-    record = {"decoding": chosen, "chosen_on": split, "checkpoint_sha256": file_digest(Path(ckpt)), "grid": rows}
-    with atomic_write(path) as tmp:
-        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return path
-
-
-def read_tuned(ckpt: str | Path) -> tuple[dict | None, str]:
-    """(the settings make tune chose for ckpt as it is now, or None; a line that says which and why)."""
-    path = tuned_path(ckpt)
-    if not path.is_file():
-        return None, ""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        chosen, split, digest = record["decoding"], record["chosen_on"], record["checkpoint_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, f"{path} is not make tune's record: decoding as conf/decoding says"
-    if digest != file_digest(Path(ckpt)):
-        return (
-            None,
-            f"{path} was chosen for another version of {ckpt}: decoding as conf/decoding says (make tune again)",
-        )
-    check_settings(chosen, path)
-    return chosen, (
-        f"decoding: beam {chosen['beam_size']}, alpha {chosen['alpha']}, max length {chosen['max_len_a']} x source + "
-        f"{chosen['max_len_b']}, chosen on the {split} split by make tune ({path}); tuned=false for conf/decoding's"
-    )
-
-
-# What make tune's record may hold for each setting: (a whole number only, the least value, what it is)
-SETTING_KINDS = {
-    "beam_size": (True, 1, "a whole number of hypotheses, at least 1"),
-    "alpha": (False, 0, "a length penalty exponent, a number at least 0"),
-    "max_len_a": (False, 0, "a number at least 0 (the length limit's factor of the source length)"),
-    "max_len_b": (True, 0, "a whole number at least 0 (the length limit's offset)"),
-}
-
-
-def check_settings(chosen, path: Path) -> None:
-    """make tune's record's settings each of the kind beam search takes (a hand-edited record may not be), or one
-    line naming the file, the setting and the fix."""
-    fix = "correct it, or delete the file to decode as conf/decoding says (make tune writes it again)"
-    if not isinstance(chosen, dict):
-        raise InputError(f"{path}: 'decoding' holds {chosen!r}, not the settings {', '.join(SETTINGS)}; {fix}")
-    for key, (whole, least, what) in SETTING_KINDS.items():
-        if key not in chosen:
-            raise InputError(f"{path}: decoding.{key} is missing ({what}); {fix}")
-        value = chosen[key]
-        number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or (whole and not isinstance(value, int)) or value < least:
-            raise InputError(f"{path}: decoding.{key}={json.dumps(value)} is not {what}; {fix}")
+    return Decoding.of(chosen), grid.rows
 
 
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
@@ -290,20 +221,3 @@ def table_row(r: dict) -> str:
         f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['bleu']:>9.2f} {r['chrf']:>6.2f} "
         f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}{shared}"
     )
-
-
-def decoding_settings(cfg, say: Callable[[str], None]) -> dict:
-    """What make translate / make evaluate decode with: conf/decoding's settings, or make tune's for this
-    checkpoint when cfg.tuned, no decoding key is given on the command line, and the record is the checkpoint's
-    as it is now; `say` gets the line that tells which."""
-    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (front doors only)
-    from omegaconf import OmegaConf  # noqa: PLC0415
-
-    decoding = OmegaConf.to_container(cfg.decoding)
-    given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    if not cfg.get("tuned") or any(o.lstrip("+~").startswith("decoding") for o in given):
-        return decoding
-    chosen, line = read_tuned(cfg.ckpt)
-    if line:
-        say(line)
-    return {**decoding, **chosen} if chosen else decoding

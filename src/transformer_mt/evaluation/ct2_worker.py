@@ -1,4 +1,4 @@
-"""The CTranslate2 process behind engine=ct2 (engines.py starts it): `python -m transformer_mt.ct2_worker`.
+"""The CTranslate2 process behind engine=ct2 (engines.py starts it): `python -m transformer_mt.evaluation.ct2_worker`.
 
 It imports CTranslate2 and SentencePiece, never torch: two OpenMP runtimes in one process slowed both
 (scripts/benchmark.py's decode_worker says by how much). It reads JSON lines on stdin and answers each with

@@ -1,0 +1,241 @@
+"""The paper's protocol when a run ends (§6.1): average the last N periodic checkpoints (5 for base, 20 for
+big), decode each split of final.splits with beam search (beam 4, alpha 0.6), score it. Writes <run>/results.json
+(results.Results) and a block in the run's log: sacreBLEU with its signature, chrF, the tokenized compound-split
+BLEU the paper reports, perplexity, the update count, training time and target tokens/s.
+
+conf/train.yaml's `final` block sets it; the end of training and `make finish` build it the same way
+(Protocol.of_run); `make average` and `make evaluate` do the same steps by hand. A split's text is read as make
+evaluate and make tune read it (data.corpus.Corpus.texts), never from training's DataModule: no Lightning here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from transformer_mt.checkpoint import (
+    average_checkpoints,
+    ema_state,
+    load_for_inference,
+    read_checkpoint,
+    run_checkpoints,
+    write_checkpoint,
+)
+from transformer_mt.data.batching import TokenBucketSampler, collate
+from transformer_mt.data.corpus import Corpus
+from transformer_mt.decoding import TUNE_GRID, Decoding
+from transformer_mt.errors import MissingInputError
+from transformer_mt.evaluation.grid import TABLE_HEADER, search_grid, table_row
+from transformer_mt.evaluation.results import Results
+from transformer_mt.evaluation.tuned import save_tuned
+from transformer_mt.files import RunFolder
+from transformer_mt.model import Transformer
+from transformer_mt.objective import sequence_losses
+from transformer_mt.runtime import Peak, duration, use_tf32
+from transformer_mt.scoring import evaluate_translations
+from transformer_mt.search import translate_lines
+from transformer_mt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+PERPLEXITY_TOKENS = 4096  # a teacher-forced batch's padded tokens per side
+
+
+@dataclass(frozen=True)
+class SplitText:
+    """One split's text as every scorer reads it (Corpus.texts), read once per protocol."""
+
+    sources: list[str]
+    references: list[str]
+    tgt_lang: str
+
+
+@dataclass
+class Protocol:
+    """The end-of-run protocol of one run folder, from its config (of_run)."""
+
+    run: RunFolder
+    decoding: Decoding
+    corpus: Corpus
+    splits: list[str]
+    average_last: int
+    tune: bool = False
+    alphas: list[float] = field(default_factory=lambda: list(TUNE_GRID["alphas"]))
+    beams: list[int] = field(default_factory=lambda: list(TUNE_GRID["beams"]))
+    label_smoothing: float = 0.1
+    ema: bool = False
+    extra: dict = field(default_factory=dict)  # Results' table3_row, seed, overrides, finished_by
+    devices: int = 1  # how many devices trained (the MFU is per device)
+    texts: dict[str, SplitText] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
+        """From a run's resolved config (conf/train.yaml's keys; last.ckpt carries it); a run from before the
+        `final` block gets its defaults (the last checkpoint.keep_last averaged, the test split)."""
+        final = cfg.get("final") or {"average_last": cfg["checkpoint"]["keep_last"], "splits": ["test"]}
+        trainer = cfg.get("trainer", {})
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes")
+        settings = dict(
+            run=run,
+            decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
+            corpus=Corpus.from_config(cfg["data"]),
+            splits=list(final["splits"]),
+            average_last=final["average_last"],
+            tune=bool(final.get("tune")),
+            alphas=list(final.get("tune_alphas", TUNE_GRID["alphas"])),
+            beams=list(final.get("tune_beams", TUNE_GRID["beams"])),
+            label_smoothing=cfg["label_smoothing"],
+            ema=bool(cfg.get("ema_decay")),
+            extra={"table3_row": cfg.get("table3_row"), "seed": cfg.get("seed")},
+            devices=devices * (nodes or 1) if isinstance(devices, int) else 1,  # as configured ("auto": 1)
+        )
+        return cls(**{**settings, **changes})
+
+    def split(self, name: str) -> SplitText:
+        if name not in self.texts:
+            self.texts[name] = SplitText(*self.corpus.texts(name), self.corpus.tgt_lang)
+        return self.texts[name]
+
+    def run_on(self, device: torch.device, peak: Peak | None = None) -> Results:
+        """The protocol (one process): results.json in the run folder, a block in the log. peak: one training
+        device's (for the MFU)."""
+        start = time.monotonic()
+        log.info("the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
+                 "with: make finish RUN=%s", ", ".join(self.splits), self.run.path)  # fmt: skip
+        chosen = self.checkpoints()
+        results = self.training_figures(peak)
+        if device.type == "cuda":
+            use_tf32()  # fp32 decoding on tensor cores, as make evaluate (checkpoint.start_inference)
+        for name, path in chosen.items():
+            model, tokenizer, _ = load_for_inference(path)
+            model.to(device)
+            results.parameters = sum(p.numel() for p in model.parameters())
+            results.models[name] = {"checkpoint": str(path)}
+            for split in self.splits:
+                scores = {
+                    **self.scores(model, tokenizer, split, self.decoding),
+                    **self.perplexity(model, tokenizer, split),
+                }
+                results.models[name][split] = scores
+                log.info("%s on %s: %s sentences decoded (beam %s, alpha %s) and scored in %.1f s: sacreBLEU %.2f",
+                         name, split, f"{scores['sentences']:,}", self.decoding.beam_size, self.decoding.alpha,
+                         scores["seconds"], scores["bleu"])  # fmt: skip
+            if self.tune:
+                results.tuned = {**(results.tuned or {}), name: self.tune_and_score(model, tokenizer, path)}
+        results.evaluation_seconds = round(time.monotonic() - start, 1)
+        if results.evaluation_seconds > results.train_seconds:
+            log.warning(
+                "the end of the run took %s, longer than its %s of training%s",
+                duration(results.evaluation_seconds), duration(results.train_seconds),
+                ": final.tune's grid decodes the validation split up to 9 times (final.tune=false, or fewer "
+                "final.tune_alphas / final.tune_beams, shortens it)" if self.tune else "",
+            )  # fmt: skip
+        self.run.keep_earlier_results()
+        results.write(self.run.results)
+        log.info("%s", results.block(self.run.results))
+        return results
+
+    def checkpoints(self) -> dict[str, Path]:
+        """What the protocol evaluates, by name: the average of the last `average_last` periodic checkpoints
+        (written as average-last<N>.ckpt), or last.ckpt when averaging is off or there is nothing to average;
+        with `ema`, also the exponential moving average of the weights (ema.ckpt)."""
+        chosen, periodic = {}, []
+        if self.average_last:
+            try:
+                periodic = run_checkpoints(self.run.checkpoints)[-self.average_last :]
+            except MissingInputError:
+                log.warning("final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt",
+                            self.average_last)  # fmt: skip
+        if periodic:
+            if len(periodic) < self.average_last:
+                log.warning("final.average_last=%d: only %d periodic checkpoints, averaging those", self.average_last,
+                            len(periodic))  # fmt: skip
+            path = self.run.average(len(periodic))
+            write_checkpoint(average_checkpoints(periodic), path)
+            log.info("averaged %s -> %s", ", ".join(p.name for p in periodic), path.name)
+            chosen[path.stem] = path
+        else:
+            chosen["last"] = self.run.last
+        if self.ema:
+            checkpoint = read_checkpoint(self.run.last)
+            try:
+                state = ema_state(checkpoint)
+            except KeyError as e:
+                log.warning("ema_decay is set but %s holds no moving average (%s): not evaluated", self.run.last.name,
+                            e.args[0])  # fmt: skip
+            else:
+                keep = ("hyper_parameters", "sentencepiece", "global_step", "epoch")
+                write_checkpoint({**{k: checkpoint[k] for k in keep if k in checkpoint}, "state_dict": state},
+                                 self.run.ema)  # fmt: skip
+                chosen["ema"] = self.run.ema
+        return chosen
+
+    def training_figures(self, peak: Peak | None) -> Results:
+        """Results with last.ckpt's training totals, before any model is scored."""
+        last = read_checkpoint(self.run.last, mmap=True, finite=False)
+        totals = last.get("totals", {})
+        seconds, tokens = totals.get("train_seconds", 0.0), totals.get("target_tokens", 0)
+        flops = totals.get("model_flops")  # absent from checkpoints written before it was counted
+        flops_per_second = flops / seconds if flops and seconds else None
+        mfu = peak.utilisation(flops_per_second / self.devices) if peak and flops_per_second else None
+        return Results(
+            updates=last.get("global_step"),
+            train_seconds=round(seconds, 1),
+            target_tokens=tokens,
+            target_tokens_per_second=round(tokens / seconds) if seconds else None,
+            model_flops_per_second=float(f"{flops_per_second:.4g}") if flops_per_second else None,
+            devices=self.devices,
+            mfu=float(f"{mfu:.4g}") if mfu else None,
+            peak=peak.source if peak else None,
+            peak_flops_per_second=float(f"{peak.flops:.4g}") if peak and peak.flops else None,
+            parameters=None,
+            decoding=self.decoding.settings(),
+            **self.extra,
+        )
+
+    def scores(self, model: Transformer, tokenizer: Tokenizer, split: str, decoding: Decoding) -> dict:
+        """A split translated and scored as `make evaluate` scores it (scoring.evaluate_translations)."""
+        text = self.split(split)
+        translate = partial(translate_lines, model, tokenizer, **decoding.settings())
+        return evaluate_translations(translate, text.sources, text.references, text.tgt_lang)[2]
+
+    @torch.no_grad()
+    def perplexity(self, model: Transformer, tokenizer: Tokenizer, split: str) -> dict:
+        """Teacher-forced loss and perplexity per target token (EOS included) over the split, in length-sorted
+        batches of the checkpoint's own tokens."""
+        text, device = self.split(split), next(model.parameters()).device
+        sources, targets = tokenizer.encode(text.sources), tokenizer.encode(text.references)
+        lengths = [np.array([len(ids) for ids in side]) for side in (sources, targets)]
+        batches = TokenBucketSampler(*lengths, max_tokens=PERPLEXITY_TOKENS, shuffle=False)
+        sums = torch.zeros(3, dtype=torch.float64)
+        for indices in batches:
+            batch = collate([(sources[i], targets[i], i) for i in indices])
+            tensors = (batch[key].to(device) for key in ("src", "tgt_in", "tgt_out"))
+            losses = sequence_losses(model, *tensors, self.label_smoothing)
+            sums += torch.stack([value.double() for value in losses]).cpu()
+        loss_sum, nll_sum, tokens = sums.tolist()
+        return {"loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
+
+    def tune_and_score(self, model: Transformer, tokenizer: Tokenizer, path: Path) -> dict:
+        """final.tune: make tune's grid on the validation split (grid.py; never the test split), the choice stored
+        beside the checkpoint (so that make translate / make evaluate use it), then the splits at that choice."""
+        text = self.split("validation")
+        log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
+        log.info("%s", TABLE_HEADER)
+        start = time.monotonic()
+        chosen, rows = search_grid(
+            partial(translate_lines, model, tokenizer), text.sources, text.references, text.tgt_lang, self.decoding,
+            self.alphas, self.beams, report=lambda row: log.info("%s", table_row(row)), alphas_at_once=True,
+            say=lambda line: log.info("%s", line),
+        )  # fmt: skip
+        save_tuned(path, chosen, rows, f"{self.corpus.name} validation")
+        scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}
+        seconds = round(time.monotonic() - start, 1)
+        return {"decoding": chosen.settings(), "chosen_on": "validation", "tune_seconds": seconds, **scores}

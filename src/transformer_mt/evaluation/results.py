@@ -1,0 +1,124 @@
+"""results.json, the end-of-run protocol's record of a run (protocol.py), as one type: written by the protocol,
+read by the model card (tools/model_card.py) and make table3 (tools/table3.py), nowhere else by key.
+
+Its JSON is flat, in this field order; `overrides` (a training's command line) and `finished_by` (make finish)
+appear only where set. Each of `models` maps a checkpoint's name (average-last5, last, ema) to its path and
+each split's scores (scoring.evaluate_translations' and the perplexity); `tuned` (final.tune) the same per model
+at the settings chosen on the validation split, with those settings and how long choosing took."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformer_mt.decoding import Decoding
+from transformer_mt.errors import InputError
+from transformer_mt.files import atomic_write
+from transformer_mt.runtime import duration, flops_text
+
+OPTIONAL = ("overrides", "finished_by")  # left out of the file where None
+SCORES = {"bleu": "bleu", "chrf": "chrf", "tokenized_bleu_compound_split": "tokenized_bleu", "ppl": "ppl"}
+
+
+@dataclass
+class Results:
+    """Every field has a default: a results.json written before a field existed still reads."""
+
+    updates: int | None = None
+    train_seconds: float = 0.0
+    target_tokens: int = 0
+    target_tokens_per_second: int | None = None
+    model_flops_per_second: float | None = None
+    devices: int = 1
+    mfu: float | None = None
+    peak: str | None = None  # where the training device's peak FLOP/s came from (the MFU's denominator)
+    peak_flops_per_second: float | None = None
+    parameters: int | None = None
+    decoding: dict = field(default_factory=dict)  # Decoding.settings() of the splits' scores in `models`
+    table3_row: dict | None = None
+    seed: int | None = None
+    overrides: list[str] | None = None
+    finished_by: str | None = None
+    models: dict[str, dict] = field(default_factory=dict)
+    tuned: dict[str, dict] | None = None
+    evaluation_seconds: float | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> Results:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                raise TypeError(f"it holds a {type(data).__name__}, not an object")
+            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        except (ValueError, TypeError) as e:
+            raise InputError(
+                f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it again"
+            ) from None
+
+    def to_json(self) -> str:
+        data = {k: v for k, v in dataclasses.asdict(self).items() if not (v is None and k in OPTIONAL + ("tuned",))}
+        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+    def write(self, path: Path) -> None:
+        with atomic_write(path) as tmp:
+            tmp.write_text(self.to_json(), encoding="utf-8")
+
+    def scored(self) -> list[tuple[str, str, dict]]:
+        """(model, split, scores) of every scored split; a tuned one as model "<name>/tuned"."""
+        found = [(name, split, s) for name, splits in self.models.items() for split, s in splits.items()]
+        found += [
+            (f"{name}/tuned", split, s) for name, splits in (self.tuned or {}).items() for split, s in splits.items()
+        ]
+        return [(name, split, s) for name, split, s in found if isinstance(s, dict) and "bleu" in s]
+
+    def metrics(self) -> dict[str, float]:
+        """The scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl> (a tuned split has no
+        ppl of its own: the teacher-forced loss does not depend on the decoding settings)."""
+        return {
+            f"final/{name}/{split}/{short}": scores[key]
+            for name, split, scores in self.scored()
+            for key, short in SCORES.items()
+            if key in scores
+        }
+
+    def block(self, path: Path) -> str:
+        """The log's summary: one line per evaluated model and split."""
+        rate, flops, mfu = self.target_tokens_per_second, self.model_flops_per_second, self.mfu
+        lines = [
+            f"results ({path}): {self.updates:,} updates, {duration(self.train_seconds)} of training"
+            + (f", {rate:,} target tok/s" if rate else "")
+            + (f", {flops_text(flops)}" if flops else "")
+            + (f" (MFU {mfu:.1%})" if mfu else "")
+            + f", {self.parameters:,} parameters; "
+            + f"beam {self.decoding.get('beam_size')}, alpha {self.decoding.get('alpha')}"
+        ]
+        for name, split, s in self.scored():
+            if name.endswith("/tuned"):
+                continue
+            lines.append(
+                f"  {name} on {split} ({s['sentences']:,} sentences): sacreBLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}, "
+                f"tokenized compound-split BLEU {s['tokenized_bleu_compound_split']:.2f} (the paper's metric), "
+                f"ppl {s['ppl']:.2f}"
+            )
+            lines.append(f"    {s['bleu_signature']}")
+        for name, tuned in (self.tuned or {}).items():
+            chosen = Decoding.of(tuned["decoding"])
+            for split, s in tuned.items():
+                if isinstance(s, dict) and "bleu" in s:
+                    paper = self.models[name][split]["bleu"]
+                    lines.append(
+                        f"  {name} on {split} at the settings chosen on the validation split ({chosen.text()}): "
+                        f"sacreBLEU {s['bleu']:.2f} ({s['bleu'] - paper:+.2f} over the paper's), chrF {s['chrf']:.2f}"
+                    )
+        return "\n".join(lines)
+
+    def entry(self, ckpt: Path) -> dict | None:
+        """The scores of the model evaluated from `ckpt` (with its tuned scores under "tuned"), or None. Matched by
+        file name within the run folder, so a moved or copied run folder still finds its scores."""
+        for name, entry in self.models.items():
+            if Path(entry.get("checkpoint", "")).name == ckpt.name:
+                tuned = (self.tuned or {}).get(name)
+                return {**entry, **({"tuned": tuned} if tuned else {})}
+        return None

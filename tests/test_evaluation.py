@@ -1,0 +1,70 @@
+"""The evaluation wing (src/transformer_mt/evaluation/): one source of a split's text for every scorer, the
+Decoding and Results types."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import hydra_task
+from transformer_mt.checkpoint import load_for_inference, read_checkpoint
+from transformer_mt.data.corpus import Corpus
+from transformer_mt.decoding import PAPER, Decoding
+from transformer_mt.errors import InputError
+from transformer_mt.evaluate import evaluate
+from transformer_mt.evaluation.protocol import Protocol
+from transformer_mt.evaluation.results import Results
+from transformer_mt.evaluation.tuned import tuned_path
+from transformer_mt.files import RunFolder
+from transformer_mt.tune import tune
+
+
+def test_a_split_scores_the_same_at_the_end_of_a_run_in_make_evaluate_and_in_make_tune(trained_run, tmp_path):
+    """Issue 41: a split's text is read one way (Corpus.texts). This validation split has lines with spaces around
+    them and a pair whose target is empty (what training's cache cleans away); the end-of-run protocol, make
+    evaluate and make tune's row at the paper's settings score the same 30 sentences identically."""
+    data = tmp_path / "data"
+    shutil.copytree(trained_run / "corpus", data)
+    en, de = ((data / f"valid.{lang}").read_text(encoding="utf-8").splitlines() for lang in ("en", "de"))
+    (data / "valid.en").write_text("\n".join([f"  {en[0]} ", *en[1:], "a source without its translation"]) + "\n")
+    (data / "valid.de").write_text("\n".join([f"{de[0]}\t", *de[1:], ""]) + "\n")
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes((trained_run / "out" / "checkpoints" / "last.ckpt").read_bytes())
+    cfg = read_checkpoint(ckpt)["hyper_parameters"]["config"]
+    corpus = Corpus.from_config(cfg["data"], path=str(data))
+    protocol = Protocol.of_run(RunFolder(trained_run / "out"), cfg, corpus=corpus)
+    model, tokenizer, _ = load_for_inference(ckpt)
+    at_the_end = protocol.scores(model, tokenizer, "validation", PAPER)
+    overrides = [f"ckpt={ckpt}", f"data_path={data}"]
+    evaluated = evaluate(hydra_task("evaluate", [*overrides, "split=validation", "tuned=false"], tmp_path / "e"))
+    tune(hydra_task("tune", [*overrides, "alphas=[0.6]", "beams=[4]"], tmp_path / "t"))
+    tuned = json.loads(tuned_path(ckpt).read_text())["grid"][0]
+    assert Decoding.of(tuned) == PAPER and at_the_end["sentences"] == evaluated["sentences"] == 30
+    assert at_the_end["bleu"] == evaluated["bleu"] == tuned["bleu"] and at_the_end["chrf"] == evaluated["chrf"]
+
+
+def test_decoding_settings_are_checked_and_the_papers_are_written_once():
+    assert Decoding.of({"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}) == PAPER
+    assert PAPER.ct2_length_penalty == pytest.approx(0.45) and PAPER.but(alpha=1.2).ct2_length_penalty == pytest.approx(
+        0.9
+    )
+    assert PAPER.text() == "beam 4, alpha 0.6, max length 1 x source + 50"
+    with pytest.raises(InputError, match=r"^conf: decoding.beam_size=0 is not a whole number of hypotheses"):
+        Decoding.of({**PAPER.settings(), "beam_size": 0}, where="conf")
+
+
+def test_results_json_reads_back_as_written_and_an_older_one_still_reads(tmp_path):
+    scores = {"bleu": 20.0, "chrf": 50.0, "tokenized_bleu_compound_split": 21.0, "ppl": 3.0, "sentences": 3}
+    results = Results(updates=5, train_seconds=9.0, target_tokens=100, decoding=PAPER.settings(), seed=1)
+    results.models["last"] = {"checkpoint": "run/checkpoints/last.ckpt", "test": {**scores, "bleu_signature": "s"}}
+    results.write(tmp_path / "results.json")
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert "overrides" not in written and "tuned" not in written and written["seed"] == 1
+    assert Results.read(tmp_path / "results.json") == results
+    assert results.metrics() == {"final/last/test/bleu": 20.0, "final/last/test/chrf": 50.0,
+                                 "final/last/test/tokenized_bleu": 21.0, "final/last/test/ppl": 3.0}  # fmt: skip
+    (tmp_path / "old.json").write_text(json.dumps({"updates": 5, "models": {}}))  # before most fields existed
+    assert Results.read(tmp_path / "old.json").devices == 1
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match="bad.json: not a results.json"):
+        Results.read(tmp_path / "bad.json")
