@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from transformer_mt.configs import compose
 from transformer_mt.data.batching import collate
+from transformer_mt.launcher import Job
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import cpu_has_native_bf16, describe_machine
@@ -165,7 +166,7 @@ def trainer_loop(cfg: dict, batches: list[dict], marks: Marks, compiled: bool, r
     args.update(num_sanity_val_steps=0)  # the bar disables itself off a terminal, as in a logged run
     callbacks = [Stamp(marks), *make_callbacks(config, run_dir / "checkpoints", StartupLog(time.monotonic()))]
     trainer = L.Trainer(
-        **args, callbacks=callbacks, logger=make_loggers(None, run_dir), default_root_dir=run_dir,
+        **args, callbacks=callbacks, logger=make_loggers(None, Job(run_dir)), default_root_dir=run_dir,
         enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))

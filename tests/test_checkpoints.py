@@ -1,4 +1,4 @@
-"""training/checkpoints.py and the run folder: which checkpoints a run writes and when (right after an
+"""training/saving.py and the run folder: which checkpoints a run writes and when (right after an
 update, after a due validation), resuming refuses non-finite weights, one training per run folder."""
 
 import re
@@ -14,8 +14,8 @@ import transformer_mt.training.fit
 import transformer_mt.training.update
 from conftest import load, train_in_process
 from transformer_mt.checkpoint import read_checkpoint, run_checkpoints, write_checkpoint
-from transformer_mt.errors import InputError, remove_if_empty
-from transformer_mt.files import RunFolderLock
+from transformer_mt.errors import InputError
+from transformer_mt.files import RunFolder, RunFolderLock
 from transformer_mt.tools.plot import read_metrics
 
 
@@ -159,7 +159,9 @@ def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lo
         with pytest.raises(InputError, match=refused):
             train_in_process(args, tmp_path, run)
         assert not (run / "checkpoints").exists()  # nothing of the refused start
-        remove_if_empty(run)  # what a failed start does to its folder: not to a folder another training holds
+        RunFolder(
+            run
+        ).remove_if_empty()  # what a failed start does to its folder: not to a folder another training holds
         assert (run / ".lock").is_file()
     finally:
         holder.kill()

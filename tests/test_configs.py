@@ -21,7 +21,8 @@ from transformer_mt import commandline
 from transformer_mt.commandline import check_command_line, check_device, gpu_may_be_visible, trainer_parameters
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError, remove_if_empty
+from transformer_mt.errors import InputError
+from transformer_mt.files import RunFolder
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.training.callbacks import StartupLog
 from transformer_mt.training.fit import check_config, make_callbacks, trainer_arguments
@@ -260,14 +261,14 @@ def test_a_failed_run_removes_only_its_own_hydra_only_folder(tmp_path, monkeypat
     (run / "train.log").write_text("started\n")
     keep = tmp_path / "outputs" / "2026-11-29" / "09-00-00" / "checkpoints"
     keep.mkdir(parents=True)
-    remove_if_empty(run)
+    RunFolder(run).remove_if_empty()
     assert not run.exists() and not run.parent.exists() and keep.exists()  # outputs/ still holds another run
     (tmp_path / ".hydra").mkdir()
-    remove_if_empty(tmp_path)  # translate's run folder is "."
+    RunFolder(tmp_path).remove_if_empty()  # translate's run folder is "."
     assert (tmp_path / ".hydra").exists()
     done = tmp_path / "done"
     (done / "checkpoints").mkdir(parents=True)
-    remove_if_empty(done)
+    RunFolder(done).remove_if_empty()
     assert done.exists()
 
 

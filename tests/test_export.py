@@ -32,7 +32,7 @@ from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
 from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
 from transformer_mt.tools.plot import find, read_metrics
-from transformer_mt.training.checkpoints import UpdateCheckpoint
+from transformer_mt.training.saving import UpdateCheckpoint
 
 SENTENCES = [
     "the cat sees a dog .",

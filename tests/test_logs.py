@@ -19,8 +19,8 @@ from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.runtime import Peak, duration
 from transformer_mt.training.callbacks import ProgressLog, unreached
-from transformer_mt.training.checkpoints import UpdateCheckpoint
 from transformer_mt.training.logs import make_logger
+from transformer_mt.training.saving import UpdateCheckpoint
 
 
 def test_wandb_without_a_key_warns_once_per_run_not_once_per_rank(tmp_path, monkeypatch, caplog):

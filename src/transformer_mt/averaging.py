@@ -11,7 +11,7 @@ from pathlib import Path
 from transformer_mt.checkpoint import average_checkpoints, run_checkpoints, write_checkpoint
 from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import InputError, exit_on_user_error
-from transformer_mt.files import remove_stale_temporaries
+from transformer_mt.files import RunFolder, remove_stale_temporaries
 
 
 def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -> Path:
@@ -20,7 +20,7 @@ def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -
     paths = run_checkpoints(run_dir)[-n:]
     if len(paths) < n:
         print(f"warning: only {len(paths)} checkpoints in {run_dir}, averaging those")
-    output = Path(output) if output else paths[-1].parent / f"average-last{len(paths)}.ckpt"
+    output = Path(output) if output else paths[-1].parent / RunFolder.average_name(len(paths))
     for stale in remove_stale_temporaries(output.parent):
         print(f"removed {stale} (the unfinished write of a killed command)")
     write_checkpoint(average_checkpoints(paths), output)

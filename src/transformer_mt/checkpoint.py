@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from transformer_mt.errors import InputError, MissingInputError, UserError
-from transformer_mt.files import atomic_write
+from transformer_mt.files import RunFolder, atomic_write
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.runtime import bound_onednn_cache, keep_freed_memory, pick_device, set_threads, use_tf32
 from transformer_mt.tokenizer import Tokenizer
@@ -117,11 +117,12 @@ STEP = re.compile(r"step(\d+)")
 
 def run_checkpoints(run_dir: str | Path) -> list[Path]:
     """Periodic checkpoints of a run, oldest first, one per update step (last.ckpt and averages excluded)."""
-    folder = Path(run_dir) / "checkpoints" if (Path(run_dir) / "checkpoints").is_dir() else Path(run_dir)
+    folder = RunFolder(Path(run_dir)).checkpoints
+    folder = folder if folder.is_dir() else Path(run_dir)
     by_step: dict[int, Path] = {}
     for path in folder.glob("*.ckpt"):
         match = STEP.search(path.stem)
-        if match and not path.stem.startswith("average"):
+        if match and not path.name.startswith(RunFolder.AVERAGE):
             by_step.setdefault(int(match.group(1)), path)  # time- and step-triggered saves can coincide
     if not by_step:
         raise MissingInputError(f"no periodic checkpoints (*step<N>.ckpt) in {folder}")

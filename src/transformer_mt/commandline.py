@@ -22,6 +22,7 @@ from transformer_mt.configs import compose, hydra_on_conf
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import InputError, exit_on_user_error, required
 from transformer_mt.evaluation.tuned import decoding_for
+from transformer_mt.files import RunFolder
 from transformer_mt.launcher import Job
 
 
@@ -193,7 +194,9 @@ def run_task(fn: Callable, *args):
     hydra = HydraConfig.get()
     sweep = hydra.mode == RunMode.MULTIRUN  # Hydra prints a CompactHydraException as its text alone: here none
     failed = (lambda: CompactHydraException("")) if sweep else None
-    return exit_on_user_error(fn, *args, run_dir=Path(hydra.runtime.output_dir), failed=failed)
+    return exit_on_user_error(
+        fn, *args, cleanup=RunFolder(Path(hydra.runtime.output_dir)).remove_if_empty, failed=failed
+    )
 
 
 def hydra_job() -> Job:

@@ -31,9 +31,20 @@ def own_folder() -> str:
 
 OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
 OmegaConf.register_new_resolver("own_folder", own_folder, replace=True)
-# ${paper:alpha} in conf/decoding/beam.yaml, ${tune_grid:alphas} in conf/tune.yaml and train.yaml: decoding.py's values
-OmegaConf.register_new_resolver("paper", lambda key: PAPER.settings()[key], replace=True)
+# ${tune_grid:alphas} in conf/tune.yaml and conf/train.yaml's final block: make tune's grid, decoding.TUNE_GRID
 OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)
+
+
+def store_paper_decoding() -> None:
+    """decoding=beam, the config group's default: §6.1's beam search (beam 4, length penalty alpha 0.6, output length
+    at most input + 50), decoding.PAPER's settings, where they are written once; conf/decoding/greedy.yaml builds
+    on it. Stored in Hydra's ConfigStore as plain values (overridable: decoding.alpha=1.0)."""
+    from hydra.core.config_store import ConfigStore  # noqa: PLC0415 (Hydra only where configs are composed)
+
+    ConfigStore.instance().store(group="decoding", name="beam", node=PAPER.settings())
+
+
+store_paper_decoding()
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """The decoding settings of §6.1 as one frozen type, importable without torch: the paper's defaults are written
-here and nowhere else (conf/decoding/beam.yaml and the tune grid's keys read them through ${paper:...}).
+here and nowhere else (configs.py stores them as the config decoding=beam; the tune grid's keys read TUNE_GRID
+through ${tune_grid:...}).
 
 A hypothesis Y scores log P(Y) / ((5 + |Y|) / 6)^alpha, GNMT's length penalty (Wu et al., 2016), as §6.1 uses
 (search.length_penalty). transformers and CTranslate2 divide by |Y|^a instead, a different function (so is

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import shutil
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 
 class UserError(Exception):
@@ -24,11 +21,11 @@ class MissingInputError(UserError, FileNotFoundError):
     """A file or directory that is not where the configuration says."""
 
 
-def exit_on_user_error(fn: Callable, *args, run_dir: Path | None = None, failed: Callable | None = None):
+def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, failed: Callable | None = None):
     """fn(*args); a UserError ends the program with one `error: ...` line on stderr and exit status 1 (with
-    HYDRA_FULL_ERROR=1, the full traceback instead). run_dir: an entry point's run folder, removed if it holds
-    nothing but Hydra's own files; failed: the exception to end with instead of exit status 1 (a sweep's job:
-    commandline.run_task)."""
+    HYDRA_FULL_ERROR=1, the full traceback instead). cleanup: called first (an entry point's run folder removed
+    if it holds nothing but Hydra's own files); failed: the exception to end with instead of exit status 1 (a
+    sweep's job: commandline.run_task)."""
     try:
         try:
             return fn(*args)
@@ -37,8 +34,8 @@ def exit_on_user_error(fn: Callable, *args, run_dir: Path | None = None, failed:
                 raise
             raise fault from None
     except UserError as e:
-        if run_dir is not None:
-            remove_if_empty(run_dir)
+        if cleanup is not None:
+            cleanup()
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -63,21 +60,6 @@ def write_fault(e: OSError) -> InputError | None:
     )
 
 
-def folder_in_use(run_dir: Path) -> bool:
-    """Whether a training holds run_dir's .lock (files.RunFolderLock)."""
-    try:
-        fd = os.open(run_dir / ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def required(cfg, key: str):
     """cfg[key], or a one-line error when it is Hydra's `???` (not given on the command line)."""
     from omegaconf import OmegaConf  # noqa: PLC0415
@@ -85,24 +67,3 @@ def required(cfg, key: str):
     if OmegaConf.is_missing(cfg, key):
         raise MissingInputError(f"{key} is required: add {key}=<value> (make ... {key.upper()}=<value>)")
     return cfg[key]
-
-
-def remove_if_empty(run_dir: Path) -> None:
-    """Remove a run folder that holds only Hydra's files (.hydra/, <job>.log) and a free .lock, and the folders above
-    it that it leaves empty, up to the working directory (outputs/<date>/ and outputs/)."""
-    cwd, run_dir = Path.cwd().resolve(), run_dir.resolve()
-    if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
-        return
-    hydra_only = (".hydra", ".lock")  # and the logs; .lock: files.RunFolderLock
-    if not run_dir.is_dir() or any(p.name not in hydra_only and p.suffix != ".log" for p in run_dir.iterdir()):
-        return
-    if folder_in_use(run_dir):  # a start refused there: the folder is another training's, still building its data
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in run_dir.parents:
-        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
-            break
-        try:
-            parent.rmdir()
-        except OSError:
-            break

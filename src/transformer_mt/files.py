@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformer_mt.errors import InputError, MissingInputError, folder_in_use
+from transformer_mt.errors import InputError, MissingInputError
 
 log = logging.getLogger(__name__)
 RESULTS = "results.json"  # in a run folder: the end-of-run protocol's scores (evaluation/results.py)
@@ -133,7 +133,7 @@ class RunFolderLock:
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.path = run_dir / ".lock"
+        self.path = RunFolder(run_dir).lock_file
         self.fd: int | None = None
         self.hydra: dict[Path, bytes] = {}
 
@@ -182,20 +182,37 @@ class RunFolder:
 
     path: Path
 
+    CHECKPOINTS, LAST, BEST, EMA, AVERAGE, LOCK = (
+        "checkpoints",
+        "last.ckpt",
+        "best.ckpt",
+        "ema.ckpt",
+        "average-",
+        ".lock",
+    )
+
+    @staticmethod
+    def average_name(n: int) -> str:
+        return f"{RunFolder.AVERAGE}last{n}.ckpt"
+
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / self.CHECKPOINTS
 
     @property
     def last(self) -> Path:
-        return self.checkpoints / "last.ckpt"
+        return self.checkpoints / self.LAST
+
+    @property
+    def best(self) -> Path:
+        return self.checkpoints / self.BEST
 
     @property
     def ema(self) -> Path:
-        return self.checkpoints / "ema.ckpt"
+        return self.checkpoints / self.EMA
 
     def average(self, n: int) -> Path:
-        return self.checkpoints / f"average-last{n}.ckpt"
+        return self.checkpoints / self.average_name(n)
 
     @property
     def results(self) -> Path:
@@ -203,14 +220,45 @@ class RunFolder:
 
     @property
     def lock_file(self) -> Path:
-        return self.path / ".lock"
+        return self.path / self.LOCK
 
     def lock(self) -> RunFolderLock:
         return RunFolderLock(self.path)
 
     def in_use(self) -> bool:
-        """Whether a training holds the folder's lock."""
-        return folder_in_use(self.path)
+        """Whether a training holds the folder's lock (RunFolderLock)."""
+        try:
+            fd = os.open(self.lock_file, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def remove_if_empty(self) -> None:
+        """Remove the folder if it holds only Hydra's files (.hydra/, <job>.log) and a free .lock, and the folders
+        above it that it leaves empty, up to the working directory (outputs/<date>/ and outputs/): a command that
+        failed on bad input leaves no folder behind."""
+        cwd, run_dir = Path.cwd().resolve(), self.path.resolve()
+        if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
+            return
+        hydra_only = (".hydra", self.LOCK)  # and the logs
+        if not run_dir.is_dir() or any(p.name not in hydra_only and p.suffix != ".log" for p in run_dir.iterdir()):
+            return
+        if self.in_use():  # a start refused there: the folder is another training's, still building its data
+            return
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in run_dir.parents:
+            if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
     def holder(self) -> str:
         """Who holds the lock, as its file says (pid, host, since when)."""

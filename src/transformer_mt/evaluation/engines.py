@@ -29,6 +29,11 @@ ENGINES = ("torch", "ct2")
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
 
 
+def ct2_folder(ckpt: Path) -> Path:
+    """Where engine=ct2 keeps a checkpoint's CTranslate2 export: <checkpoint without .ckpt>.ct2/, beside it."""
+    return ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".ct2")
+
+
 def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     """The CTranslate2 (float32) export of `ckpt`, beside it: made now if missing or made from other bytes."""
     from transformer_mt.checkpoint import read_checkpoint  # noqa: PLC0415 (torch: only when exporting)
@@ -37,7 +42,7 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     ckpt = Path(ckpt)
     if not ckpt.is_file():
         read_checkpoint(ckpt)  # the one "checkpoint not found" message
-    folder = ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".ct2")
+    folder = ct2_folder(ckpt)
     digest = file_digest(ckpt)
     source = folder / SOURCE_FILE
     if exported_from(source) == digest:

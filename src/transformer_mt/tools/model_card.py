@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformer_mt.decoding import Decoding
 from transformer_mt.evaluation.results import Results
-from transformer_mt.files import RESULTS
+from transformer_mt.files import RunFolder
 
 # The weights' terms follow the training data's (Multi30k's, WMT14's corpora each have their own), not this project's
 # MIT license: a placeholder the user replaces before uploading, which the export says.
@@ -30,7 +30,7 @@ BLEU_NOTE = (
 def run_scores(ckpt: Path) -> tuple[Path, Results, dict] | None:
     """(results.json, its content, its entry for ckpt) when ckpt's run scored this checkpoint, else None.
     Matched by file name within the run folder, so a moved or copied run folder still finds its scores."""
-    path = ckpt.resolve().parent.parent / RESULTS
+    path = RunFolder(ckpt.resolve().parent.parent).results
     if not path.is_file():
         return None
     results = Results.read(path)

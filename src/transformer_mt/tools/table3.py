@@ -20,7 +20,7 @@ from pathlib import Path
 from transformer_mt.commandline import CommandParser
 from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
 from transformer_mt.evaluation.results import Results
-from transformer_mt.files import RESULTS, atomic_write
+from transformer_mt.files import RESULTS, RunFolder, atomic_write
 
 GROUPS = ["base", "(A)", "(B)", "(C)", "(D)", "(E)", "big"]  # Table 3's order of rows
 
@@ -36,7 +36,7 @@ def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
         raise MissingInputError(f"RUNS={runs}: no such folder (a sweep's folder, multirun/<date>/<time>)")
     entries, unfinished = [], []
     for job in sorted(p for p in runs.iterdir() if p.is_dir() and (p / ".hydra").is_dir()):
-        path = job / RESULTS
+        path = RunFolder(job).results
         if not path.is_file():
             unfinished.append(job)
             continue

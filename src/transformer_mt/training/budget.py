@@ -30,7 +30,7 @@ import lightning as L
 from transformer_mt.errors import InputError
 from transformer_mt.objective import budget_lr
 from transformer_mt.runtime import duration
-from transformer_mt.training.checkpoints import stop_after_this_update
+from transformer_mt.training.saving import stop_after_this_update
 from transformer_mt.training.update import Update
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,11 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 
+from transformer_mt.files import RunFolder
 from transformer_mt.runtime import Peak, device_peak, duration, flops_text
 from transformer_mt.training import update as bookkeeping
 from transformer_mt.training.budget import schedule_cut, time_budget
-from transformer_mt.training.checkpoints import UpdateCheckpoint, stop_after_this_update
+from transformer_mt.training.saving import UpdateCheckpoint, stop_after_this_update
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ def shown(path: Path) -> str:
 
 class RunEnd(L.Callback):
     """How a run ends, in every process that trained (also ddp_spawn's workers): on rank 0 a summary of the
-    checkpoints with the commands that use them (last.ckpt, the final state, is checkpoints.py's).
+    checkpoints with the commands that use them (last.ckpt, the final state, is saving.py's).
 
     A stop signal (SIGTERM from a scheduler, `timeout` or `kill`; SIGINT from Ctrl+C; under SLURM the
     requeue signal, SIGUSR1) ends the run at the end of the update in progress: last.ckpt is written at
@@ -271,7 +272,7 @@ class RunEnd(L.Callback):
     signal noted after that is acted on an update later (or at the end of training). A second Ctrl+C stops
     at once.
 
-    summary_later: the end-of-run protocol follows training (train.finish), which gives the summary after it,
+    summary_later: the end-of-run protocol follows training (fit.after_fit), which gives the summary after it,
     so that the run's last lines are its results and the commands (no `make average` before its averaging)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -402,11 +403,11 @@ def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[
     ]
     if periodic:
         n = min(keep_last, len(periodic))
-        model = checkpoint_dir / f"average-last{n}.ckpt"
+        model = checkpoint_dir / RunFolder.average_name(n)
         if not model.is_file():  # the end-of-run protocol wrote it
             lines.append(f"  make average RUN={shown(run_dir)} N={n}")
     else:
-        model = checkpoint_dir / ("best.ckpt" if best else "last.ckpt")
+        model = checkpoint_dir / (RunFolder.BEST if best else RunFolder.LAST)
     lines.append(f"  make evaluate CKPT={shown(model)}")
     lines.append(f'  echo "A sentence to translate." | make translate CKPT={shown(model)}')
     return "\n".join(lines)

@@ -37,7 +37,6 @@ from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
 from transformer_mt.training.budget import TimeBudget, budget_seconds
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
-from transformer_mt.training.checkpoints import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
@@ -49,6 +48,7 @@ from transformer_mt.training.resume import (
     refuse_lightnings_own_resume,
     resume_checkpoint,
 )
+from transformer_mt.training.saving import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.sharding import LayerFSDP
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
 def make_callbacks(
     cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None
 ) -> list:
-    """The checkpoints (training/checkpoints.py), optional early stopping on best.ckpt's metric, the batch size's
+    """The checkpoints (training/saving.py), optional early stopping on best.ckpt's metric, the batch size's
     probe (a resumed run's: the choice it saved), the time budget, progress lines and bar (the learning rate and
     training losses reach the loggers through training/update.py)."""
     callbacks = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
@@ -242,7 +242,7 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     """The run in its folder: what to resume from, the data, the module, the Trainer, then fit; a run
     stopped by a signal exits with 128 + its number."""
     run_dir = job.run_dir
-    checkpoint_dir = run_dir / "checkpoints"
+    checkpoint_dir = RunFolder(run_dir).checkpoints
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
     resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
     if resume_path is None:
@@ -305,7 +305,7 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
-        return finish(cfg, job, trainer, loggers)
+        return after_fit(cfg, job, trainer, loggers)
     finally:
         finish_wandb(loggers)
 
@@ -321,7 +321,7 @@ def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
     return cfg.ckpt_path
 
 
-def finish(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
+def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
     """After fit: a run stopped by a signal exits with 128 + its number; a finished one applies the paper's
     protocol (final.enabled, on the first process alone: the other ranks leave), whose scores also reach the
     loggers (wandb: before it closes), then the next commands. Returns the last validation BLEU (the

@@ -78,7 +78,7 @@ def make_logger(cfg: DictConfig, job: Job):
         import wandb  # noqa: PLC0415 (only with this logger)
 
         # No ~35-line history and summary when the run closes: the run's last lines are its results and the
-        # next commands (train.finish); wandb's own lines at the start still say where the run is.
+        # next commands (fit.after_fit); wandb's own lines at the start still say where the run is.
         kwargs["settings"] = wandb.Settings(quiet=True)
         if job.sweep_dir is not None:  # one wandb run per job (see finish_wandb), grouped by sweep
             kwargs["group"] = cfg.group or job.sweep_dir

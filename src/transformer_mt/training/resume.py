@@ -1,5 +1,5 @@
 """Resuming a run exactly: every rank's random state in its checkpoints, which checkpoint a run continues
-from, and whether the configured run can continue it. What is written when: checkpoints.py."""
+from, and whether the configured run can continue it. What is written when: saving.py."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import check_finite, read_checkpoint
 from transformer_mt.errors import InputError, MissingInputError, UserError
+from transformer_mt.files import RunFolder
 from transformer_mt.launcher import first_process
 from transformer_mt.model import TransformerConfig
 
@@ -93,7 +94,7 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
     leave a temporary file behind, but a file may still be damaged later), and its contents."""
     found = []
     for path in checkpoint_dir.glob("*.ckpt"):  # last.ckpt, step*.ckpt, time-step*.ckpt
-        if path.name == "best.ckpt" or path.name.startswith("average-"):  # written at validation / no optimizer
+        if path.name == RunFolder.BEST or path.name.startswith(RunFolder.AVERAGE):  # at validation / no optimizer
             continue
         try:
             checkpoint = read_checkpoint(path, mmap=True, finite=False)  # tensors stay on disk until used
@@ -102,7 +103,7 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
             refuse(path, e)
             continue
         if "optimizer_states" in checkpoint and "loops" in checkpoint:
-            found.append((checkpoint["global_step"], path.name == "last.ckpt", modified, path, checkpoint))
+            found.append((checkpoint["global_step"], path.name == RunFolder.LAST, modified, path, checkpoint))
     for *_, path, checkpoint in sorted(found, key=lambda item: item[:3], reverse=True):
         try:  # only the newest is read whole
             check_finite(path, checkpoint)

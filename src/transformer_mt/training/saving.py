@@ -26,11 +26,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import write_checkpoint
+from transformer_mt.evaluation.engines import ct2_folder
+from transformer_mt.files import RunFolder
 from transformer_mt.training.update import Update
 
 log = logging.getLogger(__name__)
 
-LAST = "last.ckpt"
+LAST = RunFolder.LAST
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -204,7 +206,7 @@ class UpdateCheckpoint(AfterUpdate, MovedFolder, ModelCheckpoint):
     def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         """A checkpoint pruned (keep_last) takes its CTranslate2 export along: engines.ct2_export's <name>.ct2/."""
         super()._remove_checkpoint(trainer, filepath)
-        export = Path(filepath).with_suffix(".ct2")
+        export = ct2_folder(Path(filepath))
         if trainer.is_global_zero and export.is_dir():
             shutil.rmtree(export, ignore_errors=True)
 
