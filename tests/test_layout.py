@@ -43,6 +43,14 @@ def test_where_things_are_lists_every_folder_module_and_script():
             assert f"`{path.name}`" in section, f"{path.relative_to(ROOT)} is not in README.md's Where things are"
 
 
+def test_the_readme_stays_short_and_its_lines_readable():
+    """README.md is a user's first page: at most 220 lines, none over 200 characters (details go to docs/)."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 220, f"README.md has {len(lines)} lines"
+    long = [f"line {n}: {len(line)} characters" for n, line in enumerate(lines, 1) if len(line) > 200]
+    assert not long, f"README.md: {long}"
+
+
 def test_every_module_is_named_in_its_package_map():
     """Each package's __init__.py docstring is its map: it names every module beside it by file name."""
     for path in PACKAGE.rglob("*.py"):

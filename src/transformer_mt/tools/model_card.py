@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
-from transformer_mt.decoding import Decoding
+from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.evaluation.results import Results
 from transformer_mt.files import RunFolder
 
@@ -121,7 +121,8 @@ def usage(fmt: str) -> str:
         'sp = sentencepiece.SentencePieceProcessor(model_file=f"{folder}/sentencepiece.model")\n'
         "translator = ctranslate2.Translator(folder)\n"
         'pieces = sp.encode(["A man is riding a bike."], out_type=str)\n'
-        "results = translator.translate_batch(pieces, beam_size=4, length_penalty=0.45)\n"
+        f"results = translator.translate_batch(pieces, beam_size={PAPER.beam_size}, "
+        f"length_penalty={PAPER.ct2_length_penalty:.2f})\n"
         "print([sp.decode_pieces(r.hypotheses[0]) for r in results])\n```"
     )
 
