@@ -1,5 +1,7 @@
 """Greedy and beam search against recomputation without the cache (§6.1)."""
 
+import random
+
 import pytest
 import torch
 
@@ -178,6 +180,30 @@ def test_compiled_decoding_chooses_eagers_tokens_and_scores():
     weights = trained_like_model(3).state_dict()
     model = trained_like_model(3).compile_decoding()
     assert model.state_dict().keys() == weights.keys()  # checkpoints of a compiled model are eager's
+
+
+@pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
+def test_the_compiled_step_compiles_a_handful_of_graphs_not_one_per_length_bucket():
+    """Issue 40: under compile=true, batches of new source lengths and sizes (make evaluate's length-sorted buckets)
+    reuse the graphs the first two compiled: encode, the first step and later steps (dynamic shapes); a batch of
+    one sentence and greedy's batch without a beam each add a few (dynamo specializes a size of 1), then nothing."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, rng = trained_like_model(3).compile_decoding(), random.Random(0)
+    graphs = []
+    for length, size in [(3, 4), (5, 7), (8, 3), (12, 6), (17, 2), (23, 5), (30, 4), (40, 3), (50, 8)]:
+        batch = [[rng.randrange(5, 30) for _ in range(length)] for _ in range(size)]
+        translate_ids(model, batch, beam_size=4, alpha=0.6, max_len_b=10)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] <= 8 and graphs[-1] == graphs[1], graphs  # 7 more buckets: no graph more
+    translate_ids(model, [[5, 9, 11]], beam_size=4, alpha=0.6, max_len_b=10)
+    translate_ids(model, [[5, 9, 11], [7, 8]], beam_size=1, max_len_b=10)
+    one_and_greedy = counters["stats"]["unique_graphs"]
+    translate_ids(model, [[6, 7, 8, 9]], beam_size=4, alpha=0.6, max_len_b=10)
+    translate_ids(model, [[5, 9, 11, 12, 13, 14], [7, 8, 9]], beam_size=1, max_len_b=10)
+    assert one_and_greedy <= graphs[-1] + 8 and counters["stats"]["unique_graphs"] == one_and_greedy, one_and_greedy
 
 
 @pytest.mark.parametrize("trained", [True, False], ids=["training", "inference"])
