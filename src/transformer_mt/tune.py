@@ -14,7 +14,7 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, required
 from transformer_mt.evaluation.engines import open_engine
-from transformer_mt.evaluation.grid import TABLE_HEADER, search_grid, table_row
+from transformer_mt.evaluation.grid import grid_for_a_person
 from transformer_mt.evaluation.tuned import save_tuned
 
 
@@ -38,12 +38,11 @@ def tune(cfg: DictConfig) -> Decoding:
             + (f", the {len(alphas)} length penalties from one search" if cfg.engine == "torch" else ""),
             flush=True,
         )
-        print(TABLE_HEADER, flush=True)
         translate = partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch)
-        chosen, rows = search_grid(
+        chosen, rows = grid_for_a_person(
             translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
-            report=lambda row: print(table_row(row), flush=True), alphas_at_once=cfg.engine == "torch",
-            say=lambda line: print(line, flush=True), significance=cfg.significance,
+            say=lambda line: print(line, flush=True), alphas_at_once=cfg.engine == "torch",
+            significance=cfg.significance,
         )  # fmt: skip
     best = next(r for r in rows if Decoding.of(r) == chosen)
     paper = [r for r in rows if Decoding.of(r) == decoding.but(beam_size=PAPER.beam_size, alpha=PAPER.alpha)]

@@ -208,6 +208,26 @@ def search_grid(
     return Decoding.of(chosen), grid.rows
 
 
+def grid_for_a_person(
+    translate: Callable[..., list],
+    sources: Sequence[str],
+    references: Sequence[str],
+    tgt_lang: str,
+    decoding: Decoding,
+    alphas: Sequence[float],
+    beams: Sequence[int],
+    say: Callable[[str], None],
+    alphas_at_once: bool,
+    significance: float = SIGNIFICANCE,
+) -> tuple[Decoding, list[dict]]:
+    """search_grid with its table told through `say` (make tune's console, the end of a run's log): the header,
+    each row as it is scored, and why each step kept or chose."""
+    say(TABLE_HEADER)
+    report = lambda row: say(table_row(row))  # noqa: E731
+    return search_grid(translate, sources, references, tgt_lang, decoding, alphas, beams, report, alphas_at_once, say,
+                       significance)  # fmt: skip
+
+
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
 
 

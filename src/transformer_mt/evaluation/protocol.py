@@ -33,7 +33,7 @@ from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import TUNE_GRID, Decoding
 from transformer_mt.errors import MissingInputError
-from transformer_mt.evaluation.grid import TABLE_HEADER, search_grid, table_row
+from transformer_mt.evaluation.grid import grid_for_a_person
 from transformer_mt.evaluation.results import Results
 from transformer_mt.evaluation.tuned import save_tuned
 from transformer_mt.files import RunFolder
@@ -228,12 +228,10 @@ class Protocol:
         beside the checkpoint (so that make translate / make evaluate use it), then the splits at that choice."""
         text = self.split("validation")
         log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
-        log.info("%s", TABLE_HEADER)
         start = time.monotonic()
-        chosen, rows = search_grid(
+        chosen, rows = grid_for_a_person(
             partial(translate_lines, model, tokenizer), text.sources, text.references, text.tgt_lang, self.decoding,
-            self.alphas, self.beams, report=lambda row: log.info("%s", table_row(row)), alphas_at_once=True,
-            say=lambda line: log.info("%s", line),
+            self.alphas, self.beams, say=lambda line: log.info("%s", line), alphas_at_once=True,
         )  # fmt: skip
         save_tuned(path, chosen, rows, f"{self.corpus.name} validation")
         scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}
