@@ -1,6 +1,9 @@
+import csv
 import io
+import logging
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -214,6 +217,59 @@ def trained_run(tmp_path_factory) -> Path:
     return root
 
 
+# A run of the tiny model with every switch on, the end-of-run protocol, final.tune and a moving average.
+VARIANT_SWITCHES = [
+    "model.d_k=6",
+    "model.d_v=10",
+    "model.positions=learned",
+    "model.norm=pre",
+    "model.share_embeddings=none",
+]
+VARIANT_RUN = [
+    "data.max_tokens=400",
+    "trainer.val_check_interval=3",
+    "checkpoint.every_n_train_steps=2",
+    "ema_decay=0.9",
+]
+VARIANT_FINAL = [
+    "final.enabled=true",
+    "final.average_last=3",
+    "final.splits=[validation,test]",
+    "decoding.max_len_b=10",
+]
+VARIANT_TUNE = ["final.tune=true", "final.tune_alphas=[0.0,1.0]", "final.tune_beams=[2]"]  # 4 decodes of validation
+
+
+class Lines(logging.Handler):
+    """The messages a logger receives, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="session")
+def variant_run(tmp_path_factory) -> Path:
+    """6 updates of a tiny model with every switch on, the end-of-run protocol and a moving average; its folder,
+    with final.log: what the protocol logged. Trained once per worker: tests that change it work on a copy."""
+    root = tmp_path_factory.mktemp("variant")
+    corpus = write_corpus(root / "corpus")
+    handler, logger = Lines(), logging.getLogger("transformer_mt.evaluation.protocol")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        args = [f"data.path={corpus}", "trainer.max_steps=6", *VARIANT_RUN, *VARIANT_FINAL, *VARIANT_TUNE]
+        train_in_process([*args, *VARIANT_SWITCHES], root, root / "out")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    (root / "out" / "final.log").write_text("\n".join(handler.lines))
+    return root / "out"
+
+
 # Library lines that say nothing about a run; none may reach a user's console (tests assert it).
 NOISE = [
     "LeafSpec",
@@ -257,3 +313,58 @@ def timeout_of(item, config) -> float:
 def load(path: Path) -> dict:
     """A checkpoint as torch.load(weights_only=True) reads it: plain values only, on the CPU."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- the same training state
+
+
+def assert_same_training_state(expected: Path, actual: Path, step: int) -> None:
+    """Two checkpoints at update `step`, bit for bit: the weights, Adam's state (moments and step) and the schedule."""
+    a, b = load(expected), load(actual)
+    assert a["global_step"] == b["global_step"] == step
+    for key, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][key], value), key
+    for param, state in a["optimizer_states"][0]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+
+
+def csv_rows(run: Path) -> list[dict]:
+    """The CSV logger's rows of a run, every attempt's (a resumed run writes a version of its own)."""
+    rows = []
+    for path in sorted(run.glob("csv/**/metrics.csv")):
+        with path.open() as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def validation_rows(run: Path) -> dict[int, dict]:
+    """The validation metrics of every CSV version of a run (a resumed run writes its own), by update."""
+    rows = {}
+    for row in csv_rows(run):
+        if row.get("val/loss"):
+            rows[int(row["step"])] = {k: v for k, v in row.items() if k.startswith("val/")}
+    return rows
+
+
+def validation_lines(run: Path) -> dict[int, str]:
+    """train.log's validation lines by update (a validation redone after a kill says the same)."""
+    found = re.findall(r"validation at update (\d+): (.*)", (run / "train.log").read_text())
+    lines = {}
+    for update, text in found:
+        assert lines.setdefault(int(update), text) == text, (update, text)
+    return lines
+
+
+def assert_same_run(expected: Path, actual: Path, step: int) -> None:
+    """Two run folders of one training (e.g. an interrupted run against the uninterrupted one), on the full
+    criterion: last.ckpt's weights, Adam state, update and schedule; best.ckpt (its update and weights); every
+    validation once, with the same values, in the CSV and in the log (a validation added or lost by a stop shows
+    here)."""
+    assert_same_training_state(expected / "checkpoints" / "last.ckpt", actual / "checkpoints" / "last.ckpt", step)
+    best, expected_best = load(actual / "checkpoints" / "best.ckpt"), load(expected / "checkpoints" / "best.ckpt")
+    assert best["global_step"] == expected_best["global_step"]
+    assert all(torch.equal(best["state_dict"][k], v) for k, v in expected_best["state_dict"].items())
+    assert validation_rows(actual) == validation_rows(expected) != {}
+    assert validation_lines(actual) == validation_lines(expected)

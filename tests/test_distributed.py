@@ -6,7 +6,6 @@ runs on CPU processes over gloo, so the tests below train with exactly what a GP
 CUDA aside. Each process shards the model as trainer=fsdp does (sharding.shard: one FSDP2 unit per
 encoder/decoder layer, the rest in the root unit, the Transformer)."""
 
-import csv
 import json
 import os
 import subprocess
@@ -20,7 +19,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from conftest import ROOT, free_port, hydra_task, random_batch, run_process, run_train, tiny_config, train_overrides
+from conftest import (
+    ROOT,
+    TINY_SHAPE,
+    csv_rows,
+    free_port,
+    hydra_task,
+    random_batch,
+    run_process,
+    run_train,
+    tiny_config,
+    train_overrides,
+)
 from device_waits import WAITS_RUN, Waits, summary
 from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import load_for_inference
@@ -280,7 +290,7 @@ class SaveGradients(TranslationModule):
 
 def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_of_its_sentences(tmp_path):
     """2 ranks x 2 micro-batches of different sizes: every target token weighs the same, as in one batch."""
-    model_cfg = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    model_cfg = {**TINY_SHAPE, "vocab_size": 20, "dropout": 0.0}
     g = torch.Generator().manual_seed(0)
     lengths = [9, 2, 3, 4, 2, 5, 1, 6, 7, 3]
     items = [
@@ -318,15 +328,6 @@ def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_o
 
 
 # ---------------------------------------------------------------- trainer=fsdp through Lightning, 2 processes
-
-
-def csv_rows(run) -> list[dict]:
-    """The CSV logger's rows of a run, every attempt's (a resumed run writes a version of its own)."""
-    rows = []
-    for path in sorted(run.glob("csv/**/metrics.csv")):
-        with path.open() as f:
-            rows += list(csv.DictReader(f))
-    return rows
 
 
 def weights(path) -> dict:

@@ -1,5 +1,6 @@
 """make export (transformers' MarianMTModel, CTranslate2), make attention, make plot, and make bench's tables
-(scripts/benchmark.py, scripts/host_overhead.py), on tiny models."""
+(scripts/benchmark.py, scripts/host_overhead.py), on tiny models; export and attention pictures also on a model
+with every switch on (conftest's variant_run)."""
 
 import contextlib
 import csv
@@ -29,6 +30,7 @@ from transformer_mt.model import Transformer, sinusoidal_positions
 from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids, translate_lines
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
 from transformer_mt.tools.plot import find, read_metrics
@@ -174,6 +176,16 @@ def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint
     assert not (tmp_path / "ct2").exists()
 
 
+def test_export_refuses_what_marian_cannot_express_in_one_line(variant_run, tmp_path):
+    with pytest.raises(InputError) as error:
+        export(str(variant_run / "checkpoints" / "last.ckpt"), "hf", str(tmp_path / "hf"))
+    message = str(error.value)
+    assert "cannot be exported as a Marian model: d_k=6, d_v=10 with 4 heads" in message and "\n" not in message
+    for switch in ("positions=learned", "norm=pre", "share_embeddings=none"):
+        assert switch in message
+    assert not (tmp_path / "hf").exists()
+
+
 # ---------------------------------------------------------------- attention pictures
 
 
@@ -291,6 +303,13 @@ def test_make_attention_with_a_file_line_and_reference(random_checkpoint, tmp_pa
     assert (
         bad.returncode == 1 and bad.stderr.strip() == f"error: LINE=3: {tmp_path / 'src.en'} has 2 lines (count from 1)"
     )
+
+
+def test_a_model_with_every_switch_draws_attention_pictures(variant_run, tmp_path):
+    out = draw(str(variant_run / "checkpoints" / "last.ckpt"), "the cat sees a dog .", None, 1, None, tmp_path, "cpu")
+    weights = np.load(out / "attention.npz")
+    assert weights["encoder"].shape[:2] == (2, 4)  # (layers, heads, ...)
+    np.testing.assert_allclose(weights["cross"].sum(-1), 1.0, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- learning curves

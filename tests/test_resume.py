@@ -1,7 +1,6 @@
 """Fault injection: training SIGKILLed at many points, resumed with the documented command
 (`ckpt_path=last hydra.run.dir=<run>`), must end bit-identical to the run that was never killed."""
 
-import csv
 import json
 import os
 import re
@@ -13,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_process, run_train, write_corpus
+from conftest import (
+    ROOT,
+    assert_same_run,
+    assert_same_training_state,
+    load,
+    run_process,
+    run_train,
+    validation_lines,
+    write_corpus,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # processes killed and resumed, several per test
 
@@ -30,27 +38,12 @@ def common(corpus: Path) -> list[str]:
     ]
 
 
-def load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("uninterrupted")
     corpus = write_corpus(root / "corpus")
     run_train([*common(corpus), f"hydra.run.dir={root / 'run'}"], root)
     return root / "run" / "checkpoints"
-
-
-def assert_same_training_state(expected: Path, actual: Path, step: int = MAX_STEPS) -> None:
-    a, b = load(expected), load(actual)
-    assert a["global_step"] == b["global_step"] == step
-    for key, value in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][key], value), key
-    for param, state in a["optimizer_states"][0]["state"].items():
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(b["optimizer_states"][0]["state"][param][name], state[name]), (param, name)
-    assert a["lr_schedulers"] == b["lr_schedulers"]
 
 
 # Each chain is one run killed at every point in turn, each start after the first the documented resume
@@ -72,38 +65,6 @@ KILLS = [
     # data.num_workers=2: persistent loader worker processes give the same batches and the same result
     pytest.param(["epoch-end:0", "update:25"], id="with-2-loader-workers"),
 ]
-
-
-def validation_rows(run: Path) -> dict[int, dict]:
-    """The validation metrics of every CSV version of a run (a resumed run writes its own), by update."""
-    rows = {}
-    for path in sorted(run.glob("csv/**/metrics.csv")):
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                if row.get("val/loss"):
-                    rows[int(row["step"])] = {k: v for k, v in row.items() if k.startswith("val/")}
-    return rows
-
-
-def validation_lines(run: Path) -> dict[int, str]:
-    """train.log's validation lines by update (a validation redone after a kill says the same)."""
-    found = re.findall(r"validation at update (\d+): (.*)", (run / "train.log").read_text())
-    lines = {}
-    for update, text in found:
-        assert lines.setdefault(int(update), text) == text, (update, text)
-    return lines
-
-
-def assert_same_run(expected: Path, actual: Path, step: int) -> None:
-    """An interrupted run against the uninterrupted one, on the full criterion: last.ckpt's weights, Adam state,
-    update and schedule; best.ckpt (its update and weights); every validation once, with the same values, in the
-    CSV and in the log (a validation added or lost by a stop shows here)."""
-    assert_same_training_state(expected / "checkpoints" / "last.ckpt", actual / "checkpoints" / "last.ckpt", step)
-    best, expected_best = load(actual / "checkpoints" / "best.ckpt"), load(expected / "checkpoints" / "best.ckpt")
-    assert best["global_step"] == expected_best["global_step"]
-    assert all(torch.equal(best["state_dict"][k], v) for k, v in expected_best["state_dict"].items())
-    assert validation_rows(actual) == validation_rows(expected) != {}
-    assert validation_lines(actual) == validation_lines(expected)
 
 
 def resumed_from(proc) -> tuple[str, int]:
@@ -154,7 +115,7 @@ def test_a_run_killed_and_resumed_ends_bit_identical_to_the_uninterrupted_run(ki
 
         assert_same_run(uninterrupted.parent, run, MAX_STEPS)
         periodic = f"step{MAX_STEPS:07d}.ckpt"
-        assert_same_training_state(uninterrupted / periodic, checkpoints / periodic)
+        assert_same_training_state(uninterrupted / periodic, checkpoints / periodic, MAX_STEPS)
         # The same files as the uninterrupted run: the last 5 periodic ones, last, best. No stale temporary
         # file, no "-v1" copy beside a killed attempt's file, no periodic file beyond keep_last, except
         # a file a run resumed from, which Lightning never deletes (here when last.ckpt was cut short).
@@ -378,7 +339,7 @@ def test_a_finished_run_extended_with_more_updates_continues_its_epoch(uninterru
     proc = run_train([*args, "ckpt_path=last"], tmp_path)
     assert resumed_from(proc) == ("last.ckpt", 20)
     assert "trainer.max_steps: 20 -> 39" in proc.stdout  # the changed setting is logged
-    assert_same_training_state(uninterrupted / "last.ckpt", run / "checkpoints" / "last.ckpt")
+    assert_same_training_state(uninterrupted / "last.ckpt", run / "checkpoints" / "last.ckpt", MAX_STEPS)
 
 
 # ---------------------------------------------------------------- the random state of a process's own GPU
