@@ -182,20 +182,49 @@ def test_compiled_decoding_chooses_eagers_tokens_and_scores():
     assert model.state_dict().keys() == weights.keys()  # checkpoints of a compiled model are eager's
 
 
+def test_constant_shapes_decode_the_tokens_of_the_shrinking_batch():
+    """compile=static's form (Transformer.constant_shapes): finished sentences stay in the batch, masked, and the
+    caches hold a fixed number of positions; greedy, beam search, n-best lists and several alphas give the tokens
+    of the batch that shrinks, and the scores to 1e-5, over batches where sentences end at different steps."""
+    rng = random.Random(0)
+    sources = SOURCES * 3 + [[rng.randrange(5, 30) for _ in range(rng.randint(1, 20))] for _ in range(30)]
+    for seed in (0, 1):
+        runs = []
+        for constant in (False, True):
+            model = trained_like_model(seed)
+            model.constant_shapes = constant
+            runs.append(
+                [
+                    translate_ids(model, sources, beam_size=1, max_len_b=12),
+                    translate_ids(model, sources, beam_size=4, alpha=0.6, max_len_b=12, tokens_per_batch=200),
+                    translate_ids(model, sources, beam_size=3, alpha=[0.0, 0.6, 2.0], max_len_b=9, n_best=2),
+                ]
+            )
+        shrinking, constant = runs
+        assert constant[:2] == shrinking[:2] and len({tuple(t) for t in shrinking[1]}) >= 10
+        for alpha_constant, alpha_shrinking in zip(constant[2], shrinking[2], strict=True):
+            for got, expected in zip(alpha_constant, alpha_shrinking, strict=True):
+                assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+                assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-5)
+
+
 @pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
-def test_the_compiled_step_compiles_a_handful_of_graphs_not_one_per_length_bucket():
-    """Issue 40: under compile=true, batches of new source lengths and sizes (make evaluate's length-sorted buckets)
-    reuse the graphs the first two compiled: encode, the first step and later steps (dynamic shapes); a batch of
-    one sentence and greedy's batch without a beam each add a few (dynamo specializes a size of 1), then nothing."""
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_the_compiled_step_compiles_a_handful_of_graphs_not_one_per_length_bucket(static):
+    """Issue 40: under compile=true (dynamic shapes) or compile=static (constant shapes), batches of new source
+    lengths and sizes (make evaluate's length-sorted buckets) decode eager's tokens and reuse the graphs the first
+    two compiled: encode, the first step and later steps; a batch of one sentence and greedy's batch without a beam
+    each add a few (dynamo specializes a size of 1), then nothing."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
     torch._dynamo.reset()
     counters.clear()
-    model, rng = trained_like_model(3).compile_decoding(), random.Random(0)
+    model, eager, rng = trained_like_model(3).compile_decoding(static=static), trained_like_model(3), random.Random(0)
     graphs = []
     for length, size in [(3, 4), (5, 7), (8, 3), (12, 6), (17, 2), (23, 5), (30, 4), (40, 3), (50, 8)]:
         batch = [[rng.randrange(5, 30) for _ in range(length)] for _ in range(size)]
-        translate_ids(model, batch, beam_size=4, alpha=0.6, max_len_b=10)
+        decoded = translate_ids(model, batch, beam_size=4, alpha=0.6, max_len_b=10)
+        assert decoded == translate_ids(eager, batch, beam_size=4, alpha=0.6, max_len_b=10)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] <= 8 and graphs[-1] == graphs[1], graphs  # 7 more buckets: no graph more
     translate_ids(model, [[5, 9, 11]], beam_size=4, alpha=0.6, max_len_b=10)

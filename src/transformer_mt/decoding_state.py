@@ -1,5 +1,12 @@
 """The incremental-decoding cache of model.Transformer (start_decoding -> decode_step): each decoder layer's
-keys/values, extended in place at every step and reordered as beam search moves its hypotheses.
+keys/values, extended at every step and reordered as beam search moves its hypotheses, and the layer's cached
+attention itself (LayerCache.self_attention, cross_attention).
+
+Two forms. By default the cache grows by a position each step and finished sentences leave the batch (search.py):
+the least work, on a CPU the fastest. With constant shapes (DecoderState.capacity: Transformer.constant_shapes,
+compile=static) every step has the same shapes: the cache is allocated for `capacity` positions and written at
+the step's position (a tensor, not a Python number), attention masks the positions not yet written, and search.py
+keeps finished sentences in the batch, masked; what a compiled step replayed as one CUDA graph needs.
 
 Shapes as in model.py: B sentences (memory rows), beam hypotheses each, H heads, t positions decoded so far.
 """
@@ -115,11 +122,44 @@ def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, l
 
 @dataclass
 class LayerCache:
-    """One decoder layer's incremental-decoding state."""
+    """One decoder layer's incremental-decoding state, and its attention over it."""
 
     weights: LayerWeights
-    self_kv: list[Tensor] = field(default_factory=list)  # [keys, values], (B * beam, H, t, dk or dv); grows
+    self_kv: list[Tensor] = field(default_factory=list)  # [keys, values], (B * beam, H, t or capacity, dk or dv)
     memory_kv: tuple[Tensor, Tensor] | None = None  # the memory's (keys, values), (B, H, S, dk or dv); step 1 on
+    capacity: int | None = None  # constant shapes: positions allocated (None: the cache grows)
+    position: Tensor | None = None  # constant shapes: the position decoded now, (1,) int64
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The step's keys and values (rows, H, 1, d) added: (every key, every value, the mask of those written
+        so far or None where all are)."""
+        if self.capacity is None:
+            if self.self_kv:
+                k, v = torch.cat([self.self_kv[0], k], dim=2), torch.cat([self.self_kv[1], v], dim=2)
+            self.self_kv = [k, v]
+            return k, v, None
+        if not self.self_kv:  # allocated at the first step (before the beam expands the rows)
+            self.self_kv = [t.new_zeros(*t.shape[:2], self.capacity, t.size(-1)) for t in (k, v)]
+        self.self_kv = [t.index_copy(2, self.position, new) for t, new in zip(self.self_kv, (k, v))]
+        written = (torch.arange(self.capacity, device=k.device) <= self.position)[None, :]  # (1, capacity)
+        return *self.self_kv, written
+
+    def self_attention(self, attention: nn.Module, h: Tensor) -> Tensor:
+        """model.MultiHeadAttention over the cache: the newest position of each hypothesis (rows, 1, d) attends to
+        every position decoded so far (no causal mask: nothing later is there)."""
+        q, k, v = map(attention.split_heads, self.weights.self_qkv.parts(h))  # one product
+        k, v, written = self.extend(k, v)
+        return self.weights.self_out(attention.attend(q, k, v, mask=written))
+
+    def cross_attention(self, attention: nn.Module, h: Tensor, memory: Tensor | None, src_mask: Tensor) -> Tensor:
+        """Encoder-decoder attention: the memory's keys/values projected at the first step, once per sentence. The
+        hypotheses of one sentence share its memory and attend to it as one block of queries (B, beam, d): the
+        memory's keys/values are neither copied per beam nor reordered."""
+        if self.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv)
+            self.memory_kv = tuple(map(attention.split_heads, self.weights.memory_kv.parts(memory)))
+        k, v = self.memory_kv
+        q = attention.split_heads(self.weights.cross_q(h.view(k.size(0), -1, h.size(-1))))
+        return self.weights.cross_out(attention.attend(q, k, v, mask=src_mask)).view_as(h)
 
 
 @dataclass
@@ -131,7 +171,34 @@ class DecoderState:
     memory: Tensor | None  # (B, S, d), the encoder's output: projected by each layer at the first step, then None
     layers: list[LayerCache]
     output: Projection  # the output projection, (d) -> (V) (decoding_weights)
-    length: int = 0  # target positions decoded so far
+    length: int = 0  # target positions decoded so far (the cache that grows)
+    position: Tensor | None = None  # constant shapes: the same, as a (1,) tensor, which a compiled step takes as input
+
+    @classmethod
+    def start(cls, src_mask: Tensor, memory: Tensor, layers: list[LayerWeights], output: Projection,
+              capacity: int | None = None) -> DecoderState:  # fmt: skip
+        """capacity: constant shapes, a cache of that many positions (at least the longest output and its EOS)."""
+        state = cls(src_mask, memory, [LayerCache(weights, capacity=capacity) for weights in layers], output)
+        if capacity is not None:
+            state.at(torch.zeros(1, dtype=torch.long, device=memory.device))
+        return state
+
+    def start_position(self) -> int | Tensor:
+        """Where the step's token is: a number, or with constant shapes a (1,) tensor."""
+        return self.length if self.position is None else self.position
+
+    def advance(self) -> None:
+        """One position decoded: every layer holds the memory's projection, the next step writes one further."""
+        self.memory = None
+        if self.position is None:
+            self.length += 1
+        else:
+            self.at(self.position + 1)
+
+    def at(self, position: Tensor) -> None:
+        self.position = position
+        for layer in self.layers:
+            layer.position = position
 
     def make_contiguous(self) -> None:
         """Every tensor in a contiguous layout (copies only those that are not): for a compiled step."""

@@ -116,15 +116,18 @@ class Embedding(nn.Module):
         self.scale = math.sqrt(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: Tensor, start: int = 0, side: str = "target") -> Tensor:
-        # ids: (B, L) -> (B, L, d); `start` is the position of ids[:, 0] (incremental decoding)
+    def forward(self, ids: Tensor, start: int | Tensor = 0, side: str = "target") -> Tensor:
+        # ids: (B, L) -> (B, L, d); `start` is the position of ids[:, 0] (incremental decoding; with constant
+        # shapes a (1,) tensor, L = 1, which search.py keeps below max_positions)
+        table = self.positions[side] if self.learned else self.positions
+        if isinstance(start, Tensor):
+            return self.dropout(self.tokens(ids) * self.scale + table.index_select(0, start))
         end = start + ids.size(1)
         if end > self.max_positions:
             raise ValueError(
                 f"sequence of length {end} exceeds max_positions={self.max_positions}; "
                 "truncate the input or raise model.max_positions"
             )
-        table = self.positions[side] if self.learned else self.positions
         x = self.tokens(ids) * self.scale + table[start:end]
         return self.dropout(x)
 
@@ -241,31 +244,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
         # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
         # Decoding: x is the newest position of every hypothesis (B * beam, 1, d); the cache holds the
-        # keys/values of earlier positions, each (B * beam, H, t, dk or dv), extended in place, and the
-        # memory's keys/values from the first step on. The newest query may see every cached key: no mask.
+        # keys/values of earlier positions, extended each step, and the memory's keys/values from the first
+        # step on (decoding_state.LayerCache, which attends over them).
         # Every projection happens here, inside this layer's forward: FSDP gathers a wrapped layer's
         # weights around its forward only (outside it they are flat shards).
 
         def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
             if cache is None:
                 return self.self_attn(h, self.self_attn.project_kv(h), causal=True)
-            q, k, v = map(self.self_attn.split_heads, cache.weights.self_qkv.parts(h))  # decoding: one product
-            if cache.self_kv:
-                k, v = torch.cat([cache.self_kv[0], k], dim=2), torch.cat([cache.self_kv[1], v], dim=2)
-            cache.self_kv = [k, v]
-            return cache.weights.self_out(self.self_attn.attend(q, k, v))
+            return cache.self_attention(self.self_attn, h)  # decoding: over the cache (decoding_state.py)
 
         def cross_attention(h: Tensor) -> Tensor:
             if cache is None:
                 return self.cross_attn(h, self.cross_attn.project_kv(memory), mask=src_mask)
-            weights = cache.weights
-            if cache.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv): once per sentence
-                cache.memory_kv = tuple(map(self.cross_attn.split_heads, weights.memory_kv.parts(memory)))
-            k, v = cache.memory_kv
-            # The hypotheses of one sentence share its memory and attend to it as one block of queries
-            # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
-            q = self.cross_attn.split_heads(weights.cross_q(h.view(k.size(0), -1, h.size(-1))))
-            return weights.cross_out(self.cross_attn.attend(q, k, v, mask=src_mask)).view_as(h)
+            return cache.cross_attention(self.cross_attn, h, memory, src_mask)
 
         x = self.self_attn_res(x, self_attention)
         x = self.cross_attn_res(x, cross_attention)
@@ -281,6 +273,7 @@ class Transformer(nn.Module):
     torch.nn.Transformer(norm_first=True); without it the residual stream would reach the output unnormalised."""
 
     compiled_decoding = False  # compile_decoding: encode and decode_step through torch.compile
+    constant_shapes = False  # decoding keeps every step's shapes (decoding_state.py): compile_decoding(static=True)
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -354,18 +347,22 @@ class Transformer(nn.Module):
         """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
         return self.project(self.features(src, tgt_in))
 
-    def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
+    def start_decoding(self, memory: Tensor, src_pad: Tensor, capacity: int | None = None) -> DecoderState:
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
-        step, once per sentence (shared by its beam hypotheses), and keeps them."""
+        step, once per sentence (shared by its beam hypotheses), and keeps them. capacity: constant shapes,
+        a cache of that many positions (decoding_state.py)."""
         output, layers = decoding_weights(self, pack=not self.compiled_decoding)  # a compiled step: plain copies
-        return DecoderState(key_mask(src_pad), memory, [LayerCache(weights) for weights in layers], output=output)
+        return DecoderState.start(key_mask(src_pad), memory, layers, output, capacity)
 
-    def compile_decoding(self) -> Transformer:
-        """encode and decode_step through torch.compile (dynamic shapes: the batch, the source length and the
-        cache grow and shrink), for this instance; its parameters and state_dict stay as they are. The first
-        batches compile (seconds to a minute); a few shapes more compile again, then it runs compiled.
-        Raises dynamo's process-wide recompile_limit to at least 32 (its default 8 is per function)."""
-        step = torch.compile(self.decode_step, dynamic=True)
+    def compile_decoding(self, static: bool = False) -> Transformer:
+        """encode and decode_step through torch.compile, for this instance; its parameters and state_dict stay as
+        they are. Dynamic shapes: the batch, the source length and the cache grow and shrink. static=True: every
+        step of a batch has the same shapes (constant_shapes), on CUDA replayed as CUDA graphs (mode
+        "reduce-overhead"). The first batches compile (seconds to a minute); a few shapes more compile again, then it
+        runs compiled. Raises dynamo's process-wide recompile_limit to at least 32 (its default 8 is per function)."""
+        cuda = next(self.parameters()).device.type == "cuda"
+        mode = "reduce-overhead" if static and cuda else None
+        step = torch.compile(self.decode_step, dynamic=None if static else True, mode=mode)
 
         def decode_step(prev: Tensor, state: DecoderState) -> Tensor:
             # Strides are guarded like shapes: a view (the beam's last tokens) or a transposed projection
@@ -375,7 +372,7 @@ class Transformer(nn.Module):
             return step(prev.contiguous(), state)
 
         self.encode = torch.compile(self.encode, dynamic=True)  # instance attributes shadow the methods
-        self.decode_step, self.compiled_decoding = decode_step, True
+        self.decode_step, self.compiled_decoding, self.constant_shapes = decode_step, True, static
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         return self
 
@@ -384,10 +381,10 @@ class Transformer(nn.Module):
 
         Extends `state` in place; equal to forward()'s logits at that position.
         """
-        x = self.embed(prev[:, None], start=state.length)  # (B * beam, 1, d)
+        x = self.embed(prev[:, None], start=state.start_position())  # (B * beam, 1, d)
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
-        state.length, state.memory = state.length + 1, None  # every layer holds its projection now
+        state.advance()  # every layer holds the memory's projection now
         return state.output(self.final_norm(x[:, 0], "decoder"))  # = project(), by decoding's copy
 
 

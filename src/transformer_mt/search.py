@@ -42,29 +42,44 @@ def max_output_lengths(src: Tensor, a: float = PAPER.max_len_a, b: int = PAPER.m
     return (a * (src.ne(PAD_ID).sum(1) - 1) + b).long()
 
 
+CAPACITY_STEP = 64  # constant shapes: a cache holds a multiple of this many positions (few shapes to compile)
+
+
+def start_decoding(model: Transformer, src: Tensor, max_len_a: float, max_len_b: int) -> tuple:
+    """The encoder's pass and the decoder's state for a batch: (state, each sentence's length limit, the width of
+    the longest output with its EOS). With model.constant_shapes the cache holds that width, rounded up."""
+    memory, src_pad = model.encode(src)
+    limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
+    width = int(limits.max()) + 1
+    capacity = -(-width // CAPACITY_STEP) * CAPACITY_STEP if model.constant_shapes else None
+    return model.start_decoding(memory, src_pad, capacity), limits, width
+
+
 @torch.inference_mode()
 def greedy(
     model: Transformer, src: Tensor, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b
 ) -> list[list[int]]:
-    """Arg-max decoding; returns each sentence's tokens without BOS/EOS. Finished sentences leave the batch."""
-    memory, src_pad = model.encode(src)
-    limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
-    state = model.start_decoding(memory, src_pad)
+    """Arg-max decoding; returns each sentence's tokens without BOS/EOS. Finished sentences leave the batch (with
+    model.constant_shapes they stay, fed PAD, their outputs not kept)."""
+    state, limits, width = start_decoding(model, src, max_len_a, max_len_b)
     alive = torch.arange(src.size(0), device=src.device)  # original index of each sentence still decoding
     prev = torch.full_like(alive, BOS_ID)
-    tokens = torch.full((src.size(0), int(limits.max()) + 1), PAD_ID, dtype=torch.long, device=src.device)
-    for t in range(tokens.size(1)):
+    ended = torch.zeros_like(alive, dtype=torch.bool)  # constant shapes: the sentences that ended, still there
+    tokens = torch.full((src.size(0), width), PAD_ID, dtype=torch.long, device=src.device)
+    for t in range(width):
         logits = model.decode_step(prev, state)
         logits[:, PAD_ID] = -torch.inf  # padding is never an output
-        prev = torch.where(t >= limits[alive], EOS_ID, logits.argmax(-1))
+        prev = torch.where(ended, PAD_ID, torch.where(t >= limits[alive], EOS_ID, logits.argmax(-1)))
         tokens[alive, t] = prev
-        done = prev.eq(EOS_ID)
+        done = prev.eq(EOS_ID) | ended
         stopped = int(done.sum())  # the step's one wait for the device
         if stopped == alive.size(0):
             break
-        if stopped:
+        if model.constant_shapes:
+            ended = done
+        elif stopped:
             keep = (~done).nonzero().squeeze(1)
-            alive, prev = alive[keep], prev[keep]
+            alive, prev, ended = alive[keep], prev[keep], ended[keep]
             state.select(keep, sentences=keep)
     return [[i for i in row if i not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
 
@@ -155,6 +170,7 @@ class Searching:
     tokens: Tensor  # (n, k, width)
     floors: list[Tensor]  # per alpha, (n,)
     ceilings: list[Tensor]  # per alpha, (n,)
+    stopped: Tensor  # (n,) True where the sentence stopped but stays in the batch (constant shapes)
 
     @classmethod
     def start(cls, limits: Tensor, alphas: list[float], width: int) -> Searching:
@@ -166,6 +182,7 @@ class Searching:
             torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device),
             [torch.full((B,), -torch.inf, device=device) for _ in alphas],
             [length_penalty(limits + 1, a) for a in alphas],
+            torch.zeros(B, dtype=torch.bool, device=device),
         )
 
     def done(self) -> Tensor:
@@ -178,8 +195,8 @@ class Searching:
 
     def keep(self, index: Tensor) -> None:
         """Only the sentences `index` (n',) go on searching, in that order."""
-        self.ids, self.limits, self.scores, self.tokens = (
-            x[index] for x in (self.ids, self.limits, self.scores, self.tokens)
+        self.ids, self.limits, self.scores, self.tokens, self.stopped = (
+            x[index] for x in (self.ids, self.limits, self.scores, self.tokens, self.stopped)
         )
         self.floors, self.ceilings = [f[index] for f in self.floors], [c[index] for c in self.ceilings]
 
@@ -209,7 +226,8 @@ def beam_search(
     the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
     best finished hypothesis beats the best any live one could reach (its log-probability only falls, its penalty
     is at most that of the maximum length), so the n best it returns are those of a search that never stops early;
-    or at the maximum length, where EOS is forced. Finished sentences leave the batch. Returns the best tokens per
+    or at the maximum length, where EOS is forced. Finished sentences leave the batch (with model.constant_shapes
+    they stay, masked: every step has the same shapes, for a compiled step). Returns the best tokens per
     sentence and its n-best list of (tokens, score), best first; tokens exclude BOS/EOS. n_best <= beam_size.
 
     Several alphas (make tune's grid): which hypotheses live and which end never depend on alpha, only which
@@ -218,10 +236,7 @@ def beam_search(
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best={n_best}: must be between 1 and the beam size {beam_size}")
     B, K, device, alphas = src.size(0), beam_size, src.device, alpha_list(alpha)
-    memory, src_pad = model.encode(src)
-    limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
-    width = int(limits.max()) + 1  # room for the longest hypothesis and its EOS
-    state = model.start_decoding(memory, src_pad)  # B sentences; the cache grows to B * K rows after step 0
+    state, limits, width = start_decoding(model, src, max_len_a, max_len_b)  # B rows; B * K after step 0
     alive = Searching.start(limits, alphas, width)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     finished = [Finished.empty(B, K, width, device) for _ in alphas]  # per alpha, per original sentence
@@ -243,17 +258,21 @@ def beam_search(
         prev = alive.tokens[:, :, t].reshape(-1)
 
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
-        # with those kept so far, the best K kept; most steps end none.
-        ended = ends[:, :K]
+        # with those kept so far, the best K kept; most steps end none. (Constant shapes: a sentence that stopped
+        # is still in the batch, its finished ones kept as they were.)
+        ended = ends[:, :K] & ~alive.stopped[:, None]
         if ended.any():
             for i, (fin, a) in enumerate(zip(finished, alphas)):
                 scores = torch.where(ended, top_scores[:, :K] / length_penalty(t + 1, a), -torch.inf)
                 alive.floors[i] = fin.add(alive.ids, scores, history[:, :K])[:, n_best - 1]
-        done = alive.done()
+        done = alive.done() | alive.stopped
         stopped = int(done.sum())  # a wait for the device, as ended.any() above: two a step
         if stopped == n:
             break
-        if stopped:  # drop finished sentences (and their encoder states) from the batch
+        if model.constant_shapes:  # every sentence stays; those that stopped are masked
+            alive.stopped = done
+            state.select(rows)
+        elif stopped:  # drop finished sentences (and their encoder states) from the batch
             keep = (~done).nonzero().squeeze(1)
             alive.keep(keep)
             soonest = int(alive.limits.min())

@@ -164,7 +164,8 @@ class CT2Process:
 
 def engine_name(cfg) -> str:
     """The engine of conf/inference.yaml's keys as scores.json names it: torch (compiled), or ct2 <compute type>."""
-    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch" + (" compiled" if cfg.compile else "")
+    compiled = {False: "", True: " compiled", "static": " compiled static"}.get(cfg.compile, f" compile={cfg.compile}")
+    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else f"torch{compiled}"
 
 
 @contextlib.contextmanager
@@ -181,8 +182,10 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
         from transformer_mt.search import translate_lines  # noqa: PLC0415
 
         model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
+        if cfg.compile not in (False, True, "static"):
+            raise InputError(f"compile={cfg.compile}: choose false, true (dynamic shapes) or static (constant shapes)")
         if cfg.compile:
-            model.compile_decoding()
+            model.compile_decoding(static=cfg.compile == "static")
         yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
         return
     if cfg.compile:
