@@ -140,7 +140,8 @@ class LayerCache:
             return k, v, None
         if not self.self_kv:  # allocated at the first step (before the beam expands the rows)
             self.self_kv = [t.new_zeros(*t.shape[:2], self.capacity, t.size(-1)) for t in (k, v)]
-        self.self_kv = [t.index_copy(2, self.position, new) for t, new in zip(self.self_kv, (k, v))]
+        for t, new in zip(self.self_kv, (k, v)):  # in place: the step writes its own position only
+            t.index_copy_(2, self.position, new)
         written = (torch.arange(self.capacity, device=k.device) <= self.position)[None, :]  # (1, capacity)
         return *self.self_kv, written
 
