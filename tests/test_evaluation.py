@@ -68,3 +68,14 @@ def test_results_json_reads_back_as_written_and_an_older_one_still_reads(tmp_pat
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(InputError, match="bad.json: not a results.json"):
         Results.read(tmp_path / "bad.json")
+
+
+def test_the_grids_significance_test_says_nothing_between_its_rows(caplog):
+    """sacreBLEU's paired bootstrap logs "Pre-computing BLEU statistics ..." at INFO (its constructor too): make
+    tune's table would have those lines between its rows (seen again on 2026-12-05)."""
+    from transformer_mt.scoring import paired_bootstrap_p  # noqa: PLC0415
+
+    references = ["ein Mann fährt Rad .", "zwei Hunde spielen im Schnee ."] * 10
+    with caplog.at_level("INFO"):
+        p = paired_bootstrap_p(references, ["ein Mann fährt .", "zwei Hunde spielen ."] * 10, references)
+    assert 0 <= p <= 1 and not [r for r in caplog.records if r.name.startswith("sacrebleu")]

@@ -59,11 +59,11 @@ def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) ->
 def paired_bootstrap_p(baseline: list[str], system: list[str], refs: list[str]) -> float:
     """sacreBLEU's paired bootstrap test (1,000 resamples, its fixed seed): the p-value of the difference in BLEU
     between two systems' translations of the same sentences (small: the difference is not the luck of the sample)."""
-    test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [refs], test_type="bs")
-    sacrebleu_log = logging.getLogger("sacrebleu")  # its progress lines would sit between make tune's own
-    level = sacrebleu_log.level
+    sacrebleu_log = logging.getLogger("sacrebleu")  # its progress lines (the test's constructor's too) would sit
+    level = sacrebleu_log.level  # between make tune's own
     sacrebleu_log.setLevel(logging.WARNING)
     try:
+        test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [refs], test_type="bs")
         _, results = test()
     finally:
         sacrebleu_log.setLevel(level)
