@@ -15,6 +15,7 @@ import transformer_mt.training.fit
 from conftest import load, train_in_process, write_corpus
 from transformer_mt.errors import InputError
 from transformer_mt.objective import noam_lr
+from transformer_mt.tools.plot import read_metrics
 from transformer_mt.training import update as bookkeeping
 from transformer_mt.training.budget import (
     MEASURE_FROM,
@@ -151,7 +152,7 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     checkpoints kept span the last 16% of it (budget.average_span), the last at update 49."""
     driven(lambda update: 1.0)
     corpus = write_corpus(tmp_path / "corpus")
-    args = [f"data.path={corpus}", *BUDGET, "checkpoint.every_n_train_steps=10"]
+    args = [f"data.path={corpus}", *BUDGET, "checkpoint.every_n_train_steps=10", "trainer.log_every_n_steps=1"]
     with caplog.at_level(logging.INFO):
         train_in_process(args, tmp_path, tmp_path / "run")
     fixed_at = MEASURE_FROM + MEASURE_UPDATES
@@ -164,6 +165,15 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     assert last["global_step"] == 49
     schedule = last["lr_schedulers"][0]["lr_lambdas"][0]
     assert (schedule["horizon"], schedule["fixed_at"]) == (49, fixed_at)
+    # Every update's rate is the schedule's, the one right after the fix too (it was the provisional warmup's once:
+    # a CI run failed when the fix fell on a logged update)
+    logged = read_metrics(tmp_path / "run")["lr-Adam"]
+    wrong = [
+        (n, rate, BudgetSchedule(**schedule)(n))
+        for n, rate in logged
+        if rate != pytest.approx(BudgetSchedule(**schedule)(n))
+    ]
+    assert len(logged) == 49 and not wrong, wrong
     rate = last["optimizer_states"][0]["param_groups"][0]["lr"]  # what update 50 would use: past the horizon, 0
     assert rate == pytest.approx(0.0, abs=1e-12) and last["totals"]["train_seconds"] == 49.0
     steps = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))

@@ -30,6 +30,7 @@ import lightning as L
 from transformer_mt.errors import InputError
 from transformer_mt.objective import budget_lr
 from transformer_mt.runtime import duration
+from transformer_mt.training import update as bookkeeping
 from transformer_mt.training.saving import stop_after_this_update
 from transformer_mt.training.update import Update
 
@@ -181,6 +182,7 @@ class TimeBudget(L.Callback):
         self.schedule.fix(update.step, end)
         self.fixed = (update.step, update.clock)
         self.apply(trainer)
+        self.log_next_rate(trainer)
         if trainer.is_global_zero:
             tokens = update.tokens / max(update.seconds, 1e-9)
             limit = " (trainer.max_steps)" if end == self.ceiling else ""
@@ -202,6 +204,7 @@ class TimeBudget(L.Callback):
             update.step, horizon(update.step, update.clock, rate, self.seconds, self.margin, self.ceiling)
         )
         self.apply(trainer)
+        self.log_next_rate(trainer)
         end = self.schedule.horizon
         if trainer.is_global_zero and end != planned:
             log.info(
@@ -213,13 +216,25 @@ class TimeBudget(L.Callback):
 
     def apply(self, trainer: L.Trainer) -> None:
         """The horizon becomes the loop's max_steps (progress, ETA and the final last.ckpt follow it); the update
-        checkpoints come every `every` updates, the last keep_last of them ending at the horizon."""
+        checkpoints come every `every` updates, the last keep_last of them ending at the horizon; the next update's
+        rate is the schedule's as now fixed (the scheduler stepped before this update's end, by the old one)."""
         end = self.schedule.horizon
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
+                group["lr"] = base * self.schedule(scheduler.last_epoch)
         trainer.fit_loop.epoch_loop.max_steps = end
         self.every = max(1, round(self.average_span * end / max(self.keep_last, 1)))
         for callback in trainer.checkpoint_callbacks:
             if hasattr(callback, "align"):
                 callback.align(self.every, end)
+
+    @staticmethod
+    def log_next_rate(trainer: L.Trainer) -> None:
+        """This update's logged rate of the next one was the old schedule's (logged as the update ended, before
+        this hook): logged again, as applied (a logger keeps the later value of a step)."""
+        if bookkeeping.logs_this_update(trainer):
+            bookkeeping.log_metrics(trainer, bookkeeping.next_rate(trainer))
 
     def remaining(self) -> float:
         return max(self.seconds - self.clock, 0.0)

@@ -168,15 +168,10 @@ class UpdateBookkeeping(L.Callback):
                 "(use trainer.precision=bf16-mixed or 32-true), or corrupt data. The weights were not updated; "
                 "the checkpoints written so far are finite"
             )
-        if trainer.log_every_n_steps and trainer.global_step % trainer.log_every_n_steps == 0:
-            optimizer = trainer.optimizers[0]
+        if logs_this_update(trainer):
             metrics = {"train/loss": update.loss, "train/nll": update.nll, "train/grad_norm": norm}
             metrics["train/ppl"] = math.exp(min(update.nll, 700.0))
-            # the rate of the next update, as Lightning's LearningRateMonitor names it (which would also put it
-            # in callback_metrics as device tensors built from Python floats: a wait each)
-            metrics[f"lr-{type(optimizer).__name__}"] = optimizer.param_groups[0]["lr"]
-            for logger in trainer.loggers:  # host numbers: Lightning's self.log would build device tensors
-                logger.log_metrics(metrics, step=trainer.global_step - 1)  # Lightning's step: updates before it
+            log_metrics(trainer, {**metrics, **next_rate(trainer)})
         return update
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -219,3 +214,22 @@ def gradient_norm(parameters, sharded: bool) -> Tensor:
         torch.distributed.all_reduce(squares)
         return squares.sqrt()
     return norm.float()
+
+
+def logs_this_update(trainer: L.Trainer) -> bool:
+    """Whether the update that just ended is one whose metrics are logged (trainer.log_every_n_steps)."""
+    return bool(trainer.log_every_n_steps) and trainer.global_step % trainer.log_every_n_steps == 0
+
+
+def next_rate(trainer: L.Trainer) -> dict[str, float]:
+    """The rate of the next update, as Lightning's LearningRateMonitor names it (which would also put it in
+    callback_metrics as device tensors built from Python floats: a wait each)."""
+    optimizer = trainer.optimizers[0]
+    return {f"lr-{type(optimizer).__name__}": optimizer.param_groups[0]["lr"]}
+
+
+def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Host numbers to every logger at the update that just ended (Lightning's step: the updates before it);
+    Lightning's self.log would build device tensors."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step - 1)
