@@ -69,17 +69,17 @@ def greedy(
     for t in range(width):
         logits = model.decode_step(prev, state)
         logits[:, PAD_ID] = -torch.inf  # padding is never an output
-        prev = torch.where(ended, PAD_ID, torch.where(t >= limits[alive], EOS_ID, logits.argmax(-1)))
+        prev = torch.where(t >= limits[alive], EOS_ID, logits.argmax(-1))
+        if model.constant_shapes:  # a sentence that ended stays, fed PAD; its outputs are not kept
+            prev = torch.where(ended, PAD_ID, prev)
         tokens[alive, t] = prev
-        done = prev.eq(EOS_ID) | ended
+        done = ended = prev.eq(EOS_ID) | ended if model.constant_shapes else prev.eq(EOS_ID)
         stopped = int(done.sum())  # the step's one wait for the device
         if stopped == alive.size(0):
             break
-        if model.constant_shapes:
-            ended = done
-        elif stopped:
+        if stopped and not model.constant_shapes:
             keep = (~done).nonzero().squeeze(1)
-            alive, prev, ended = alive[keep], prev[keep], ended[keep]
+            alive, prev = alive[keep], prev[keep]
             state.select(keep, sentences=keep)
     return [[i for i in row if i not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
 
@@ -260,12 +260,12 @@ def beam_search(
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
         # with those kept so far, the best K kept; most steps end none. (Constant shapes: a sentence that stopped
         # is still in the batch, its finished ones kept as they were.)
-        ended = ends[:, :K] & ~alive.stopped[:, None]
+        ended = ends[:, :K] & ~alive.stopped[:, None] if model.constant_shapes else ends[:, :K]
         if ended.any():
             for i, (fin, a) in enumerate(zip(finished, alphas)):
                 scores = torch.where(ended, top_scores[:, :K] / length_penalty(t + 1, a), -torch.inf)
                 alive.floors[i] = fin.add(alive.ids, scores, history[:, :K])[:, n_best - 1]
-        done = alive.done() | alive.stopped
+        done = alive.done() | alive.stopped if model.constant_shapes else alive.done()
         stopped = int(done.sum())  # a wait for the device, as ended.any() above: two a step
         if stopped == n:
             break
