@@ -299,7 +299,7 @@ def test_a_full_disk_under_the_cache_ends_in_one_line_naming_the_folder_and_the_
         f"vocab_size=400, cache_dir={str(cache)!r})\n"
         "exit_on_user_error(dm.build)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280)  # a hang guard
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"error: data.cache_dir={cache}: the data cache cannot be written there (")

@@ -247,7 +247,7 @@ def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_p
     """runtime.die_with_parent: SIGINT and SIGTERM are the training process's to handle (the worker ignores them),
     and a training process killed by SIGKILL takes its workers with it at once, by the kernel's SIGKILL; torch's own
     workers would notice a dead parent later, by a poll, and exit by themselves (status 0), which this tells apart."""
-    proc = run_process([sys.executable, "-c", REAPER, WORKER_SCRIPT], tmp_path, timeout=120)
+    proc = run_process([sys.executable, "-c", REAPER, WORKER_SCRIPT], tmp_path)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(lines) == 4, proc.stdout + proc.stderr[-2000:]
     assert lines[:2] == ["ignored 0 None"] * 2, lines  # the stop signals ignored, none pending, the trainer alive
