@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from transformer_mt.decoding import PAPER, Decoding
+from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write, file_digest
 
@@ -137,7 +137,7 @@ class CT2Process:
             dict(
                 lines=lines,
                 beam_size=beam_size,
-                length_penalty=Decoding(beam_size, alpha, max_len_a, max_len_b).ct2_length_penalty,  # 0.45 for 0.6
+                length_penalty=PAPER.but(alpha=alpha).ct2_length_penalty,  # 0.45 for 0.6
                 max_len_a=max_len_a,
                 max_len_b=max_len_b,
                 max_source_tokens=self.info["max_source_tokens"],
