@@ -292,5 +292,7 @@ def test_decodings_projections_compute_the_models_linear_layers(trained):
         for projection, linear in ((weights.self_out, a.out_proj), (weights.cross_q, c.q_proj)):
             torch.testing.assert_close(projection(x), linear(x))
         torch.testing.assert_close(weights.cross_out(x), c.out_proj(x))
-        torch.testing.assert_close(weights.feed_forward(x), layer.ffn(x))
+        torch.testing.assert_close(weights.ffn_out(weights.ffn_in(x, relu=True)), layer.ffn(x))
+        rows, residual = x.view(-1, x.size(-1)), torch.randn(10, model.cfg.d_model)
+        torch.testing.assert_close(weights.self_out.plus(rows, residual), residual + a.out_proj(rows))
         torch.testing.assert_close(output(x), model.project(x))

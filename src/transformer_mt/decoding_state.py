@@ -14,10 +14,12 @@ Shapes as in model.py: B sentences (memory rows), beam hypotheses each, H heads,
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -56,16 +58,22 @@ class Projection(NamedTuple):
     def of_layers(cls, *layers: nn.Linear, dtype: torch.dtype, pack: bool) -> Projection:
         return cls.of([layer.weight for layer in layers], [layer.bias for layer in layers], dtype, pack)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x (..., d_in) -> (..., sum of widths)."""
+    def __call__(self, x: Tensor, relu: bool = False) -> Tensor:
+        """x (..., d_in) -> (..., sum of widths); relu: max(0, .) of it, in the same product where packed."""
         rows = x.reshape(-1, x.size(-1))
         if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-        elif self.bias is None:
-            out = rows @ self.weight
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "relu" if relu else "none", [], "")
         else:
-            out = torch.addmm(self.bias, rows, self.weight)
+            out = rows @ self.weight if self.bias is None else torch.addmm(self.bias, rows, self.weight)
+            out = torch.relu(out) if relu else out
         return out.view(*x.shape[:-1], out.size(-1))
+
+    def plus(self, x: Tensor, residual: Tensor) -> Tensor:
+        """residual + x W + b, (rows, d_in), (rows, width) -> (rows, width): a sublayer's last product and its
+        residual connection, one operation where packed."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return residual + self(x)  # (promoted as the model's residual: fp32 + a bf16 product under autocast)
 
     def parts(self, x: Tensor) -> tuple[Tensor, ...]:
         """x through the product, cut into each layer's output (q, k, v for self-attention's)."""
@@ -82,10 +90,6 @@ class LayerWeights(NamedTuple):
     cross_out: Projection
     ffn_in: Projection  # the feed-forward's W_1
     ffn_out: Projection  # and W_2
-
-    def feed_forward(self, x: Tensor) -> Tensor:
-        """§3.3's FFN(x) = max(0, x W1 + b1) W2 + b2 through these copies."""
-        return self.ffn_out(torch.relu(self.ffn_in(x)))
 
 
 def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, list[LayerWeights]]:
@@ -145,22 +149,43 @@ class LayerCache:
         written = (torch.arange(self.capacity, device=k.device) <= self.position)[None, :]  # (1, capacity)
         return *self.self_kv, written
 
+    def step(self, layer: nn.Module, x: Tensor, memory: Tensor | None, src_mask: Tensor) -> Tensor:
+        """model.DecoderLayer.forward for the newest position of every hypothesis, x (rows, d) -> (rows, d), through
+        decoding's copies: each sublayer's last product adds its residual (Projection.plus), the LayerNorms are
+        called as functions, and no module is called per step but the attention's `attend` (a step is a hundred
+        small operations, and a module call costs as much as one)."""
+        w = self.weights
+        x = sublayer(layer.self_attn_res, x, lambda h: self.self_attention(layer.self_attn, h), w.self_out)
+        x = sublayer(layer.cross_attn_res, x, lambda h: self.cross_attention(layer.cross_attn, h, memory, src_mask),
+                     w.cross_out)  # fmt: skip
+        return sublayer(layer.ffn_res, x, lambda h: w.ffn_in(h, relu=True), w.ffn_out)
+
     def self_attention(self, attention: nn.Module, h: Tensor) -> Tensor:
-        """model.MultiHeadAttention over the cache: the newest position of each hypothesis (rows, 1, d) attends to
-        every position decoded so far (no causal mask: nothing later is there)."""
-        q, k, v = map(attention.split_heads, self.weights.self_qkv.parts(h))  # one product
+        """model.MultiHeadAttention over the cache, before W_O: the newest position of each hypothesis, h (rows, d),
+        attends to every position decoded so far (no causal mask: nothing later is there) -> (rows, H dv)."""
+        rows, heads = h.size(0), attention.n_heads
+        q, k, v = (t.view(rows, heads, 1, -1) for t in self.weights.self_qkv.parts(h))  # one product
         k, v, written = self.extend(k, v)
-        return self.weights.self_out(attention.attend(q, k, v, mask=written))
+        return attention.attend(q, k, v, mask=written).view(rows, -1)
 
     def cross_attention(self, attention: nn.Module, h: Tensor, memory: Tensor | None, src_mask: Tensor) -> Tensor:
-        """Encoder-decoder attention: the memory's keys/values projected at the first step, once per sentence. The
-        hypotheses of one sentence share its memory and attend to it as one block of queries (B, beam, d): the
-        memory's keys/values are neither copied per beam nor reordered."""
+        """Encoder-decoder attention, before W_O: the memory's keys/values projected at the first step, once per
+        sentence. The hypotheses of one sentence share its memory and attend to it as one block of queries
+        (B, beam, d): the memory's keys/values are neither copied per beam nor reordered."""
         if self.memory_kv is None:  # (B, H, S, dk), (B, H, S, dv)
             self.memory_kv = tuple(map(attention.split_heads, self.weights.memory_kv.parts(memory)))
         k, v = self.memory_kv
         q = attention.split_heads(self.weights.cross_q(h.view(k.size(0), -1, h.size(-1))))
-        return self.weights.cross_out(attention.attend(q, k, v, mask=src_mask)).view_as(h)
+        return attention.attend(q, k, v, mask=src_mask).view(h.size(0), -1)
+
+
+def sublayer(residual: nn.Module, x: Tensor, inner: Callable[[Tensor], Tensor], last: Projection) -> Tensor:
+    """model.Residual around a sublayer whose last product is `last`, in eval mode (no dropout): post-norm
+    LayerNorm(x + last(inner(x))), pre-norm x + last(inner(LayerNorm(x)))."""
+    norm = residual.norm
+    if residual.pre:
+        return last.plus(inner(F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)), x)
+    return F.layer_norm(last.plus(inner(x), x), norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 @dataclass

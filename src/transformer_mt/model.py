@@ -243,25 +243,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
         # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
-        # Decoding: x is the newest position of every hypothesis (B * beam, 1, d); the cache holds the
-        # keys/values of earlier positions, extended each step, and the memory's keys/values from the first
-        # step on (decoding_state.LayerCache, which attends over them).
-        # Every projection happens here, inside this layer's forward: FSDP gathers a wrapped layer's
+        # Decoding: x is the newest position of every hypothesis (B * beam, d); the cache holds the keys/values
+        # of earlier positions, extended each step, and the memory's keys/values from the first step on, and
+        # computes this layer through decoding's copies of its weights (decoding_state.LayerCache.step).
+        # In training every projection happens here, inside this layer's forward: FSDP gathers a wrapped layer's
         # weights around its forward only (outside it they are flat shards).
-
-        def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
-            if cache is None:
-                return self.self_attn(h, self.self_attn.project_kv(h), causal=True)
-            return cache.self_attention(self.self_attn, h)  # decoding: over the cache (decoding_state.py)
-
-        def cross_attention(h: Tensor) -> Tensor:
-            if cache is None:
-                return self.cross_attn(h, self.cross_attn.project_kv(memory), mask=src_mask)
-            return cache.cross_attention(self.cross_attn, h, memory, src_mask)
-
-        x = self.self_attn_res(x, self_attention)
-        x = self.cross_attn_res(x, cross_attention)
-        return self.ffn_res(x, self.ffn if cache is None else cache.weights.feed_forward)
+        if cache is not None:
+            return cache.step(self, x, memory, src_mask)
+        x = self.self_attn_res(x, lambda h: self.self_attn(h, self.self_attn.project_kv(h), causal=True))
+        x = self.cross_attn_res(x, lambda h: self.cross_attn(h, self.cross_attn.project_kv(memory), mask=src_mask))
+        return self.ffn_res(x, self.ffn)
 
 
 class Transformer(nn.Module):
@@ -381,11 +372,11 @@ class Transformer(nn.Module):
 
         Extends `state` in place; equal to forward()'s logits at that position.
         """
-        x = self.embed(prev[:, None], start=state.start_position())  # (B * beam, 1, d)
+        x = self.embed(prev[:, None], start=state.start_position())[:, 0]  # (B * beam, d)
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
         state.advance()  # every layer holds the memory's projection now
-        return state.output(self.final_norm(x[:, 0], "decoder"))  # = project(), by decoding's copy
+        return state.output(self.final_norm(x, "decoder"))  # = project(), by decoding's copy
 
 
 def training_flops(cfg: TransformerConfig, src_lens: Sequence[int] | Tensor, tgt_lens: Sequence[int] | Tensor) -> float:
