@@ -173,9 +173,12 @@ SHARING = ("all", "decoder", "none")
 # (training_flops with the switches: test_model.py)
 
 
+@pytest.mark.parametrize("for_inference", [False, True], ids=["training", "inference"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_cached_decoding_equals_full_forward_for_every_switch(name):
-    model = variant(name)
+def test_cached_decoding_equals_full_forward_for_every_switch(name, for_inference):
+    """Both forms of decoding's weight copies: a model being trained (plain products) and one for inference (on a
+    CPU packed for oneDNN, with the residual added and the ReLU applied inside the products)."""
+    model = variant(name).requires_grad_(not for_inference)
     src, tgt = random_batch([7, 3, 5], 23, seed=1), random_batch([9, 9, 9], 23, seed=2)
     full = model(src, tgt)
     state = model.start_decoding(*model.encode(src))

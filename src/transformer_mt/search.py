@@ -92,7 +92,7 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
 def next_token_logprobs(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor | None) -> Tensor:
     """One decoding step: float32 log P(token) (n*K, V), normalised over the whole vocabulary, then PAD excluded
     (-inf) and, where `at_limit` (n*K,) is True (None: nowhere), every token but EOS."""
-    logprobs = model.decode_step(prev, state).float().log_softmax(-1)  # one pass (logsumexp and a subtraction: 4)
+    logprobs = model.decode_step(prev, state).log_softmax(-1, dtype=torch.float32)  # one pass
     logprobs[:, PAD_ID] = -torch.inf
     if at_limit is not None and at_limit.any():  # rarely: a step's mask, not a pass over every row's logits
         eos = torch.arange(logprobs.size(1), device=logprobs.device) == EOS_ID
@@ -247,24 +247,26 @@ def beam_search(
         at_limit = (t >= alive.limits).repeat_interleave(k) if t >= soonest else None  # EOS forced there
         logprobs = next_token_logprobs(model, prev, state, at_limit)  # (n*k, V)
         top_scores, beam, token = best_candidates(logprobs, alive.scores, 2 * K)  # 2K: at most K end in EOS
-        history = gather_hypotheses(alive.tokens, beam)  # (n, 2K, width)
-        history[:, :, t] = token
         ends = token.eq(EOS_ID)
-
-        # Alive: the best K candidates that did not end.
-        alive.scores, pick = torch.where(ends, -torch.inf, top_scores).topk(K, dim=1)
-        alive.tokens = gather_hypotheses(history, pick)
-        rows = (torch.arange(n, device=device)[:, None] * k + beam.gather(1, pick)).view(-1)  # (n*K,) of n*k
-        prev = alive.tokens[:, :, t].reshape(-1)
 
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
         # with those kept so far, the best K kept; most steps end none. (Constant shapes: a sentence that stopped
         # is still in the batch, its finished ones kept as they were.)
         ended = ends[:, :K] & ~alive.stopped[:, None] if model.constant_shapes else ends[:, :K]
         if ended.any():
+            history = gather_hypotheses(alive.tokens, beam[:, :K])  # (n, K, width)
+            history[:, :, t] = token[:, :K]
             for i, (fin, a) in enumerate(zip(finished, alphas)):
-                scores = torch.where(ended, top_scores[:, :K] / length_penalty(t + 1, a), -torch.inf)
-                alive.floors[i] = fin.add(alive.ids, scores, history[:, :K])[:, n_best - 1]
+                scores = top_scores[:, :K].div(length_penalty(t + 1, a)).masked_fill_(~ended, -torch.inf)
+                alive.floors[i] = fin.add(alive.ids, scores, history)[:, n_best - 1]
+
+        # Alive: the best K candidates that did not end.
+        alive.scores, pick = top_scores.masked_fill(ends, -torch.inf).topk(K, dim=1)
+        parent, prev = beam.gather(1, pick), token.gather(1, pick)  # (n, K): the hypothesis each extends, how
+        alive.tokens = gather_hypotheses(alive.tokens, parent)
+        alive.tokens[:, :, t] = prev
+        rows = (parent + torch.arange(0, n * k, k, device=device)[:, None]).view(-1)  # (n*K,) of n*k
+        prev = prev.view(-1)
         done = alive.done() | alive.stopped if model.constant_shapes else alive.done()
         stopped = int(done.sum())  # a wait for the device, as ended.any() above: two a step
         if stopped == n:
@@ -337,7 +339,8 @@ def translate_ids(
         bar.update(end - start)
         start = end
     bar.close()
-    model.train(was_training)
+    if was_training:
+        model.train()
     return results[0] if one_alpha(alpha) else results
 
 
