@@ -282,7 +282,7 @@ def test_decodings_projections_compute_the_models_linear_layers(trained):
     """decoding_weights' Projections (stacked, oneDNN-packed for a model for inference on a CPU in fp32, else a
     transposed copy) give what the model's own layers give."""
     model = trained_like_model(0).requires_grad_(trained)
-    output, layers = decoding_weights(model)
+    output, layers, encoder = decoding_weights(model)
     assert output.packed == (not trained and onednn_packs())
     x, layer, weights = torch.randn(5, 2, model.cfg.d_model), model.decoder_layers[1], layers[1]
     a, c = layer.self_attn, layer.cross_attn

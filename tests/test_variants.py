@@ -13,6 +13,7 @@ from conftest import random_batch, tiny_config
 from test_model import reference_transformer
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.configs import CONF_DIR, compose
+from transformer_mt.decoding_state import decoding_weights
 from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.training.resume import flatten
@@ -177,11 +178,15 @@ SHARING = ("all", "decoder", "none")
 @pytest.mark.parametrize("name", VARIANTS)
 def test_cached_decoding_equals_full_forward_for_every_switch(name, for_inference):
     """Both forms of decoding's weight copies: a model being trained (plain products) and one for inference (on a
-    CPU packed for oneDNN, with the residual added and the ReLU applied inside the products)."""
+    CPU packed for oneDNN, with the residual added and the ReLU applied inside the products); the sources encoded
+    through the copies, as search does."""
     model = variant(name).requires_grad_(not for_inference)
     src, tgt = random_batch([7, 3, 5], 23, seed=1), random_batch([9, 9, 9], 23, seed=2)
     full = model(src, tgt)
-    state = model.start_decoding(*model.encode(src))
+    copies = decoding_weights(model)
+    memory, src_pad = model.encode(src, copies.encoder)
+    torch.testing.assert_close(memory, model.encode(src)[0], atol=1e-5, rtol=0)
+    state = model.start_decoding(memory, src_pad, copies=copies)
     for t in range(tgt.size(1)):
         torch.testing.assert_close(model.decode_step(tgt[:, t], state), full[:, t], atol=1e-5, rtol=0)
     d_k, d_v = model.cfg.head_sizes

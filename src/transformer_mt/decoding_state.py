@@ -92,10 +92,40 @@ class LayerWeights(NamedTuple):
     ffn_out: Projection  # and W_2
 
 
-def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, list[LayerWeights]]:
-    """Decoding's copies of a Transformer's weights (Projection): the output projection and each decoder layer's
-    LayerWeights, in autocast's format where autocast is on (cast once here, not at every step: autocast keeps casts
-    of parameters only); pack=False: never oneDNN's layout (a compiled step). Only a model for inference packs.
+class EncoderWeights(NamedTuple):
+    """One encoder layer's projections, as LayerWeights: for encoding the sources of a batch to decode."""
+
+    self_qkv: Projection
+    self_out: Projection
+    ffn_in: Projection
+    ffn_out: Projection
+
+    def layer(self, layer: nn.Module, x: Tensor, src_mask: Tensor) -> Tensor:
+        """model.EncoderLayer.forward in eval mode through these copies: (B, S, d) -> (B, S, d)."""
+        B, S, d = x.shape
+        attention = layer.self_attn
+
+        def attend(h: Tensor) -> Tensor:  # (B * S, d) -> (B * S, H dv), before W_O
+            q, k, v = map(attention.split_heads, self.self_qkv.parts(h.view(B, S, d)))  # one product
+            return attention.attend(q, k, v, mask=src_mask).view(B * S, -1)
+
+        x = sublayer(layer.self_attn_res, x.reshape(B * S, d), attend, self.self_out)
+        return sublayer(layer.ffn_res, x, lambda h: self.ffn_in(h, relu=True), self.ffn_out).view(B, S, d)
+
+
+class Copies(NamedTuple):
+    """Decoding's copies of a Transformer's weights (decoding_weights)."""
+
+    output: Projection  # the output projection, (d) -> (V)
+    decoder: list[LayerWeights]
+    encoder: list[EncoderWeights]
+
+
+def decoding_weights(model: nn.Module, pack: bool = True) -> Copies:
+    """Decoding's copies of a Transformer's weights (Projection): the output projection, each decoder layer's
+    LayerWeights and each encoder layer's EncoderWeights, in autocast's format where autocast is on (cast once here,
+    not at every step: autocast keeps casts of parameters only); pack=False: never oneDNN's layout (a compiled step).
+    Only a model for inference packs.
 
     A model being trained gets them made anew for each batch (start_decoding): fused Adam, which training uses,
     updates parameters in place without bumping their version counter, and a copy kept across batches went stale
@@ -106,7 +136,7 @@ def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, l
     weight = model.output_weight
     on = torch.is_autocast_enabled(weight.device.type)
     dtype = torch.get_autocast_dtype(weight.device.type) if on else weight.dtype
-    layers = [layer_linears(layer) for layer in model.decoder_layers]  # the copies' sources, as LayerWeights' fields
+    layers = [*map(decoder_linears, model.decoder_layers), *map(encoder_linears, model.encoder_layers)]
     sources = [weight, *(t for groups in layers for group in groups for linear in group for t in linear.parameters())]
     inference = not any(t.requires_grad for t in sources)
     pack = pack and inference  # packing costs ~0.4 ms a matrix: only where the copies are kept
@@ -115,17 +145,28 @@ def decoding_weights(model: nn.Module, pack: bool = True) -> tuple[Projection, l
         return kept[1]
     with torch.no_grad():
         copies = [[Projection.of_layers(*group, dtype=dtype, pack=pack) for group in groups] for groups in layers]
-        made = Projection.of([weight], None, dtype, pack), [LayerWeights(*projections) for projections in copies]
+    n = len(model.decoder_layers)
+    made = Copies(
+        Projection.of([weight], None, dtype, pack),
+        [LayerWeights(*projections) for projections in copies[:n]],
+        [EncoderWeights(*projections) for projections in copies[n:]],
+    )
     if key is not None:
         model.__dict__["_decoding_weights"] = (key, made)
     return made
 
 
-def layer_linears(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], ...]:
+def decoder_linears(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], ...]:
     """A model.DecoderLayer's linear layers, grouped as LayerWeights stacks them."""
     a, c, f = layer.self_attn, layer.cross_attn, layer.ffn
     self_attention = (a.q_proj, a.k_proj, a.v_proj), (a.out_proj,)
     return *self_attention, (c.q_proj,), (c.k_proj, c.v_proj), (c.out_proj,), (f.w1,), (f.w2,)
+
+
+def encoder_linears(layer: nn.Module) -> tuple[tuple[nn.Linear, ...], ...]:
+    """A model.EncoderLayer's, grouped as EncoderWeights stacks them."""
+    a, f = layer.self_attn, layer.ffn
+    return (a.q_proj, a.k_proj, a.v_proj), (a.out_proj,), (f.w1,), (f.w2,)
 
 
 @dataclass

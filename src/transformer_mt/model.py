@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.attention_recording import explicit_attention
-from transformer_mt.decoding_state import DecoderState, LayerCache, decoding_weights
+from transformer_mt.decoding_state import Copies, DecoderState, EncoderWeights, LayerCache, decoding_weights
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
 FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
@@ -224,7 +224,9 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.ffn_res = Residual(cfg)
 
-    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, src_mask: Tensor, weights: EncoderWeights | None = None) -> Tensor:
+        if weights is not None:  # encoding sources to decode: through decoding's copies (decoding_state.py)
+            return weights.layer(self, x, src_mask)
         x = self.self_attn_res(x, lambda h: self.self_attn(h, self.self_attn.project_kv(h), mask=src_mask))
         return self.ffn_res(x, self.ffn)
 
@@ -309,13 +311,14 @@ class Transformer(nn.Module):
             for tokens in {id(e): e.tokens for e in (self.embed, self.encoder_embed)}.values():
                 tokens.weight[self.cfg.pad_id].zero_()
 
-    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S)."""
+    def encode(self, src: Tensor, copies: list[EncoderWeights] | None = None) -> tuple[Tensor, Tensor]:
+        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S). copies: decoding's copies of the
+        encoder's weights (decoding_weights), in eval mode: search encodes through them."""
         src_pad = src.eq(self.cfg.pad_id)
         src_mask = key_mask(src_pad)
         x = self.encoder_embed(src, side="source")
-        for layer in self.encoder_layers:
-            x = layer(x, src_mask)
+        for i, layer in enumerate(self.encoder_layers):
+            x = layer(x, src_mask, None if copies is None else copies[i])
         return self.final_norm(x, "encoder"), src_pad
 
     def final_norm(self, x: Tensor, stack: str) -> Tensor:
@@ -338,12 +341,14 @@ class Transformer(nn.Module):
         """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
         return self.project(self.features(src, tgt_in))
 
-    def start_decoding(self, memory: Tensor, src_pad: Tensor, capacity: int | None = None) -> DecoderState:
+    def start_decoding(
+        self, memory: Tensor, src_pad: Tensor, capacity: int | None = None, copies: Copies | None = None
+    ) -> DecoderState:
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
         step, once per sentence (shared by its beam hypotheses), and keeps them. capacity: constant shapes,
-        a cache of that many positions (decoding_state.py)."""
-        output, layers = decoding_weights(self, pack=not self.compiled_decoding)  # a compiled step: plain copies
-        return DecoderState.start(key_mask(src_pad), memory, layers, output, capacity)
+        a cache of that many positions (decoding_state.py). copies: decoding_weights(self) where the caller has them."""
+        copies = copies or decoding_weights(self, pack=not self.compiled_decoding)  # a compiled step: plain copies
+        return DecoderState.start(key_mask(src_pad), memory, copies.decoder, copies.output, capacity)
 
     def compile_decoding(self, static: bool = False) -> Transformer:
         """encode and decode_step through torch.compile, for this instance; its parameters and state_dict stay as

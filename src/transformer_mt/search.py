@@ -12,7 +12,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from transformer_mt.decoding import PAPER
-from transformer_mt.decoding_state import DecoderState
+from transformer_mt.decoding_state import DecoderState, decoding_weights
 from transformer_mt.errors import InputError
 from transformer_mt.model import Transformer
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -48,11 +48,12 @@ CAPACITY_STEP = 64  # constant shapes: a cache holds a multiple of this many pos
 def start_decoding(model: Transformer, src: Tensor, max_len_a: float, max_len_b: int) -> tuple:
     """The encoder's pass and the decoder's state for a batch: (state, each sentence's length limit, the width of
     the longest output with its EOS). With model.constant_shapes the cache holds that width, rounded up."""
-    memory, src_pad = model.encode(src)
+    copies = decoding_weights(model, pack=not model.compiled_decoding)  # a compiled encode takes no copies
+    memory, src_pad = model.encode(src, None if model.compiled_decoding else copies.encoder)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1
     capacity = -(-width // CAPACITY_STEP) * CAPACITY_STEP if model.constant_shapes else None
-    return model.start_decoding(memory, src_pad, capacity), limits, width
+    return model.start_decoding(memory, src_pad, capacity, copies), limits, width
 
 
 @torch.inference_mode()
@@ -193,6 +194,12 @@ class Searching:
             done &= floor >= best / ceiling
         return done
 
+    def continued(self, parent: Tensor, token: Tensor, t: int) -> Tensor:
+        """The tokens (n, k', width) of the live hypotheses `parent` (n, k') continued by `token` (n, k') at t."""
+        tokens = gather_hypotheses(self.tokens, parent)
+        tokens[:, :, t] = token
+        return tokens
+
     def keep(self, index: Tensor) -> None:
         """Only the sentences `index` (n',) go on searching, in that order."""
         self.ids, self.limits, self.scores, self.tokens, self.stopped = (
@@ -254,8 +261,7 @@ def beam_search(
         # is still in the batch, its finished ones kept as they were.)
         ended = ends[:, :K] & ~alive.stopped[:, None] if model.constant_shapes else ends[:, :K]
         if ended.any():
-            history = gather_hypotheses(alive.tokens, beam[:, :K])  # (n, K, width)
-            history[:, :, t] = token[:, :K]
+            history = alive.continued(beam[:, :K], token[:, :K], t)  # (n, K, width)
             for i, (fin, a) in enumerate(zip(finished, alphas)):
                 scores = top_scores[:, :K].div(length_penalty(t + 1, a)).masked_fill_(~ended, -torch.inf)
                 alive.floors[i] = fin.add(alive.ids, scores, history)[:, n_best - 1]
@@ -263,8 +269,7 @@ def beam_search(
         # Alive: the best K candidates that did not end.
         alive.scores, pick = top_scores.masked_fill(ends, -torch.inf).topk(K, dim=1)
         parent, prev = beam.gather(1, pick), token.gather(1, pick)  # (n, K): the hypothesis each extends, how
-        alive.tokens = gather_hypotheses(alive.tokens, parent)
-        alive.tokens[:, :, t] = prev
+        alive.tokens = alive.continued(parent, prev, t)
         rows = (parent + torch.arange(0, n * k, k, device=device)[:, None]).view(-1)  # (n*K,) of n*k
         prev = prev.view(-1)
         done = alive.done() | alive.stopped if model.constant_shapes else alive.done()
