@@ -21,7 +21,7 @@ from conftest import ROOT, synthetic_corpus, write_corpus
 from data_helpers import TEXT_FILES, text_datamodule
 from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.errors import InputError
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, FEW_TEXTS, PAD_ID, UNK_ID, Tokenizer
 
 # ---------------------------------------------------------------- bad input
 
@@ -71,6 +71,11 @@ def test_shared_tokenizer_special_ids_byte_fallback_and_cache(tmp_path):
     # decode() stops at EOS and drops BOS/PAD (what search output carries).
     ids = tok.encode(["the cat ."])[0]
     assert tok.decode([[BOS_ID, *ids, EOS_ID, *ids, PAD_ID]]) == ["the cat ."]
+    # Few texts go one by one (FEW_TEXTS), many as SentencePiece's batch: the same ids and texts either way.
+    lines = [f"the cat {i} sat ." for i in range(FEW_TEXTS + 5)]
+    many = tok.encode(lines)
+    assert tok.encode(lines[:3]) == many[:3] == [tok.sp.encode(line) for line in lines[:3]]
+    assert tok.decode(many) == lines and tok.decode(many[:3]) == lines[:3]
     # Trained once: a second module with the same inputs reuses the file untouched.
     mtime = tok.path.stat().st_mtime_ns
     again = text_datamodule(tmp_path)
