@@ -235,6 +235,16 @@ def test_the_compiled_step_compiles_a_handful_of_graphs_not_one_per_length_bucke
     assert one_and_greedy <= graphs[-1] + 8 and counters["stats"]["unique_graphs"] == one_and_greedy, one_and_greedy
 
 
+def test_decoding_a_model_in_training_mode_is_refused():
+    """Decoding's layer steps apply no dropout: a model left in training mode would decode with the embedding's
+    dropout alone, neither the model's training nor its eval behaviour."""
+    model = trained_like_model(0).train()
+    for decode in (greedy, beam_search):
+        with pytest.raises(ValueError, match=r"eval mode: call model.eval\(\) first"):
+            decode(model, source_batch(SOURCES))
+    assert translate_ids(model, SOURCES, beam_size=2) and model.training  # translate_ids switches to eval and back
+
+
 @pytest.mark.parametrize("trained", [True, False], ids=["training", "inference"])
 def test_decoding_follows_the_weights_when_they_change_in_place(trained):
     """Decoding multiplies by copies of the weights (decoding_state.decoding_weights): made for each batch while the

@@ -13,7 +13,7 @@ from conftest import random_batch, tiny_config
 from test_model import reference_transformer
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.configs import CONF_DIR, compose
-from transformer_mt.decoding_state import decoding_weights
+from transformer_mt.decoding_state import decoding_weights, onednn_packs
 from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.training.resume import flatten
@@ -184,6 +184,7 @@ def test_cached_decoding_equals_full_forward_for_every_switch(name, for_inferenc
     src, tgt = random_batch([7, 3, 5], 23, seed=1), random_batch([9, 9, 9], 23, seed=2)
     full = model(src, tgt)
     copies = decoding_weights(model)
+    assert copies.encoder[0].ffn_out.packed == copies.decoder[0].ffn_out.packed == (for_inference and onednn_packs())
     memory, src_pad = model.encode(src, copies.encoder)
     torch.testing.assert_close(memory, model.encode(src)[0], atol=1e-5, rtol=0)
     state = model.start_decoding(memory, src_pad, copies=copies)
@@ -192,6 +193,26 @@ def test_cached_decoding_equals_full_forward_for_every_switch(name, for_inferenc
     d_k, d_v = model.cfg.head_sizes
     keys, values = state.layers[0].self_kv
     assert keys.shape[-1] == d_k and values.shape[-1] == d_v
+
+
+@pytest.mark.parametrize("name", ["pre-norm", "all"])
+def test_cached_decoding_under_cpu_bf16_autocast_follows_the_full_forward(name):
+    """Training's validation on a CPU decodes under bf16 autocast: the copies are cast to bf16 once, the residual
+    stream and the LayerNorms stay fp32 as in the modules; logits within bf16's rounding of the full forward's."""
+    model = variant(name)
+    src, tgt = random_batch([7, 3, 5], 23, seed=1), random_batch([9, 9, 9], 23, seed=2)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(src, tgt)
+        copies = decoding_weights(model)
+        assert copies.encoder[0].self_qkv.weight.dtype == torch.bfloat16 and not copies.output.packed
+        memory, src_pad = model.encode(src, copies.encoder)
+        assert memory.dtype == torch.float32  # as the modules' LayerNorm leaves it
+        torch.testing.assert_close(memory, model.encode(src)[0], atol=0.05, rtol=0)
+        state = model.start_decoding(memory, src_pad, copies=copies)
+        for t in range(tgt.size(1)):
+            step = model.decode_step(tgt[:, t], state)
+            assert step.dtype == full.dtype
+            torch.testing.assert_close(step.float(), full[:, t].float(), atol=0.1, rtol=0.02)
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -1,6 +1,8 @@
-"""The incremental-decoding cache of model.Transformer (start_decoding -> decode_step): each decoder layer's
-keys/values, extended at every step and reordered as beam search moves its hypotheses, and the layer's cached
-attention itself (LayerCache.self_attention, cross_attention).
+"""Decoding for model.Transformer (start_decoding -> decode_step): copies of its weights laid out for decoding's few
+rows (Projection, decoding_weights), each decoder layer's step through them (LayerCache.step: the layer's
+keys/values, extended at every step and reordered as beam search moves its hypotheses, and its attention over
+them), and the encoder's layers through them for the sources of a batch (EncoderWeights). Decoding runs in eval
+mode (search.start_decoding checks): no dropout here.
 
 Two forms. By default the cache grows by a position each step and finished sentences leave the batch (search.py):
 the least work, on a CPU the fastest. With constant shapes (DecoderState.capacity: Transformer.constant_shapes,
@@ -95,10 +97,10 @@ class LayerWeights(NamedTuple):
 class EncoderWeights(NamedTuple):
     """One encoder layer's projections, as LayerWeights: for encoding the sources of a batch to decode."""
 
-    self_qkv: Projection
-    self_out: Projection
-    ffn_in: Projection
-    ffn_out: Projection
+    self_qkv: Projection  # self-attention's W_q, W_k, W_v: one product
+    self_out: Projection  # its W_O
+    ffn_in: Projection  # the feed-forward's W_1
+    ffn_out: Projection  # and W_2
 
     def layer(self, layer: nn.Module, x: Tensor, src_mask: Tensor) -> Tensor:
         """model.EncoderLayer.forward in eval mode through these copies: (B, S, d) -> (B, S, d)."""
@@ -118,14 +120,14 @@ class Copies(NamedTuple):
 
     output: Projection  # the output projection, (d) -> (V)
     decoder: list[LayerWeights]
-    encoder: list[EncoderWeights]
+    encoder: list[EncoderWeights]  # empty where made without (decoding_weights' encoder=False)
 
 
-def decoding_weights(model: nn.Module, pack: bool = True) -> Copies:
+def decoding_weights(model: nn.Module, pack: bool = True, encoder: bool = True) -> Copies:
     """Decoding's copies of a Transformer's weights (Projection): the output projection, each decoder layer's
     LayerWeights and each encoder layer's EncoderWeights, in autocast's format where autocast is on (cast once here,
-    not at every step: autocast keeps casts of parameters only); pack=False: never oneDNN's layout (a compiled step).
-    Only a model for inference packs.
+    not at every step: autocast keeps casts of parameters only); pack=False: never oneDNN's layout (a compiled step);
+    encoder=False: no encoder copies (a compiled encode takes none). Only a model for inference packs.
 
     A model being trained gets them made anew for each batch (start_decoding): fused Adam, which training uses,
     updates parameters in place without bumping their version counter, and a copy kept across batches went stale
@@ -136,11 +138,12 @@ def decoding_weights(model: nn.Module, pack: bool = True) -> Copies:
     weight = model.output_weight
     on = torch.is_autocast_enabled(weight.device.type)
     dtype = torch.get_autocast_dtype(weight.device.type) if on else weight.dtype
-    layers = [*map(decoder_linears, model.decoder_layers), *map(encoder_linears, model.encoder_layers)]
+    encoding = model.encoder_layers if encoder else []
+    layers = [*map(decoder_linears, model.decoder_layers), *map(encoder_linears, encoding)]
     sources = [weight, *(t for groups in layers for group in groups for linear in group for t in linear.parameters())]
     inference = not any(t.requires_grad for t in sources)
     pack = pack and inference  # packing costs ~0.4 ms a matrix: only where the copies are kept
-    key = (dtype, pack, *((t.data_ptr(), t._version) for t in sources)) if inference else None
+    key = (dtype, pack, encoder, *((t.data_ptr(), t._version) for t in sources)) if inference else None
     if key is not None and (kept := model.__dict__.get("_decoding_weights")) and kept[0] == key:
         return kept[1]
     with torch.no_grad():
@@ -225,7 +228,8 @@ class LayerCache:
 
 
 def sublayer(residual: nn.Module, x: Tensor, inner: Callable[[Tensor], Tensor], last: Projection) -> Tensor:
-    """model.Residual around a sublayer whose last product is `last`, in eval mode (no dropout): post-norm
+    """model.Residual (its LayerNorm and norm switch) around a sublayer whose last product is `last`, in eval mode
+    (no dropout): post-norm
     LayerNorm(x + last(inner(x))), pre-norm x + last(inner(LayerNorm(x)))."""
     norm = residual.norm
     if residual.pre:

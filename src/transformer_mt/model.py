@@ -1,8 +1,9 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in plain PyTorch.
 
 Read top to bottom: positions -> embeddings -> attention -> feed-forward -> layers ->
-encoder/decoder -> the model. Section numbers (§) refer to the paper. Beside it: decoding_state.py (the
-incremental-decoding cache) and attention_recording.py (attention weights made visible, record_attention).
+encoder/decoder -> the model. Section numbers (§) refer to the paper. Beside it: decoding_state.py (decoding's
+weight copies, the layers' steps through them, the incremental-decoding cache) and attention_recording.py (attention
+weights made visible, record_attention).
 
 Shapes: B batch, S source length, T target length, d d_model, H heads, dk / dv the query-key / value
 size per head (d / H by default, §3.2.2), V vocab.
@@ -200,7 +201,8 @@ class FeedForward(nn.Module):
 
 class Residual(nn.Module):
     """§3.1 and §5.4, post-norm: LayerNorm(x + Dropout(Sublayer(x))).
-    norm="pre": x + Dropout(Sublayer(LayerNorm(x))), the residual stream itself never normalised."""
+    norm="pre": x + Dropout(Sublayer(LayerNorm(x))), the residual stream itself never normalised.
+    (Decoding computes the same in eval mode through its weight copies: decoding_state.sublayer.)"""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -311,14 +313,14 @@ class Transformer(nn.Module):
             for tokens in {id(e): e.tokens for e in (self.embed, self.encoder_embed)}.values():
                 tokens.weight[self.cfg.pad_id].zero_()
 
-    def encode(self, src: Tensor, copies: list[EncoderWeights] | None = None) -> tuple[Tensor, Tensor]:
-        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S). copies: decoding's copies of the
-        encoder's weights (decoding_weights), in eval mode: search encodes through them."""
+    def encode(self, src: Tensor, weights: list[EncoderWeights] | None = None) -> tuple[Tensor, Tensor]:
+        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S). weights: decoding's copies of the
+        encoder's layers (decoding_weights(...).encoder), in eval mode: search encodes through them."""
         src_pad = src.eq(self.cfg.pad_id)
         src_mask = key_mask(src_pad)
         x = self.encoder_embed(src, side="source")
         for i, layer in enumerate(self.encoder_layers):
-            x = layer(x, src_mask, None if copies is None else copies[i])
+            x = layer(x, src_mask, None if weights is None else weights[i])
         return self.final_norm(x, "encoder"), src_pad
 
     def final_norm(self, x: Tensor, stack: str) -> Tensor:
@@ -347,7 +349,8 @@ class Transformer(nn.Module):
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
         step, once per sentence (shared by its beam hypotheses), and keeps them. capacity: constant shapes,
         a cache of that many positions (decoding_state.py). copies: decoding_weights(self) where the caller has them."""
-        copies = copies or decoding_weights(self, pack=not self.compiled_decoding)  # a compiled step: plain copies
+        if copies is None:  # a compiled step: plain copies, and none of the encoder (its encode takes none)
+            copies = decoding_weights(self, pack=not self.compiled_decoding, encoder=not self.compiled_decoding)
         return DecoderState.start(key_mask(src_pad), memory, copies.decoder, copies.output, capacity)
 
     def compile_decoding(self, static: bool = False) -> Transformer:

@@ -48,8 +48,11 @@ CAPACITY_STEP = 64  # constant shapes: a cache holds a multiple of this many pos
 def start_decoding(model: Transformer, src: Tensor, max_len_a: float, max_len_b: int) -> tuple:
     """The encoder's pass and the decoder's state for a batch: (state, each sentence's length limit, the width of
     the longest output with its EOS). With model.constant_shapes the cache holds that width, rounded up."""
-    copies = decoding_weights(model, pack=not model.compiled_decoding)  # a compiled encode takes no copies
-    memory, src_pad = model.encode(src, None if model.compiled_decoding else copies.encoder)
+    if model.training:  # the layers' steps through decoding's copies apply no dropout (decoding_state.py)
+        raise ValueError("decoding runs in eval mode: call model.eval() first (translate_ids does)")
+    eager = not model.compiled_decoding  # a compiled step multiplies by plain copies; a compiled encode takes none
+    copies = decoding_weights(model, pack=eager, encoder=eager)
+    memory, src_pad = model.encode(src, copies.encoder if eager else None)
     limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
     width = int(limits.max()) + 1
     capacity = -(-width // CAPACITY_STEP) * CAPACITY_STEP if model.constant_shapes else None
