@@ -140,7 +140,8 @@ def decoding_weights(model: nn.Module, pack: bool = True, encoder: bool = True) 
     dtype = torch.get_autocast_dtype(weight.device.type) if on else weight.dtype
     encoding = model.encoder_layers if encoder else []
     layers = [*map(decoder_linears, model.decoder_layers), *map(encoder_linears, encoding)]
-    sources = [weight, *(t for groups in layers for group in groups for linear in group for t in linear.parameters())]
+    sources = [weight, *(t for groups in layers for group in groups for lin in group for t in (lin.weight, lin.bias))]
+    sources = [t for t in sources if t is not None]  # (a layer without bias)
     inference = not any(t.requires_grad for t in sources)
     pack = pack and inference  # packing costs ~0.4 ms a matrix: only where the copies are kept
     key = (dtype, pack, encoder, *((t.data_ptr(), t._version) for t in sources)) if inference else None

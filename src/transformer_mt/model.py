@@ -117,12 +117,9 @@ class Embedding(nn.Module):
         self.scale = math.sqrt(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: Tensor, start: int | Tensor = 0, side: str = "target") -> Tensor:
-        # ids: (B, L) -> (B, L, d); `start` is the position of ids[:, 0] (incremental decoding; with constant
-        # shapes a (1,) tensor, L = 1, which search.py keeps below max_positions)
+    def forward(self, ids: Tensor, start: int = 0, side: str = "target") -> Tensor:
+        # ids: (B, L) -> (B, L, d); `start` is the position of ids[:, 0]
         table = self.positions[side] if self.learned else self.positions
-        if isinstance(start, Tensor):
-            return self.dropout(self.tokens(ids) * self.scale + table.index_select(0, start))
         end = start + ids.size(1)
         if end > self.max_positions:
             raise ValueError(
@@ -131,6 +128,13 @@ class Embedding(nn.Module):
             )
         x = self.tokens(ids) * self.scale + table[start:end]
         return self.dropout(x)
+
+    def step(self, ids: Tensor, position: int | Tensor) -> Tensor:
+        """forward() for decoding (eval mode, no module calls): ids (R,) of the target at `position` (an int, or with
+        constant shapes a (1,) tensor) -> (R, d)."""
+        table = self.positions["target"] if self.learned else self.positions
+        at = table.index_select(0, position) if isinstance(position, Tensor) else table[position]
+        return F.embedding(ids, self.tokens.weight) * self.scale + at
 
 
 def key_mask(src_pad: Tensor) -> Tensor:
@@ -380,7 +384,7 @@ class Transformer(nn.Module):
 
         Extends `state` in place; equal to forward()'s logits at that position.
         """
-        x = self.embed(prev[:, None], start=state.start_position())[:, 0]  # (B * beam, d)
+        x = self.embed.step(prev, state.start_position())  # (B * beam, d)
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
         state.advance()  # every layer holds the memory's projection now
