@@ -395,7 +395,8 @@ def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path)
     assert sum(line.startswith("ours") for line in exports.splitlines()) == 3
     for name in ("transformer_mt", "transformers Marian", "torch.nn.Transformer"):
         assert sum(line[:24].rstrip() == name for line in training.splitlines()) == 1, training
-    for name in ("transformer_mt", "engine=ct2", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
+    our_rows = ("transformer_mt", "transformer_mt lookahead")
+    for name in (*our_rows, "engine=ct2", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
         rows = [line.split() for line in decoding.splitlines() if line[:24].rstrip() == name]
         assert len(rows) == 2, decoding  # beam 4 and greedy
     assert "compiled" not in training + decoding  # --no-compile: no torch.compile row, in training or decoding

@@ -36,6 +36,7 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
+from transformer_mt.evaluation.engines import CT2Process
 from transformer_mt.evaluation.grid import search_grid, table_row
 from transformer_mt.evaluation.tuned import read_tuned, save_tuned, tuned_path
 from transformer_mt.files import file_digest
@@ -221,6 +222,11 @@ def test_evaluate_files_and_data_test_split(trained_run, tmp_path, capsys):
     assert "sacreBLEU" in stdout and "NOT comparable" in stdout and result["decoding"]["beam_size"] == 4
     # Without files: the test split of the data config stored in the checkpoint.
     assert evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "split"))["bleu"] == result["bleu"]
+    # A stop sooner than the paper's is said beside the scores (50 more tokens: as far as the limit, the same result)
+    sooner = evaluate(hydra_task("evaluate", [*files, "lookahead=50"], tmp_path / "lookahead"))
+    assert sooner["lookahead"] == 50 and sooner["bleu"] == result["bleu"] and "lookahead 50" in capsys.readouterr().out
+    with pytest.raises(InputError, match="lookahead needs engine=torch"):
+        CT2Process.translate_lines(None, ["a line"], lookahead=2)  # refused before any process is asked
 
 
 @pytest.mark.slow

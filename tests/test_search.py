@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_config
 from transformer_mt.decoding_state import decoding_weights, onednn_packs
+from transformer_mt.errors import InputError
 from transformer_mt.model import Transformer
 from transformer_mt.search import beam_search, greedy, length_penalty, source_batch, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -33,13 +34,16 @@ def sequence_logprob(model: Transformer, src_row: torch.Tensor, tokens: list[int
     return logp.gather(-1, tgt_out[..., None]).sum().item()
 
 
-def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: float, max_len_b: int, n_best: int):
+def reference_beam_search(
+    model: Transformer, source: list[int], K: int, alpha: float, max_len_b: int, n_best: int, lookahead=None
+):
     """§6.1 beam search for one sentence, written plainly: Python lists and a full forward pass
     (no cache, no batching) for each live hypothesis at each step. Rules as documented in
     search.beam_search: each step ranks every (hypothesis, token) continuation; among the best 2K,
     those ending in EOS within the first K finish (score = log P / GNMT penalty), the best K others
     live on; EOS is forced at the maximum length; the search stops when the n_best-th finished
-    hypothesis beats the best any live one could reach, log P / penalty(maximum length + 1)."""
+    hypothesis beats the best any live one could reach, log P / penalty(maximum length + 1); with a lookahead N,
+    log P / penalty(its length + 1 + N) where that is shorter."""
     src = source_batch([source])
     limit = len(source) + max_len_b
     alive, finished = [([], 0.0)], []  # (tokens, log P); (tokens, normalised score)
@@ -57,7 +61,8 @@ def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: 
                 finished.append((tokens[:-1], logp / length_penalty(len(tokens), alpha).item()))
         finished = sorted(finished, key=lambda f: -f[1])[:K]
         alive = [(tokens, logp) for tokens, logp in top if tokens[-1] != EOS_ID][:K]
-        bound = alive[0][1] / length_penalty(limit + 1, alpha).item() if alive else -float("inf")
+        longest = limit + 1 if lookahead is None or not alive else min(limit + 1, len(alive[0][0]) + 1 + lookahead)
+        bound = alive[0][1] / length_penalty(longest, alpha).item() if alive else -float("inf")
         if len(finished) >= n_best and finished[n_best - 1][1] >= bound:
             break
     return finished[:n_best]
@@ -75,6 +80,32 @@ def test_batched_cached_beam_search_equals_a_plain_reference(seed, beam, alpha):
             assert [tokens for tokens, _ in nbest[row]] == [tokens for tokens, _ in expected]
             assert [score for _, score in nbest[row]] == pytest.approx([score for _, score in expected], abs=1e-4)
             assert best[row] == expected[0][0]
+
+
+LOOKAHEADS = [(0, 4, 0.6, 0), (1, 4, 1.0, 0), (0, 3, 1.0, 1), (2, 2, 0.6, 2)]  # seeds where it stops sooner
+
+
+@pytest.mark.parametrize("seed, beam, alpha, lookahead", LOOKAHEADS)
+def test_a_lookahead_stops_as_the_plain_reference_does_with_it_and_sooner_than_the_exact(seed, beam, alpha, lookahead):
+    """lookahead=N: a sentence stops once no live hypothesis could win by ending within N + 1 more tokens; the same
+    n-best as the plain search with that rule, for fewer hypotheses decoded than with the exact stop."""
+    model, src = trained_like_model(seed), source_batch(SOURCES)
+    step, rows = model.decode_step, []
+    model.decode_step = lambda prev, state: rows.append(prev.size(0)) or step(prev, state)  # hypotheses decoded
+    for n_best in (1, beam):
+        rows.clear()
+        beam_search(model, src, beam_size=beam, alpha=alpha, max_len_b=30, n_best=n_best)
+        exact = sum(rows)
+        rows.clear()
+        best, nbest = beam_search(model, src, beam, alpha, max_len_b=30, n_best=n_best, lookahead=lookahead)
+        assert sum(rows) < exact if n_best == 1 else sum(rows) <= exact  # (the whole beam: often only at the limit)
+        for row, source in enumerate(SOURCES):
+            expected = reference_beam_search(model, source, beam, alpha, 30, n_best, lookahead)
+            assert [tokens for tokens, _ in nbest[row]] == [tokens for tokens, _ in expected]
+            assert [score for _, score in nbest[row]] == pytest.approx([score for _, score in expected], abs=1e-4)
+            assert best[row] == expected[0][0]
+    with pytest.raises(InputError, match=r"lookahead=-1: a whole number of tokens, at least 0"):
+        beam_search(model, src, lookahead=-1)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -69,7 +69,8 @@ def evaluate(cfg: DictConfig) -> dict:
         data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
-        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding.settings())
+        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, lookahead=cfg.lookahead)
+        options |= decoding.settings()
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     result = {
@@ -78,6 +79,8 @@ def evaluate(cfg: DictConfig) -> dict:
         "decoding": decoding.settings(),
         "engine": engine_name(cfg),
     }
+    if cfg.lookahead is not None:  # a stop sooner than the paper's: said beside the scores
+        result["lookahead"] = cfg.lookahead
     result |= scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
@@ -85,7 +88,8 @@ def evaluate(cfg: DictConfig) -> dict:
     if cfg.n_best:
         (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(outputs)), outputs)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    print(f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}")
+    settings = decoding.text() + ("" if cfg.lookahead is None else f", lookahead {cfg.lookahead} (not §6.1's stop)")
+    print(f"{name}: {len(hyps)} sentences, {settings}, {result['seconds']:.1f} s, engine {result['engine']}")
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")
     print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")

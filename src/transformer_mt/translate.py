@@ -57,6 +57,7 @@ def translate_stdin(cfg: DictConfig, translate_lines) -> None:
             progress=sys.stderr.isatty() and batch_lines > 1,
             n_best=cfg.n_best,
             tokens_per_batch=cfg.tokens_per_batch,
+            lookahead=cfg.lookahead,
             **decoding.settings(),
         )
         for number, result in enumerate(results, lines_done):

@@ -116,10 +116,13 @@ class CT2Process:
         tokens_per_batch: int = 16384,
         n_best: int = 0,
         progress: bool = False,
+        lookahead: int | None = None,
     ) -> list[str]:
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
+        if lookahead is not None:
+            raise InputError("lookahead needs engine=torch: CTranslate2 has its own early exit (its best beam ends)")
         if progress and len(lines) > self.CHUNK:  # chunks, for the bar
             from tqdm import tqdm  # noqa: PLC0415
 
