@@ -36,7 +36,6 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
-from transformer_mt.evaluation.engines import CT2Process
 from transformer_mt.evaluation.grid import search_grid, table_row
 from transformer_mt.evaluation.tuned import read_tuned, save_tuned, tuned_path
 from transformer_mt.files import file_digest
@@ -222,11 +221,18 @@ def test_evaluate_files_and_data_test_split(trained_run, tmp_path, capsys):
     assert "sacreBLEU" in stdout and "NOT comparable" in stdout and result["decoding"]["beam_size"] == 4
     # Without files: the test split of the data config stored in the checkpoint.
     assert evaluate(hydra_task("evaluate", [f"ckpt={ckpt}"], tmp_path / "split"))["bleu"] == result["bleu"]
-    # A stop sooner than the paper's is said beside the scores (50 more tokens: as far as the limit, the same result)
-    sooner = evaluate(hydra_task("evaluate", [*files, "lookahead=50"], tmp_path / "lookahead"))
-    assert sooner["lookahead"] == 50 and sooner["bleu"] == result["bleu"] and "lookahead 50" in capsys.readouterr().out
-    with pytest.raises(InputError, match="lookahead needs engine=torch"):
-        CT2Process.translate_lines(None, ["a line"], lookahead=2)  # refused before any process is asked
+    # A stop sooner than the paper's is said beside the scores (a lookahead past every length limit: the exact stop)
+    sooner = evaluate(hydra_task("evaluate", [*files, "lookahead=1000"], tmp_path / "lookahead"))
+    assert sooner["lookahead"] == 1000 and sooner["bleu"] == result["bleu"]
+    assert "lookahead 1000 (not §6.1's stop)" in capsys.readouterr().out
+    for bad, message in [
+        ("-1", "lookahead=-1: a whole number"),
+        ("true", "lookahead=True: a whole number"),
+        ("2.5", "lookahead=2.5: a whole number"),
+        ("2 engine=ct2", "lookahead needs engine=torch"),
+    ]:
+        with pytest.raises(InputError, match=message):  # before the checkpoint loads (or CTranslate2's export)
+            evaluate(hydra_task("evaluate", [*files, *f"lookahead={bad}".split()], tmp_path / "refused"))
 
 
 @pytest.mark.slow
@@ -578,6 +584,8 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     assert read_tuned(other)[0] is None and "another version" in read_tuned(other)[1]
     with pytest.raises(InputError, match="never on the test split"):
         tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))
+    with pytest.raises(InputError, match="lookahead=2: make tune chooses settings for §6.1's exact stop"):
+        tune(hydra_task("tune", [f"ckpt={ckpt}", "lookahead=2"], tmp_path / "refused"))
 
 
 @pytest.mark.parametrize(

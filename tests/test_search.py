@@ -104,8 +104,11 @@ def test_a_lookahead_stops_as_the_plain_reference_does_with_it_and_sooner_than_t
             assert [tokens for tokens, _ in nbest[row]] == [tokens for tokens, _ in expected]
             assert [score for _, score in nbest[row]] == pytest.approx([score for _, score in expected], abs=1e-4)
             assert best[row] == expected[0][0]
-    with pytest.raises(InputError, match=r"lookahead=-1: a whole number of tokens, at least 0"):
-        beam_search(model, src, lookahead=-1)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(InputError, match=rf"lookahead={bad!r}: a whole number of tokens, at least 0"):
+            beam_search(model, src, lookahead=bad)
+    with pytest.raises(ValueError, match="lookahead serves one alpha"):  # an alpha past its own stop would go on
+        beam_search(model, src, alpha=[0.6, 1.0], lookahead=2)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -69,8 +69,9 @@ def evaluate(cfg: DictConfig) -> dict:
         data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
-        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, lookahead=cfg.lookahead)
-        options |= decoding.settings()
+        lookahead = cfg.lookahead if decoding.beam_size > 1 or cfg.n_best else None  # greedy has no stop to change
+        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, lookahead=lookahead)
+        options = dict(**options, **decoding.settings())
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     result = {
@@ -79,8 +80,8 @@ def evaluate(cfg: DictConfig) -> dict:
         "decoding": decoding.settings(),
         "engine": engine_name(cfg),
     }
-    if cfg.lookahead is not None:  # a stop sooner than the paper's: said beside the scores
-        result["lookahead"] = cfg.lookahead
+    if lookahead is not None:  # a stop sooner than the paper's: said beside the scores
+        result["lookahead"] = lookahead
     result |= scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
@@ -88,7 +89,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if cfg.n_best:
         (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(outputs)), outputs)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    settings = decoding.text() + ("" if cfg.lookahead is None else f", lookahead {cfg.lookahead} (not §6.1's stop)")
+    settings = decoding.text() + ("" if lookahead is None else f", lookahead {lookahead} (not §6.1's stop)")
     print(f"{name}: {len(hyps)} sentences, {settings}, {result['seconds']:.1f} s, engine {result['engine']}")
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")

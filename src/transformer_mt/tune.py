@@ -21,6 +21,8 @@ from transformer_mt.evaluation.tuned import save_tuned
 def tune(cfg: DictConfig) -> Decoding:
     if cfg.split == "test":
         raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
+    if cfg.get("lookahead") is not None:
+        raise InputError(f"lookahead={cfg.lookahead}: make tune chooses settings for §6.1's exact stop; drop lookahead")
     start = time.perf_counter()
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from transformer_mt.decoding import PAPER
+from transformer_mt.decoding import PAPER, check_lookahead
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write, file_digest
 
@@ -173,14 +173,19 @@ def engine_name(cfg) -> str:
 
 @contextlib.contextmanager
 def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
-    """For conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type): a function with
-    search.translate_lines' contract less its model and tokenizer, and the checkpoint's training config."""
+    """For conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type, lookahead): a
+    function with search.translate_lines' contract less its model and tokenizer, and the checkpoint's training
+    config."""
     from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
     from transformer_mt.errors import required  # noqa: PLC0415
 
     ckpt = required(cfg, "ckpt")
     if cfg.engine not in ENGINES:
         raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
+    if (lookahead := cfg.get("lookahead")) is not None:
+        check_lookahead(lookahead)
+        if cfg.engine != "torch":
+            raise InputError("lookahead needs engine=torch: CTranslate2 has its own early exit (its best beam ends)")
     if cfg.engine == "torch":
         from transformer_mt.search import translate_lines  # noqa: PLC0415
 
