@@ -175,8 +175,8 @@ class Searching:
     floors: list[Tensor]  # per alpha, (n,)
     ceilings: list[Tensor]  # per alpha, (n,)
     stopped: Tensor  # (n,) True where the sentence stopped but stays in the batch (constant shapes)
-    alphas: list[float]
-    lookahead: int | None = None  # beam_search's
+    alphas: list[float]  # the length penalties served, in the order of floors and ceilings
+    lookahead: int | None = None  # beam_search's: None, the exact stop (done)
 
     @classmethod
     def start(cls, limits: Tensor, alphas: list[float], width: int, lookahead: int | None = None) -> Searching:
