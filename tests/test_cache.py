@@ -17,7 +17,7 @@ import pytest
 import sentencepiece as spm
 
 import transformer_mt.data.cache as cache_module
-from conftest import ROOT, synthetic_corpus, write_corpus
+from conftest import ROOT, run_process, synthetic_corpus, write_corpus
 from data_helpers import TEXT_FILES, text_datamodule
 from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.errors import InputError
@@ -304,7 +304,7 @@ def test_a_full_disk_under_the_cache_ends_in_one_line_naming_the_folder_and_the_
         f"vocab_size=400, cache_dir={str(cache)!r})\n"
         "exit_on_user_error(dm.build)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280)  # a hang guard
+    proc = run_process([sys.executable, "-c", code], tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"error: data.cache_dir={cache}: the data cache cannot be written there (")
