@@ -230,8 +230,7 @@ class LayerCache:
 
 def sublayer(residual: nn.Module, x: Tensor, inner: Callable[[Tensor], Tensor], last: Projection) -> Tensor:
     """model.Residual (its LayerNorm and norm switch) around a sublayer whose last product is `last`, in eval mode
-    (no dropout): post-norm
-    LayerNorm(x + last(inner(x))), pre-norm x + last(inner(LayerNorm(x)))."""
+    (no dropout): post-norm LayerNorm(x + last(inner(x))), pre-norm x + last(inner(LayerNorm(x)))."""
     norm = residual.norm
     if residual.pre:
         return last.plus(inner(F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)), x)

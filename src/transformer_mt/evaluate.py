@@ -71,8 +71,7 @@ def evaluate(cfg: DictConfig) -> dict:
         decoding = chosen_decoding(cfg, say=print)
         lookahead = cfg.lookahead if decoding.beam_size > 1 or cfg.n_best else None  # greedy has no stop to change
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, lookahead=lookahead)
-        options = dict(**options, **decoding.settings())
-        translate = partial(translate_lines, warn=log.warning, progress=True, **options)
+        translate = partial(translate_lines, warn=log.warning, progress=True, **options, **decoding.settings())
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     result = {
         "checkpoint": str(cfg.ckpt),

@@ -382,7 +382,7 @@ class Transformer(nn.Module):
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
         """prev (B * beam,) = the token at position state.length -> logits (B * beam, V) for the next one.
 
-        Extends `state` in place; equal to forward()'s logits at that position.
+        Extends `state` in place; equal to forward()'s logits at that position in eval mode (search refuses others).
         """
         x = self.embed.step(prev, state.start_position())  # (B * beam, d)
         for layer, cache in zip(self.decoder_layers, state.layers):

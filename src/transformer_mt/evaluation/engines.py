@@ -26,6 +26,7 @@ from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write, file_digest
 
 ENGINES = ("torch", "ct2")
+NO_LOOKAHEAD = "lookahead needs engine=torch: CTranslate2 has its own early exit (its best beam ends)"
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
 
 
@@ -122,7 +123,7 @@ class CT2Process:
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
         if lookahead is not None:
-            raise InputError("lookahead needs engine=torch: CTranslate2 has its own early exit (its best beam ends)")
+            raise InputError(NO_LOOKAHEAD)
         if progress and len(lines) > self.CHUNK:  # chunks, for the bar
             from tqdm import tqdm  # noqa: PLC0415
 
@@ -184,8 +185,8 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
         raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
     if (lookahead := cfg.get("lookahead")) is not None:
         check_lookahead(lookahead)
-        if cfg.engine != "torch":
-            raise InputError("lookahead needs engine=torch: CTranslate2 has its own early exit (its best beam ends)")
+        if cfg.engine != "torch":  # before CTranslate2's export
+            raise InputError(NO_LOOKAHEAD)
     if cfg.engine == "torch":
         from transformer_mt.search import translate_lines  # noqa: PLC0415
 
