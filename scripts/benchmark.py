@@ -13,8 +13,7 @@ real tokens only, attention included, decoder self-attention causal) as a share 
 matrix-multiply peak measured in the same run, the share of CPU time spent in the kernel (system
 time), and minor page faults per update.
 
-Decoding (needs CKPT and SRC): ours (eager; with lookahead=2, a stop sooner than §6.1's exact one; and compiled:
-compile=true), engine=ct2 (make translate's
+Decoding (needs CKPT and SRC): ours (eager; and compiled: compile=true), engine=ct2 (make translate's
 CTranslate2 engine: CTranslate2 float32 in a child process), transformers' generate and CTranslate2
 (float32, int8) on the same weights (make export's conversion), beam 4 and greedy, on every sentence of SRC:
 sentences/s, the share of sentences identical to ours, BLEU when REF is given, and the
@@ -290,10 +289,8 @@ def ct2_translate(translator, sp, sources: list[str], beam: int, alpha: float, b
     return [sp.decode_pieces(r.hypotheses[0]) for r in results]
 
 
-LOOKAHEAD = 2  # the "transformer_mt lookahead" row's (docs/inference.md, "A sooner stop": how often and how fast)
 SYSTEMS = [
     "transformer_mt",
-    "transformer_mt lookahead",  # lookahead=LOOKAHEAD: search.Searching.done's stop sooner than the paper's
     "transformer_mt compiled",  # compile=true: Transformer.compile_decoding
     "engine=ct2",  # make translate/evaluate engine=ct2: engines.CT2Process, CTranslate2 float32 in a child process
     "transformers generate",
@@ -316,10 +313,8 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
         if system.endswith("compiled"):
             model.compile_decoding()
 
-        lookahead = LOOKAHEAD if system.endswith("lookahead") else None
-
         def run(lines, beam):
-            return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=PAPER.alpha, lookahead=lookahead)
+            return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=PAPER.alpha)
 
     elif system == "engine=ct2":
         engine = CT2Process(Path(exported["engine"]), device="cpu", threads=threads)

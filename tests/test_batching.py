@@ -157,28 +157,9 @@ def test_sampler_restored_mid_epoch_yields_exactly_the_remaining_batches():
     seen = [next(it) for _ in range(5)]
     rest = list(it)
     restored = TokenBucketSampler(src, tgt, 300, seed=7)
-    restored.load_state_dict({"epoch": 2, "position": 5, "plan": 2})  # what ResumableLoader saves after 5 batches
+    restored.load_state_dict({"epoch": 2, "position": 5})  # what ResumableLoader saves after 5 batches
     assert list(restored) == rest and len(seen) + len(rest) == len(sampler)
     assert len(list(restored)) == len(sampler)  # the next pass is whole again
-
-
-def test_a_run_started_with_the_first_batch_plan_keeps_it_when_resumed():
-    """Checkpoints saved before plan 2 have no plan in their loader state: their runs continue with plan 1 (a
-    shuffle, then two stable sorts: test_compatibility resumes one to the weights the old code reached), even when
-    the epoch was planned before the state came (Lightning asks the loader's length first)."""
-    src, tgt = lengths()
-    old = TokenBucketSampler(src, tgt, 300, seed=7)
-    old.set_epoch(2)
-    fresh = list(old)
-    old.load_state_dict({"epoch": 2, "position": 0})
-    assert old.plan == 1 and list(old) != fresh
-    rng = np.random.default_rng(7 + 2)  # plan 1 written out: shuffle, stable sorts, cut, shuffle the batches
-    order = rng.permutation(len(src))
-    order = order[np.lexsort(((src + tgt)[order], np.maximum(src, tgt)[order]))]
-    cuts = greedy_batches(src + 1, tgt + 1, 300)
-    starts = np.cumsum([0] + [len(b) for b in cuts])
-    batches = [order[a:b].tolist() for a, b in zip(starts[:-1], starts[1:])]
-    assert list(old) == [batches[i] for i in rng.permutation(len(batches))]
 
 
 @pytest.mark.parametrize("devices", [1, 2, 7, 8, 32, 64])

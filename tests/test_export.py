@@ -139,7 +139,7 @@ def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory)
 def test_hf_export_gives_our_greedy_translations(sharp_checkpoint, tmp_path_factory):
     model, tokenizer, hf, hf_tokenizer = ours_and_hf(sharp_checkpoint, tmp_path_factory)
     n = 25  # the same length limit for both: n tokens, then EOS forced
-    expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
+    (expected,) = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
     batch = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)
     generated = hf.generate(**batch, num_beams=1, do_sample=False, max_length=n + 2)  # BOS, n tokens, EOS
     got = [[i for i in row if i not in (BOS_ID, EOS_ID, PAD_ID)] for row in generated.tolist()]
@@ -157,7 +157,7 @@ def test_ct2_export_gives_our_greedy_tokens(sharp_checkpoint, tmp_path_factory):
     results = translator.translate_batch(
         [tokenizer.sp.encode(s, out_type=str) for s in SENTENCES], beam_size=1, max_decoding_length=n
     )
-    expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
+    (expected,) = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
     assert [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results] == expected
     assert (out / "sentencepiece.model").read_bytes() == tokenizer.proto
 
@@ -395,8 +395,7 @@ def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path)
     assert sum(line.startswith("ours") for line in exports.splitlines()) == 3
     for name in ("transformer_mt", "transformers Marian", "torch.nn.Transformer"):
         assert sum(line[:24].rstrip() == name for line in training.splitlines()) == 1, training
-    our_rows = ("transformer_mt", "transformer_mt lookahead")
-    for name in (*our_rows, "engine=ct2", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
+    for name in ("transformer_mt", "engine=ct2", "transformers generate", "CTranslate2 float32", "CTranslate2 int8"):
         rows = [line.split() for line in decoding.splitlines() if line[:24].rstrip() == name]
         assert len(rows) == 2, decoding  # beam 4 and greedy
     assert "compiled" not in training + decoding  # --no-compile: no torch.compile row, in training or decoding

@@ -13,7 +13,6 @@ from conftest import random_batch, tiny_config
 from test_model import reference_transformer
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.configs import CONF_DIR, compose
-from transformer_mt.decoding_state import decoding_weights, onednn_packs
 from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.training.resume import flatten
@@ -174,20 +173,12 @@ SHARING = ("all", "decoder", "none")
 # (training_flops with the switches: test_model.py)
 
 
-@pytest.mark.parametrize("for_inference", [False, True], ids=["training", "inference"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_cached_decoding_equals_full_forward_for_every_switch(name, for_inference):
-    """Both forms of decoding's weight copies: a model being trained (plain products) and one for inference (on a
-    CPU packed for oneDNN, with the residual added and the ReLU applied inside the products); the sources encoded
-    through the copies, as search does."""
-    model = variant(name).requires_grad_(not for_inference)
+def test_cached_decoding_equals_full_forward_for_every_switch(name):
+    model = variant(name)
     src, tgt = random_batch([7, 3, 5], 23, seed=1), random_batch([9, 9, 9], 23, seed=2)
     full = model(src, tgt)
-    copies = decoding_weights(model)
-    assert copies.encoder[0].ffn_out.packed == copies.decoder[0].ffn_out.packed == (for_inference and onednn_packs())
-    memory, src_pad = model.encode(src, copies.encoder)
-    torch.testing.assert_close(memory, model.encode(src)[0], atol=1e-5, rtol=0)
-    state = model.start_decoding(memory, src_pad, copies=copies)
+    state = model.start_decoding(*model.encode(src))
     for t in range(tgt.size(1)):
         torch.testing.assert_close(model.decode_step(tgt[:, t], state), full[:, t], atol=1e-5, rtol=0)
     d_k, d_v = model.cfg.head_sizes
@@ -197,18 +188,13 @@ def test_cached_decoding_equals_full_forward_for_every_switch(name, for_inferenc
 
 @pytest.mark.parametrize("name", ["pre-norm", "all"])
 def test_cached_decoding_under_cpu_bf16_autocast_follows_the_full_forward(name):
-    """Training's validation on a CPU decodes under bf16 autocast: the copies are cast to bf16 once, the residual
-    stream and the LayerNorms stay fp32 as in the modules; logits within bf16's rounding of the full forward's."""
+    """Training's validation on a CPU decodes under bf16 autocast: logits within bf16's rounding of the full
+    forward's."""
     model = variant(name)
     src, tgt = random_batch([7, 3, 5], 23, seed=1), random_batch([9, 9, 9], 23, seed=2)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         full = model(src, tgt)
-        copies = decoding_weights(model)
-        assert copies.encoder[0].self_qkv.weight.dtype == torch.bfloat16 and not copies.output.packed
-        memory, src_pad = model.encode(src, copies.encoder)
-        assert memory.dtype == torch.float32  # as the modules' LayerNorm leaves it
-        torch.testing.assert_close(memory, model.encode(src)[0], atol=0.05, rtol=0)
-        state = model.start_decoding(memory, src_pad, copies=copies)
+        state = model.start_decoding(*model.encode(src))
         for t in range(tgt.size(1)):
             step = model.decode_step(tgt[:, t], state)
             assert step.dtype == full.dtype

@@ -9,8 +9,8 @@ core
     attention_recording.py  attention weights made visible (record_attention, §3.2.1 written out)
     objective.py            label-smoothed loss (§5.4), the teacher-forced loss of a batch, Noam rate (§5.3)
     decoding.py             the decoding settings of §6.1 as one type (Decoding), the paper's written once; no torch
-    search.py               greedy and beam search (§6.1), source batches, translating in length-sorted batches
-    tokenizer.py            the shared SentencePiece vocabulary (§5.1)
+    search.py               greedy and beam search (§6.1), translating in length-sorted batches
+    tokenizer.py            the shared SentencePiece vocabulary (§5.1), and the model's input layout in ids
     checkpoint.py           checkpoint files: atomic writes, safe reads, averaging, a model for inference
     scoring.py              sacreBLEU, chrF and the paper's tokenized BLEU
     errors.py               errors a user can act on, reported in one line

@@ -70,13 +70,6 @@ class Decoding:
         return f"beam {self.beam_size}, alpha {self.alpha}, max length {self.max_len_a:g} x source + {self.max_len_b}"
 
 
-def check_lookahead(lookahead) -> None:
-    """search.beam_search's lookahead (conf/inference.yaml): None (§6.1's exact stop), or a whole number of tokens,
-    at least 0."""
-    if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0):
-        raise InputError(f"lookahead={lookahead!r}: a whole number of tokens, at least 0 (null: §6.1's exact stop)")
-
-
 PAPER = Decoding()
 # make tune's grid (evaluation/grid.py), conf/tune.yaml and conf/train.yaml's final.tune_* through ${tune_grid:...}
 TUNE_GRID = {"alphas": [0.0, 0.3, 0.6, 1.0, 1.5, 2.0], "beams": [2, 4, 8]}

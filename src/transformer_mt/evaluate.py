@@ -65,13 +65,12 @@ def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    with open_engine(cfg) as (translate_lines, config):
-        data_cfg = config.get("data", {})
+    with open_engine(cfg) as engine:
+        data_cfg = engine.config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
-        lookahead = cfg.lookahead if decoding.beam_size > 1 or cfg.n_best else None  # greedy has no stop to change
-        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, lookahead=lookahead)
-        translate = partial(translate_lines, warn=log.warning, progress=True, **options, **decoding.settings())
+        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch)
+        translate = partial(engine.translate, warn=log.warning, progress=True, **options, **decoding.settings())
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     result = {
         "checkpoint": str(cfg.ckpt),
@@ -79,8 +78,6 @@ def evaluate(cfg: DictConfig) -> dict:
         "decoding": decoding.settings(),
         "engine": engine_name(cfg),
     }
-    if lookahead is not None:  # a stop sooner than the paper's: said beside the scores
-        result["lookahead"] = lookahead
     result |= scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
@@ -88,8 +85,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if cfg.n_best:
         (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(outputs)), outputs)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    settings = decoding.text() + ("" if lookahead is None else f", lookahead {lookahead} (not §6.1's stop)")
-    print(f"{name}: {len(hyps)} sentences, {settings}, {result['seconds']:.1f} s, engine {result['engine']}")
+    print(f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}")
     print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
     print(f"           {result['bleu_detail']}")
     print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")

@@ -1,17 +1,12 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in plain PyTorch.
 
-Read top to bottom: positions -> embeddings -> attention -> feed-forward -> layers ->
-encoder/decoder -> the model. Section numbers (§) refer to the paper. Beside it: decoding_state.py (decoding's
-weight copies, the layers' steps through them, the incremental-decoding cache) and attention_recording.py (attention
-weights made visible, record_attention).
-
-Shapes: B batch, S source length, T target length, d d_model, H heads, dk / dv the query-key / value
-size per head (d / H by default, §3.2.2), V vocab.
-Masks: `src_pad` is a bool (B, S) tensor, True where the source token is padding.
-
-The defaults are the paper's model. The switches of its Table 3 and of later work, each off by default:
-d_k / d_v apart from d_model / H (rows A, B), learned positions (row E), pre-norm (fairseq's
---encoder-normalize-before), and less embedding sharing than §3.4's three-way tie.
+Read top to bottom: positions -> embeddings -> attention -> feed-forward -> layers -> encoder/decoder -> the model.
+Section numbers (§) refer to the paper. Beside it: decoding_state.py (the incremental-decoding cache these layers
+fill) and attention_recording.py (attention weights made visible). Shapes: B batch, S source length, T target length,
+d d_model, H heads, dk / dv the query-key / value size per head (d / H by default, §3.2.2), V vocab. `src_pad` is a
+bool (B, S) tensor, True at source padding. The defaults are the paper's model; the switches of its Table 3 and of
+later work are off by default: d_k / d_v apart from d_model / H (rows A, B), learned positions (row E), pre-norm
+(fairseq's --encoder-normalize-before), and less embedding sharing than §3.4's three-way tie.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.attention_recording import explicit_attention
-from transformer_mt.decoding_state import Copies, DecoderState, EncoderWeights, LayerCache, decoding_weights
+from transformer_mt.decoding_state import DecoderState, LayerCache
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
 FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
@@ -60,11 +55,9 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for f in fields(self):  # values from YAML or the command line: "abc" and 1.5 fail here, by name
             value = getattr(self, f.name)
-            if f.name in CHOICES:
-                if value not in CHOICES[f.name]:
-                    raise ValueError(f"{f.name}={value!r}: must be one of {', '.join(CHOICES[f.name])}")
-                continue
-            if value is None and f.name in ("d_k", "d_v"):
+            if f.name in CHOICES and value not in CHOICES[f.name]:
+                raise ValueError(f"{f.name}={value!r}: must be one of {', '.join(CHOICES[f.name])}")
+            if f.name in CHOICES or (value is None and f.name in ("d_k", "d_v")):
                 continue
             whole = f.name != "dropout"
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
@@ -99,11 +92,8 @@ def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
 
 
 class Embedding(nn.Module):
-    """§3.4 + §3.5: token embedding * sqrt(d_model) + positions, then dropout (§5.4).
-
-    `sides`: the stacks it serves, ("source", "target") when shared (share_embeddings=all). Sinusoids are one
-    fixed table for both; positions="learned" (Table 3 row E) trains one (max_positions, d) table per stack,
-    as tensor2tensor and fairseq do, initialised N(0, d^-0.5) as fairseq's."""
+    """§3.4 + §3.5: token embedding * sqrt(d_model) + positions, then dropout (§5.4). `sides`: the stacks it serves.
+    Sinusoids are one fixed table; positions="learned" (Table 3 row E) trains one table per stack, as fairseq."""
 
     def __init__(self, cfg: TransformerConfig, sides: tuple[str, ...] = ("source", "target")):
         super().__init__()
@@ -129,20 +119,10 @@ class Embedding(nn.Module):
         x = self.tokens(ids) * self.scale + table[start:end]
         return self.dropout(x)
 
-    def step(self, ids: Tensor, position: int | Tensor) -> Tensor:
-        """forward() for decoding (eval mode, no module calls): ids (R,) of the target at `position` (an int, or with
-        constant shapes a (1,) tensor) -> (R, d)."""
-        table = self.positions["target"] if self.learned else self.positions
-        at = table.index_select(0, position) if isinstance(position, Tensor) else table[position]
-        return F.embedding(ids, self.tokens.weight) * self.scale + at
-
 
 def key_mask(src_pad: Tensor) -> Tensor:
-    """(B, S) pad mask -> (B, 1, 1, S) bool mask for SDPA, True where attention may look.
-
-    A boolean mask (not an additive -inf bias) keeps every dtype finite: SDPA returns zeros,
-    not NaN, for a row whose keys are all padding (tested in test_model.py).
-    """
+    """(B, S) pad mask -> (B, 1, 1, S) bool mask for SDPA, True where attention may look. A boolean mask (not an
+    additive -inf bias) keeps every dtype finite: SDPA returns zeros, not NaN, for a row of padding keys only."""
     return ~src_pad[:, None, None, :]
 
 
@@ -173,22 +153,18 @@ class MultiHeadAttention(nn.Module):
         self, query: Tensor, kv: tuple[Tensor, Tensor], mask: Tensor | None = None, causal: bool = False
     ) -> Tensor:
         # query: (B, Lq, d); kv: keys (B, H, Lk, dk) and values (B, H, Lk, dv), already projected
-        return self.out_proj(self.attend(self.split_heads(self.q_proj(query)), *kv, mask=mask, causal=causal))
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-        """The heads' attention, concatenated: q (B, H, Lq, dk), k (B, H, Lk, dk), v (B, H, Lk, dv) -> (B, Lq, H dv)."""
+        q, (k, v) = self.split_heads(self.q_proj(query)), kv
         if self.recording:
             out, self.weights = explicit_attention(q, k, v, mask, causal)
         else:
-            # On CPU in bf16, SDPA's fused kernel was slower than its math backend for whole sentences
-            # (a Multi30k training step on an AVX512-BF16 CPU: 2,595 vs 3,347 target tokens/s), so use
-            # math there. In fp32, and for decoding's few queries per row, the fused kernel is faster
-            # (small model, fp32, 2-core EPYC: training +12% target tokens/s; greedy decoding +23%).
+            # On a CPU in bf16, SDPA's fused kernel was slower than its math backend for whole sentences (a Multi30k
+            # training step on an AVX512-BF16 CPU: 2,595 vs 3,347 target tok/s); in fp32, and for decoding's few
+            # queries per row, faster (small model, fp32: training +12% target tok/s, greedy decoding +23%).
             bf16_sentences = q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(-2) > FEW_QUERIES
             with sdpa_kernel(SDPBackend.MATH) if bf16_sentences else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, dv)
         B, H, Lq, d_v = out.shape
-        return out.transpose(1, 2).reshape(B, Lq, H * d_v)
+        return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * d_v))
 
 
 class FeedForward(nn.Module):
@@ -205,8 +181,7 @@ class FeedForward(nn.Module):
 
 class Residual(nn.Module):
     """§3.1 and §5.4, post-norm: LayerNorm(x + Dropout(Sublayer(x))).
-    norm="pre": x + Dropout(Sublayer(LayerNorm(x))), the residual stream itself never normalised.
-    (Decoding computes the same in eval mode through its weight copies: decoding_state.sublayer.)"""
+    norm="pre": x + Dropout(Sublayer(LayerNorm(x))), the residual stream itself never normalised."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -230,9 +205,7 @@ class EncoderLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.ffn_res = Residual(cfg)
 
-    def forward(self, x: Tensor, src_mask: Tensor, weights: EncoderWeights | None = None) -> Tensor:
-        if weights is not None:  # encoding sources to decode: through decoding's copies (decoding_state.py)
-            return weights.layer(self, x, src_mask)
+    def forward(self, x: Tensor, src_mask: Tensor) -> Tensor:
         x = self.self_attn_res(x, lambda h: self.self_attn(h, self.self_attn.project_kv(h), mask=src_mask))
         return self.ffn_res(x, self.ffn)
 
@@ -249,17 +222,28 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg)
         self.ffn_res = Residual(cfg)
 
-    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
-        # Training: x is the whole shifted target (B, T, d), causal mask, no cache.
-        # Decoding: x is the newest position of every hypothesis (B * beam, d); the cache holds the keys/values
-        # of earlier positions, extended each step, and the memory's keys/values from the first step on, and
-        # computes this layer through decoding's copies of its weights (decoding_state.LayerCache.step).
-        # In training every projection happens here, inside this layer's forward: FSDP gathers a wrapped layer's
-        # weights around its forward only (outside it they are flat shards).
-        if cache is not None:
-            return cache.step(self, x, memory, src_mask)
-        x = self.self_attn_res(x, lambda h: self.self_attn(h, self.self_attn.project_kv(h), causal=True))
-        x = self.cross_attn_res(x, lambda h: self.cross_attn(h, self.cross_attn.project_kv(memory), mask=src_mask))
+    def forward(self, x: Tensor, memory: Tensor | None, src_mask: Tensor, cache: LayerCache | None = None) -> Tensor:
+        # Training: x is the whole shifted target (B, T, d), causal mask, no cache. Decoding: x is the newest position
+        # of every hypothesis (B * beam, 1, d), which may see every cached key (no mask); the cache holds the earlier
+        # positions' keys/values and from the first step on the memory's (then None). Every projection happens in
+        # this forward: FSDP gathers a wrapped layer's weights around its forward only (outside it: flat shards).
+
+        def self_attention(h: Tensor) -> Tensor:  # h: x, or LayerNorm(x) in pre-norm
+            kv = self.self_attn.project_kv(h)
+            if cache is not None:
+                kv = cache.extend(*kv)
+            return self.self_attn(h, kv, causal=cache is None)
+
+        def cross_attention(h: Tensor) -> Tensor:
+            kv = cache.memory_kv if cache is not None and memory is None else self.cross_attn.project_kv(memory)
+            if cache is not None:
+                cache.memory_kv = kv  # (B, H, S, dk), (B, H, S, dv): once per sentence
+            # The hypotheses of one sentence share its memory and attend to it as one block of queries
+            # (B, beam, d): the memory's keys/values are neither copied per beam nor reordered.
+            return self.cross_attn(h.view(kv[0].size(0), -1, h.size(-1)), kv, mask=src_mask).view_as(h)
+
+        x = self.self_attn_res(x, self_attention)
+        x = self.cross_attn_res(x, cross_attention)
         return self.ffn_res(x, self.ffn)
 
 
@@ -270,9 +254,6 @@ class Transformer(nn.Module):
     is still the output projection; "none": the output projection too has its own matrix (`output`).
     norm="pre": each stack ends with a LayerNorm (`encoder_norm`, `decoder_norm`), as fairseq and
     torch.nn.Transformer(norm_first=True); without it the residual stream would reach the output unnormalised."""
-
-    compiled_decoding = False  # compile_decoding: encode and decode_step through torch.compile
-    constant_shapes = False  # decoding keeps every step's shapes (decoding_state.py): compile_decoding(static=True)
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -317,14 +298,13 @@ class Transformer(nn.Module):
             for tokens in {id(e): e.tokens for e in (self.embed, self.encoder_embed)}.values():
                 tokens.weight[self.cfg.pad_id].zero_()
 
-    def encode(self, src: Tensor, weights: list[EncoderWeights] | None = None) -> tuple[Tensor, Tensor]:
-        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S). weights: decoding's copies of the
-        encoder's layers (decoding_weights(...).encoder), in eval mode: search encodes through them."""
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) ids -> memory (B, S, d) and the source pad mask (B, S)."""
         src_pad = src.eq(self.cfg.pad_id)
         src_mask = key_mask(src_pad)
         x = self.encoder_embed(src, side="source")
-        for i, layer in enumerate(self.encoder_layers):
-            x = layer(x, src_mask, None if weights is None else weights[i])
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
         return self.final_norm(x, "encoder"), src_pad
 
     def final_norm(self, x: Tensor, stack: str) -> Tensor:
@@ -347,58 +327,40 @@ class Transformer(nn.Module):
         """Teacher forcing: src (B, S), tgt_in (B, T) = BOS + target[:-1] -> logits (B, T, V)."""
         return self.project(self.features(src, tgt_in))
 
-    def start_decoding(
-        self, memory: Tensor, src_pad: Tensor, capacity: int | None = None, copies: Copies | None = None
-    ) -> DecoderState:
+    def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
         """The state of incremental decoding: each layer projects the memory's keys/values at the first
-        step, once per sentence (shared by its beam hypotheses), and keeps them. capacity: constant shapes,
-        a cache of that many positions (decoding_state.py). copies: decoding_weights(self) where the caller has them."""
-        if copies is None:  # a compiled step: plain copies, and none of the encoder (its encode takes none)
-            copies = decoding_weights(self, pack=not self.compiled_decoding, encoder=not self.compiled_decoding)
-        return DecoderState.start(key_mask(src_pad), memory, copies.decoder, copies.output, capacity)
+        step, once per sentence (shared by its beam hypotheses), and keeps them."""
+        return DecoderState(key_mask(src_pad), memory, [LayerCache() for _ in self.decoder_layers])
 
-    def compile_decoding(self, static: bool = False) -> Transformer:
-        """encode and decode_step through torch.compile, for this instance; its parameters and state_dict stay as
-        they are. Dynamic shapes: the batch, the source length and the cache grow and shrink. static=True: every
-        step of a batch has the same shapes (constant_shapes), on CUDA replayed as CUDA graphs (mode
-        "reduce-overhead"). The first batches compile (seconds to a minute); a few shapes more compile again, then it
-        runs compiled. Raises dynamo's process-wide recompile_limit to at least 32 (its default 8 is per function)."""
-        cuda = next(self.parameters()).device.type == "cuda"
-        mode = "reduce-overhead" if static and cuda else None
-        step = torch.compile(self.decode_step, dynamic=None if static else True, mode=mode)
+    def compile_decoding(self) -> Transformer:
+        """encode and decode_step through torch.compile with dynamic shapes, for this instance (its state_dict stays
+        eager's); the first batches compile. Raises dynamo's recompile_limit to at least 32 (8 by default)."""
+        step = torch.compile(self.decode_step, dynamic=True)
 
         def decode_step(prev: Tensor, state: DecoderState) -> Tensor:
-            # Strides are guarded like shapes: a view (the beam's last tokens) or a transposed projection
-            # would compile the step again; contiguous inputs keep it to a few graphs (first step, later
-            # steps, a batch of one).
-            state.make_contiguous()
+            state.make_contiguous()  # strides are guarded like shapes: contiguous inputs keep it to a few graphs
             return step(prev.contiguous(), state)
 
         self.encode = torch.compile(self.encode, dynamic=True)  # instance attributes shadow the methods
-        self.decode_step, self.compiled_decoding, self.constant_shapes = decode_step, True, static
+        self.decode_step = decode_step
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         return self
 
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
         """prev (B * beam,) = the token at position state.length -> logits (B * beam, V) for the next one.
-
-        Extends `state` in place; equal to forward()'s logits at that position in eval mode (search refuses others).
-        """
-        x = self.embed.step(prev, state.start_position())  # (B * beam, d)
+        Extends `state` in place; equal to forward()'s logits at that position."""
+        x = self.embed(prev[:, None], start=state.length)  # (B * beam, 1, d)
         for layer, cache in zip(self.decoder_layers, state.layers):
             x = layer(x, state.memory, state.src_mask, cache=cache)
-        state.advance()  # every layer holds the memory's projection now
-        return state.output(self.final_norm(x, "decoder"))  # = project(), by decoding's copy
+        state.length, state.memory = state.length + 1, None  # every layer holds the memory's projection now
+        return self.project(self.final_norm(x[:, 0], "decoder"))
 
 
 def training_flops(cfg: TransformerConfig, src_lens: Sequence[int] | Tensor, tgt_lens: Sequence[int] | Tensor) -> float:
-    """Model FLOPs of one training step (forward + backward) over sentences of these real lengths
-    (source with EOS, target with EOS): useful work only, padding excluded. The one count behind every
-    "model FLOP/s" and MFU figure.
-
-    Forward, per token: 2 FLOPs per weight of each matrix product it passes through; per query-key
-    pair, 2 * (a + b) for QK^T and AV, where a = H d_k and b = H d_v (both d_model in the paper). Backward
-    costs twice the forward: x 3 in all. LayerNorms, softmax and learned positions are not products.
+    """Model FLOPs of one training step (forward + backward) over sentences of these real lengths (with EOS):
+    padding excluded; the one count behind every "model FLOP/s" and MFU figure. Forward, per token: 2 FLOPs per
+    weight of each matrix product it passes through; per query-key pair, 2 * (a + b) for QK^T and AV, where
+    a = H d_k and b = H d_v (both d_model in the paper). Backward costs twice the forward: x 3 in all.
 
       encoder layer:  S * (2 d (a + b) + 2 d d_ff) + (a + b) * S^2
       decoder layer:  T * (3 d (a + b) + 2 d d_ff) + S * d (a + b) (cross-attention keys/values over the source)

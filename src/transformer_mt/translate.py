@@ -37,8 +37,8 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
 
 
 def translate(cfg: DictConfig) -> None:
-    with open_engine(cfg) as (translate_lines, _):
-        translate_stdin(cfg, translate_lines)
+    with open_engine(cfg) as engine:
+        translate_stdin(cfg, engine.translate)
 
 
 def translate_stdin(cfg: DictConfig, translate_lines) -> None:
@@ -57,7 +57,6 @@ def translate_stdin(cfg: DictConfig, translate_lines) -> None:
             progress=sys.stderr.isatty() and batch_lines > 1,
             n_best=cfg.n_best,
             tokens_per_batch=cfg.tokens_per_batch,
-            lookahead=cfg.lookahead,
             **decoding.settings(),
         )
         for number, result in enumerate(results, lines_done):

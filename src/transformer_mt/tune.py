@@ -21,11 +21,9 @@ from transformer_mt.evaluation.tuned import save_tuned
 def tune(cfg: DictConfig) -> Decoding:
     if cfg.split == "test":
         raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
-    if cfg.get("lookahead") is not None:
-        raise InputError(f"lookahead={cfg.lookahead}: make tune chooses settings for §6.1's exact stop; drop lookahead")
     start = time.perf_counter()
-    with open_engine(cfg) as (translate_lines, config):
-        data_cfg = config.get("data", {})
+    with open_engine(cfg) as engine:
+        data_cfg = engine.config.get("data", {})
         corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
         sources, references = corpus.texts(cfg.split)  # as the end of a run and make evaluate read it
         if cfg.sentences:
@@ -37,14 +35,16 @@ def tune(cfg: DictConfig) -> Decoding:
             f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
             f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
             f"up to {decodes} rows"
-            + (f", the {len(alphas)} length penalties from one search" if cfg.engine == "torch" else ""),
+            + (f", the {len(alphas)} length penalties from one search" if engine.translate_alphas else ""),
             flush=True,
         )
-        translate = partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch)
+        translate, translate_alphas = (
+            partial(f, tokens_per_batch=cfg.tokens_per_batch) if f else None
+            for f in (engine.translate, engine.translate_alphas)
+        )
         chosen, rows = grid_for_a_person(
             translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
-            say=lambda line: print(line, flush=True), alphas_at_once=cfg.engine == "torch",
-            significance=cfg.significance,
+            say=lambda line: print(line, flush=True), translate_alphas=translate_alphas, significance=cfg.significance,
         )  # fmt: skip
     best = next(r for r in rows if Decoding.of(r) == chosen)
     paper = [r for r in rows if Decoding.of(r) == decoding.but(beam_size=PAPER.beam_size, alpha=PAPER.alpha)]

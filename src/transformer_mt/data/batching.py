@@ -1,9 +1,8 @@
 """Token ids of a split -> padded batches of at most `max_tokens` tokens per side, in the one layout
-every model input has (collate; its source side is search.source_batch, as in decoding)."""
+every model input has (collate; its source side is tokenizer.source_batch, as in decoding)."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -13,13 +12,10 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from transformer_mt.errors import InputError
-from transformer_mt.search import padded, source_batch
-from transformer_mt.tokenizer import BOS_ID, EOS_ID
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, padded, source_batch
 
 if TYPE_CHECKING:
     import datasets
-
-log = logging.getLogger(__name__)
 
 
 class TokenizedSplit(Dataset):
@@ -94,7 +90,6 @@ class TokenBucketSampler(Sampler[list[int]]):
     """
 
     CHUNK = 1 << 16  # keys are written this many at a time: small temporaries, no page faults
-    PLAN = 2  # how ties are put in order; saved with the loader's position. 1: a shuffle, then two stable sorts
 
     def __init__(
         self,
@@ -119,7 +114,6 @@ class TokenBucketSampler(Sampler[list[int]]):
         self.tgt_lens = np.asarray(tgt_lens, dtype=np.int64) + 1
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
         self.rank, self.world_size = rank, world_size
-        self.plan = self.PLAN  # a resumed run keeps the plan it was started with (load_state_dict)
         self.epoch = 0
         self._resume_at = 0  # where the next pass starts: a restored position, else 0
         self._cache: tuple[int, list[np.ndarray]] | None = None
@@ -154,8 +148,8 @@ class TokenBucketSampler(Sampler[list[int]]):
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
         rng = np.random.default_rng(self.seed + epoch)
-        order = self._order(rng) if self.plan == self.PLAN else self._plan_1_order(rng)
-        starts = self._starts.tolist()  # the same cuts in both plans: they depend on the sorted lengths only
+        order = self._order(rng)
+        starts = self._starts.tolist()
         ends = starts[1:] + [len(order)]
         if self.shuffle:
             batch_order = rng.permutation(len(starts)).tolist()
@@ -187,15 +181,6 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._keys &= np.uint64((1 << self._position_bits) - 1)  # the positions, in the epoch's order
         return self.indices[self._keys.view(np.int64)]
 
-    def _plan_1_order(self, rng: np.random.Generator) -> np.ndarray:
-        """The order of runs started before plan 2 (resumed, they continue bit for bit): the items shuffled, then
-        stably sorted by total and then by longer side, ties left in the shuffle's order (~4x slower: 4.5M pairs
-        ~0.9 CPU-s)."""
-        order = self.indices[rng.permutation(len(self.indices))] if self.shuffle else self.indices
-        by_total = np.argsort((self.src_lens + self.tgt_lens)[order], kind="stable")
-        longest = np.maximum(self.src_lens, self.tgt_lens)[order[by_total]]
-        return order[by_total[np.argsort(longest, kind="stable")]]
-
     def rank_batches(self) -> list[np.ndarray]:
         if self._cache is None or self._cache[0] != self.epoch:
             self._cache = (self.epoch, self.all_batches(self.epoch)[self.rank :: self.world_size])
@@ -215,12 +200,8 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at batch `position` of `epoch` (ResumableLoader saves how many batches training processed:
-        the sampler itself runs ahead of training), with the run's plan (none saved: 1)."""
-        self.epoch, self._resume_at, self.plan = state["epoch"], state["position"], state.get("plan", 1)
-        if self.plan != self.PLAN:
-            self._cache = None  # an epoch planned before (Lightning asks the loader's length first) is planned again
-            log.info("batch plan %d (the one this run started with) kept on resume; new runs use plan %d",
-                     self.plan, self.PLAN)  # fmt: skip
+        the sampler itself runs ahead of training)."""
+        self.epoch, self._resume_at = state["epoch"], state["position"]
 
 
 def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:

@@ -245,12 +245,11 @@ class ResumableLoader(DataLoader):
         processes the loader's iterator is created (and starts prefetching) before Lightning calls
         set_epoch for the new epoch, so the restored state must already name it."""
         epoch, done = self.batch_sampler.epoch, self.batches_done()
-        where = (
+        return (
             {"epoch": epoch + 1, "position": 0}
             if done >= len(self.batch_sampler)
             else {"epoch": epoch, "position": done}
         )
-        return {**where, "plan": self.batch_sampler.plan}
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.load_state_dict(state)

@@ -20,13 +20,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
-from transformer_mt.decoding import PAPER, check_lookahead
+from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import atomic_write, file_digest
 
 ENGINES = ("torch", "ct2")
-NO_LOOKAHEAD = "lookahead needs engine=torch: CTranslate2 has its own early exit (its best beam ends)"
 SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
 
 
@@ -117,13 +117,10 @@ class CT2Process:
         tokens_per_batch: int = 16384,
         n_best: int = 0,
         progress: bool = False,
-        lookahead: int | None = None,
     ) -> list[str]:
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
-        if lookahead is not None:
-            raise InputError(NO_LOOKAHEAD)
         if progress and len(lines) > self.CHUNK:  # chunks, for the bar
             from tqdm import tqdm  # noqa: PLC0415
 
@@ -168,34 +165,38 @@ class CT2Process:
 
 def engine_name(cfg) -> str:
     """The engine of conf/inference.yaml's keys as scores.json names it: torch (compiled), or ct2 <compute type>."""
-    compiled = {False: "", True: " compiled", "static": " compiled static"}.get(cfg.compile, f" compile={cfg.compile}")
-    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else f"torch{compiled}"
+    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
+
+
+class Engine(NamedTuple):
+    """An open engine: `translate` has search.translate_lines' contract less its model and tokenizer; `config` is
+    the checkpoint's training config; ours also searches for several alphas at once (translate_lines_alphas')."""
+
+    translate: Callable[..., list]
+    config: dict
+    translate_alphas: Callable[..., list] | None = None
 
 
 @contextlib.contextmanager
-def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
-    """For conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type, lookahead): a
-    function with search.translate_lines' contract less its model and tokenizer, and the checkpoint's training
-    config."""
+def open_engine(cfg) -> Iterator[Engine]:
+    """The engine of conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type)."""
     from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
     from transformer_mt.errors import required  # noqa: PLC0415
 
     ckpt = required(cfg, "ckpt")
     if cfg.engine not in ENGINES:
         raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
-    if (lookahead := cfg.get("lookahead")) is not None:
-        check_lookahead(lookahead)
-        if cfg.engine != "torch":  # before CTranslate2's export
-            raise InputError(NO_LOOKAHEAD)
     if cfg.engine == "torch":
-        from transformer_mt.search import translate_lines  # noqa: PLC0415
+        from transformer_mt.search import translate_lines, translate_lines_alphas  # noqa: PLC0415
 
         model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
-        if cfg.compile not in (False, True, "static"):
-            raise InputError(f"compile={cfg.compile}: choose false, true (dynamic shapes) or static (constant shapes)")
+        if not isinstance(cfg.compile, bool):
+            raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
         if cfg.compile:
-            model.compile_decoding(static=cfg.compile == "static")
-        yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
+            model.compile_decoding()
+        config = checkpoint["hyper_parameters"].get("config", {})
+        translate, alphas = (functools.partial(f, model, tokenizer) for f in (translate_lines, translate_lines_alphas))
+        yield Engine(translate, config, alphas)
         return
     if cfg.compile:
         raise InputError(
@@ -204,4 +205,4 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
     folder = ct2_export(ckpt, log=lambda message: print(message, file=sys.stderr, flush=True))
     config = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"].get("config", {})
     with CT2Process(folder, cfg.device, cfg.threads, cfg.ct2_compute_type) as process:
-        yield process.translate_lines, config
+        yield Engine(process.translate_lines, config)

@@ -48,23 +48,23 @@ def checked_for_runaway(translate: Callable[[list[str]], list], lengths: Sequenc
 
 
 def alphas_in_one_search(
-    translate: Callable[..., list],
+    translate_alphas: Callable[..., list],
     sources: Sequence[str],
     references: Sequence[str],
     tgt_lang: str,
     settings: dict,
     alphas: list,
 ) -> tuple[dict, float]:
-    """The grid's rows at the starting beam, every alpha from one beam search (search.beam_search: the live
-    hypotheses do not depend on alpha): ({alpha: evaluate_translations' result, or why it was abandoned}, seconds).
-    In CHUNKS parts, as the grid's rows one by one: an alpha whose translations run away (ran_away, against the
-    references and the first alpha's) leaves the search."""
+    """The grid's rows at the starting beam, every alpha from one beam search (search.translate_lines_alphas):
+    ({alpha: evaluate_translations' result, or why it was abandoned}, seconds). In CHUNKS parts, as the grid's rows
+    one by one: an alpha whose translations run away (ran_away, against the references and the first alpha's)
+    leaves the search."""
     start, size = time.perf_counter(), max(1, -(-len(sources) // CHUNKS))
     done: dict[float, list[str]] = {alpha: [] for alpha in alphas}
     abandoned: dict[float, str] = {}
     for lo in range(0, len(sources), size):
         searched = [alpha for alpha in alphas if alpha not in abandoned]
-        for alpha, out in zip(searched, translate(list(sources[lo : lo + size]), alpha=searched, **settings)):
+        for alpha, out in zip(searched, translate_alphas(list(sources[lo : lo + size]), searched, **settings)):
             done[alpha] += out
         usual = [max(len(r.split()), len(h.split())) for r, h in zip(references, done[alphas[0]])]
         for alpha in searched[1:]:
@@ -171,7 +171,7 @@ def search_grid(
     alphas: Sequence[float] = tuple(TUNE_GRID["alphas"]),
     beams: Sequence[int] = tuple(TUNE_GRID["beams"]),
     report: Callable[[dict], None] = lambda row: None,
-    alphas_at_once: bool = False,
+    translate_alphas: Callable[..., list] | None = None,
     say: Callable[[str], None] = lambda line: None,
     significance: float = SIGNIFICANCE,
 ) -> tuple[Decoding, list[dict]]:
@@ -180,13 +180,13 @@ def search_grid(
     and its length limit the one doubled last. Three steps (length penalty, beam, length limit), each keeping the
     current choice unless a row beats it clearly (Grid.step: higher sacreBLEU and paired bootstrap p < significance);
     `say` gets a line per step that says why. Each row reaches `report` as it is scored; a row whose translations run
-    away (RUNAWAY) is abandoned early, with bleu None and why. alphas_at_once: `translate` takes a list of alphas
-    (search.translate_lines, our engine): the alpha rows come from one search."""
+    away (RUNAWAY) is abandoned early, with bleu None and why. translate_alphas(lines, alphas, **settings): the alpha
+    rows from one search (search.translate_lines_alphas, our engine's), a list of outputs per alpha."""
     grid = Grid(translate, sources, references, tgt_lang, decoding.settings(), report, say, significance)
     decoding = decoding.settings()
-    if alphas_at_once and len(alphas) > 1:
+    if translate_alphas and len(alphas) > 1:
         settings = {k: v for k, v in decoding.items() if k in SETTINGS and k != "alpha"}
-        scored, seconds = alphas_in_one_search(translate, sources, references, tgt_lang, settings, list(alphas))
+        scored, seconds = alphas_in_one_search(translate_alphas, sources, references, tgt_lang, settings, list(alphas))
         shared = f"one search for {len(alphas)} alphas: {seconds:.1f} s"
         for alpha in alphas:
             grid.add({**settings, "alpha": alpha}, scored[alpha], seconds / len(alphas), search=shared)
@@ -217,15 +217,15 @@ def grid_for_a_person(
     alphas: Sequence[float],
     beams: Sequence[int],
     say: Callable[[str], None],
-    alphas_at_once: bool,
+    translate_alphas: Callable[..., list] | None,
     significance: float = SIGNIFICANCE,
 ) -> tuple[Decoding, list[dict]]:
     """search_grid with its table told through `say` (make tune's console, the end of a run's log): the header,
     each row as it is scored, and why each step kept or chose."""
     say(TABLE_HEADER)
     report = lambda row: say(table_row(row))  # noqa: E731
-    return search_grid(translate, sources, references, tgt_lang, decoding, alphas, beams, report, alphas_at_once, say,
-                       significance)  # fmt: skip
+    return search_grid(translate, sources, references, tgt_lang, decoding, alphas, beams, report, translate_alphas,
+                       say, significance)  # fmt: skip
 
 
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"

@@ -27,8 +27,8 @@ from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
-from transformer_mt.search import padded, source_batch, translate_ids
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer
+from transformer_mt.search import translate_ids
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer, padded, source_batch
 
 PICTURES = {
     "encoder": ("encoder_self_attention.png", "encoder self-attention"),
@@ -123,7 +123,8 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
         tgt_ids = tokenizer.encode([reference.strip()])[0][: model.cfg.max_positions - 1]
         origin = "the reference"
     else:
-        tgt_ids = translate_ids(model, [src_ids], **PAPER.settings())[0]  # decoding=beam's
+        settings = dict(beam_size=PAPER.beam_size, alphas=[PAPER.alpha], max_len_a=PAPER.max_len_a)
+        tgt_ids = translate_ids(model, [src_ids], **settings, max_len_b=PAPER.max_len_b)[0][0]  # decoding=beam's
         origin = f"its own translation (beam {PAPER.beam_size})"
     weights = attention_weights(model, src_ids, tgt_ids)
 
