@@ -103,8 +103,8 @@ def test_greedy_and_beam_search_give_the_cpus_tokens(seed):
             model.embed.tokens.weight[EOS_ID] *= 3
     src = source_batch(SOURCES)
     assert greedy(gpu, src.cuda(), max_len_b=12) == greedy(cpu, src, max_len_b=12)
-    (nbest_cpu,) = beam_search(cpu, src, beam_size=4, max_len_b=12, n_best=4)
-    (nbest_gpu,) = beam_search(gpu, src.cuda(), beam_size=4, max_len_b=12, n_best=4)
+    nbest_cpu = beam_search(cpu, src, beam_size=4, max_len_b=12, n_best=4)
+    nbest_gpu = beam_search(gpu, src.cuda(), beam_size=4, max_len_b=12, n_best=4)
     for hyps_gpu, hyps_cpu in zip(nbest_gpu, nbest_cpu):
         assert [tokens for tokens, _ in hyps_gpu] == [tokens for tokens, _ in hyps_cpu]
         assert [score for _, score in hyps_gpu] == pytest.approx([score for _, score in hyps_cpu], abs=1e-4)

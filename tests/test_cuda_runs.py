@@ -212,7 +212,7 @@ def test_beam_search_on_the_gpu_gives_the_cpus_tokens(weights, request, highest_
         lengths = torch.randint(3, 30, (n,), generator=g).tolist()
         sources = [torch.randint(4, model.cfg.vocab_size, (k,), generator=g).tolist() for k in lengths]
     sources = [ids[: model.cfg.max_positions - 1] for ids in sources]
-    decode = lambda model: translate_ids(model, sources, beam_size=4)[0]  # noqa: E731 (the paper's alpha)
+    decode = lambda model: translate_ids(model, sources, beam_size=4)  # noqa: E731 (the paper's alpha)
     on_cpu = decode(model.float().cpu())
     on_gpu = decode(copy.deepcopy(model).cuda())
     differ = [i for i, (a, b) in enumerate(zip(on_cpu, on_gpu)) if a != b]
@@ -231,7 +231,7 @@ def test_decoding_in_tf32_gives_the_fp32_translations(multi30k_run, multi30k, hi
     sources = [
         ids[: model.cfg.max_positions - 1] for ids in tokenizer.encode(read_lines(multi30k / "test_2016_flickr.en"))
     ]
-    decode = lambda model: translate_ids(model, sources, beam_size=4)[0]  # noqa: E731 (the paper's alpha)
+    decode = lambda model: translate_ids(model, sources, beam_size=4)  # noqa: E731 (the paper's alpha)
     model.cuda()
     start = time.perf_counter()
     fp32 = decode(model)

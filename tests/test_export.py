@@ -139,7 +139,7 @@ def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory)
 def test_hf_export_gives_our_greedy_translations(sharp_checkpoint, tmp_path_factory):
     model, tokenizer, hf, hf_tokenizer = ours_and_hf(sharp_checkpoint, tmp_path_factory)
     n = 25  # the same length limit for both: n tokens, then EOS forced
-    (expected,) = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
+    expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
     batch = hf_tokenizer(SENTENCES, return_tensors="pt", padding=True)
     generated = hf.generate(**batch, num_beams=1, do_sample=False, max_length=n + 2)  # BOS, n tokens, EOS
     got = [[i for i in row if i not in (BOS_ID, EOS_ID, PAD_ID)] for row in generated.tolist()]
@@ -157,7 +157,7 @@ def test_ct2_export_gives_our_greedy_tokens(sharp_checkpoint, tmp_path_factory):
     results = translator.translate_batch(
         [tokenizer.sp.encode(s, out_type=str) for s in SENTENCES], beam_size=1, max_decoding_length=n
     )
-    (expected,) = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
+    expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
     assert [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results] == expected
     assert (out / "sentencepiece.model").read_bytes() == tokenizer.proto
 

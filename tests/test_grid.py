@@ -1,14 +1,11 @@
 """make tune's grid (evaluation/grid.py): length penalty, beam, length limit, each step kept unless a row wins
-beyond the paired bootstrap's noise; runaway rows abandoned; the alpha rows from one search."""
+beyond the paired bootstrap's noise; runaway rows abandoned."""
 
-import functools
 import random
 import re
 
-from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.decoding import PAPER, Decoding
+from transformer_mt.decoding import PAPER
 from transformer_mt.evaluation.grid import search_grid, table_row
-from transformer_mt.search import translate_lines, translate_lines_alphas
 
 
 def test_a_grid_row_whose_translations_run_away_is_abandoned_early_and_never_chosen():
@@ -31,32 +28,6 @@ def test_a_grid_row_whose_translations_run_away_is_abandoned_early_and_never_cho
     )
     assert [n for alpha, n in asked if alpha == 2.0] == [20]  # one fifth translated, then abandoned
     assert chosen.alpha == 0.6 and reported == rows and "abandoned" in table_row(runaway)
-
-
-def test_the_alpha_rows_from_one_search_abandon_a_runaway_alpha_as_the_rows_one_by_one_do():
-    """translate_alphas (our engine): one search per part of the split for every alpha still searched; alpha 2.0's
-    translations, 3x the usual length, leave the search after its first fifth, the row abandoned as above."""
-    sources, references, asked = [f"source {i}" for i in range(100)], ["ein kurzer Satz ."] * 100, []
-
-    def output(lines, alpha):
-        return [" ".join(["ein kurzer Satz ."] * (3 if alpha == 2.0 else 1)) for _ in lines]
-
-    def translate_alphas(lines, alphas, **settings):  # the alpha rows
-        asked.append((tuple(alphas), len(lines)))
-        return [output(lines, alpha) for alpha in alphas]
-
-    def translate(lines, alpha, **settings):  # the rows after them
-        asked.append((alpha, len(lines)))
-        return output(lines, alpha)
-
-    decoding = PAPER
-    chosen, rows = search_grid(
-        translate, sources, references, "de", decoding, [0.6, 1.0, 2.0], [4], translate_alphas=translate_alphas
-    )
-    assert asked == [((0.6, 1.0, 2.0), 20)] + [((0.6, 1.0), 20)] * 4 + [(0.6, 20)] * 5  # then the limit's row
-    runaway = next(r for r in rows if r["alpha"] == 2.0)
-    assert runaway["bleu"] is None and runaway["abandoned"].startswith("abandoned: 3.00x the usual length after 20 of")
-    assert chosen.alpha == 0.6 and "one search for 3 alphas" in table_row(rows[0])
 
 
 def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_paired_bootstraps_noise():
@@ -93,21 +64,3 @@ def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_pai
     assert limit.endswith("beam 8, alpha 0.6, max length 1 x source + 100 gives the same translations"), limit
     chosen, _ = search_grid(translate, sources, references, "de", decoding, [0.6, 1.0], [4], significance=1.0)
     assert chosen.alpha == 1.0  # without the margin, a hair's win is taken
-
-
-def test_the_grid_from_one_search_for_its_alphas_equals_the_grid_row_by_row(trained_run):
-    """Our engine's grid (make tune, final.tune) decodes its alphas in one search: the same rows, scores and choice as
-    a search per row (that each alpha's translations are its own search's: test_search, on models where they differ)."""
-    model, tokenizer, _ = load_for_inference(trained_run / "out" / "checkpoints" / "last.ckpt")
-    sources = (trained_run / "corpus" / "valid.en").read_text().splitlines()[:40]
-    references = (trained_run / "corpus" / "valid.de").read_text().splitlines()[:40]
-    translate = functools.partial(translate_lines, model, tokenizer)
-    joint = functools.partial(translate_lines_alphas, model, tokenizer)
-    decoding = Decoding(beam_size=3, alpha=0.6, max_len_a=1.0, max_len_b=6)
-    grids = [
-        search_grid(translate, sources, references, "de", decoding, [0.0, 0.6, 2.0], [2], translate_alphas=alphas)
-        for alphas in (None, joint)
-    ]
-    same = lambda rows: [{k: v for k, v in r.items() if k not in ("seconds", "search")} for r in rows]  # noqa: E731
-    assert grids[0][0] == grids[1][0] and same(grids[0][1]) == same(grids[1][1]) and len(grids[1][1]) == 5
-    assert [r.get("search") is not None for r in grids[1][1]] == [True] * 3 + [False] * 2

@@ -19,7 +19,7 @@ from transformer_mt.errors import InputError
 from transformer_mt.evaluation.engines import engine_name, open_engine
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import evaluate_translations
-from transformer_mt.search import nbest_lines
+from transformer_mt.translate import nbest_lines
 
 log = logging.getLogger(__name__)
 

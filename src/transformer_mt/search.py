@@ -4,7 +4,6 @@ translating in length-sorted batches."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +35,7 @@ def start_decoding(model: Transformer, src: Tensor, max_len_a: float, max_len_b:
 
 
 @torch.inference_mode()
-def greedy(
-    model: Transformer, src: Tensor, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b
-) -> list[list[int]]:
+def greedy(model: Transformer, src: Tensor, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b):
     """Arg-max decoding; returns each sentence's tokens without BOS/EOS. Finished sentences leave the batch."""
     state, limits, width = start_decoding(model, src, max_len_a, max_len_b)
     alive = torch.arange(src.size(0), device=src.device)  # original index of each sentence still decoding
@@ -95,16 +92,15 @@ def best_candidates(logprobs: Tensor, alive_scores: Tensor, C: int) -> tuple[Ten
 
 @dataclass
 class Finished:
-    """The best K finished hypotheses of every sentence for one alpha, best first."""
+    """The best K finished hypotheses of every sentence, best first."""
 
-    alpha: float
     scores: Tensor  # (B, K) normalised scores, -inf: none
     tokens: Tensor  # (B, K, width), EOS included, PAD after it
 
     @classmethod
-    def empty(cls, alpha: float, B: int, K: int, width: int, device: torch.device) -> Finished:
+    def empty(cls, B: int, K: int, width: int, device: torch.device) -> Finished:
         scores = torch.full((B, K), -torch.inf, device=device)
-        return cls(alpha, scores, torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device))
+        return cls(scores, torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device))
 
     def add(self, sentences: Tensor, scores: Tensor, tokens: Tensor) -> Tensor:
         """Merge candidates (n, C), (n, C, width) of the original sentences `sentences` (n,) into their best K;
@@ -128,38 +124,34 @@ class Finished:
 @dataclass
 class Searching:
     """The sentences still searching, kept in step as sentences leave the batch: each one's original index, maximum
-    length and live hypotheses, and per alpha the score of its n_best-th finished hypothesis (floor; -inf while it
-    has fewer) and the length penalty at its maximum length (ceiling): a live hypothesis can score at most
-    log P / ceiling, its log P only falls."""
+    length and live hypotheses, the score of its n_best-th finished hypothesis (floor; -inf while it has fewer) and
+    the length penalty at its maximum length (ceiling): a live hypothesis can score at most log P / ceiling, its
+    log P only falls."""
 
     ids: Tensor  # (n,)
     limits: Tensor  # (n,)
     scores: Tensor  # (n, k) log P: one hypothesis (BOS) at step 0, then K
     tokens: Tensor  # (n, k, width)
-    floors: Tensor  # (alphas, n)
-    ceilings: Tensor  # (alphas, n)
+    floors: Tensor  # (n,)
+    ceilings: Tensor  # (n,)
 
     @classmethod
-    def start(cls, limits: Tensor, alphas: Sequence[float], width: int) -> Searching:
+    def start(cls, limits: Tensor, alpha: float, width: int) -> Searching:
         B, device = limits.size(0), limits.device
         tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
-        ceilings = torch.stack([length_penalty(limits + 1, alpha) for alpha in alphas])
-        return cls(torch.arange(B, device=device), limits, torch.zeros((B, 1), device=device), tokens,
-                   torch.full_like(ceilings, -torch.inf), ceilings)  # fmt: skip
+        floors = torch.full((B,), -torch.inf, device=device)
+        return cls(torch.arange(B, device=device), limits, torch.zeros((B, 1), device=device), tokens, floors,
+                   length_penalty(limits + 1, alpha))  # fmt: skip
 
     def done(self) -> Tensor:
-        """(n,) True where no live hypothesis can beat the n_best-th finished one, whichever the alpha (the best
-        live one, ending at the maximum length, would score best / ceiling at most)."""
-        return (self.floors >= self.scores[:, 0] / self.ceilings).all(0)
+        """(n,) True where no live hypothesis can beat the n_best-th finished one (the best live one, ending at the
+        maximum length, would score best / ceiling at most)."""
+        return self.floors >= self.scores[:, 0] / self.ceilings
 
-    def finish(self, finished: list[Finished], ended: Tensor, scores: Tensor, parent: Tensor, token: Tensor, t: int,
-               n_best: int) -> None:  # fmt: skip
-        """Step t's candidates (n, K) that `ended`, of log P `scores`, extending `parent` by `token` (EOS), merged into
-        each alpha's finished ones; each alpha's floor, its n_best-th finished score, follows."""
-        history = self.continued(parent, token, t)  # (n, K, width)
-        for i, fin in enumerate(finished):
-            normalised = scores.div(length_penalty(t + 1, fin.alpha)).masked_fill_(~ended, -torch.inf)
-            self.floors[i] = fin.add(self.ids, normalised, history)[:, n_best - 1]
+    def finish(self, finished: Finished, normalised: Tensor, parent: Tensor, token: Tensor, t: int, n_best: int):
+        """Step t's candidates (n, K) of `normalised` scores (-inf: not ended), extending `parent` by `token` (EOS),
+        merged into the finished ones; the floor, the n_best-th finished score, follows."""
+        self.floors = finished.add(self.ids, normalised, self.continued(parent, token, t))[:, n_best - 1]
 
     def continued(self, parent: Tensor, token: Tensor, t: int) -> Tensor:
         """The tokens (n, k', width) of the live hypotheses `parent` (n, k') continued by `token` (n, k') at t."""
@@ -171,7 +163,7 @@ class Searching:
         """Only the sentences `index` (n',) go on searching, in that order."""
         self.ids, self.limits, self.scores, self.tokens = (x[index] for x in (self.ids, self.limits, self.scores,
                                                                               self.tokens))  # fmt: skip
-        self.floors, self.ceilings = self.floors[:, index], self.ceilings[:, index]
+        self.floors, self.ceilings = self.floors[index], self.ceilings[index]
 
 
 @torch.inference_mode()
@@ -179,28 +171,24 @@ def beam_search(
     model: Transformer,
     src: Tensor,
     beam_size: int = PAPER.beam_size,
-    alphas: Sequence[float] = (PAPER.alpha,),
+    alpha: float = PAPER.alpha,
     max_len_a: float = PAPER.max_len_a,
     max_len_b: int = PAPER.max_len_b,
     n_best: int = 1,
-) -> list[list[Hypotheses]]:
+) -> list[Hypotheses]:
     """§6.1 beam search, vectorised over sentences and beams; the first step once per sentence, from BOS, before
     the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
     best finished hypothesis beats the best any live one could reach (its log-probability only falls, its penalty
     is at most that of the maximum length), so the n best it returns are those of a search that never stops early;
-    or at the maximum length, where EOS is forced. Finished sentences leave the batch. Returns, per alpha, each
-    sentence's n_best (tokens without BOS/EOS, score), best first; n_best <= beam_size.
-
-    Several alphas (make tune's grid): which hypotheses live and which end never depend on alpha, only which
-    finished ones rank best and when a sentence may stop; one search keeps each alpha's finished ones and stops a
-    sentence once it may for all, so each alpha's results are those of its own search."""
+    or at the maximum length, where EOS is forced. Finished sentences leave the batch. Returns each sentence's
+    n_best (tokens without BOS/EOS, score), best first; n_best <= beam_size."""
     if not 1 <= n_best <= beam_size:
         raise ValueError(f"n_best={n_best}: must be between 1 and the beam size {beam_size}")
     B, K, device = src.size(0), beam_size, src.device
     state, limits, width = start_decoding(model, src, max_len_a, max_len_b)  # B rows; B * K after step 0
-    alive = Searching.start(limits, alphas, width)
+    alive = Searching.start(limits, alpha, width)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
-    finished = [Finished.empty(alpha, B, K, width, device) for alpha in alphas]  # per original sentence
+    finished = Finished.empty(B, K, width, device)  # per original sentence
     soonest = int(limits.min())  # the first step at which a sentence still searching must end
 
     for t in range(width):
@@ -213,7 +201,8 @@ def beam_search(
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
         # with those kept so far, the best K kept; most steps end none.
         if ends[:, :K].any():
-            alive.finish(finished, ends[:, :K], top_scores[:, :K], beam[:, :K], token[:, :K], t, n_best)
+            normalised = (top_scores[:, :K] / length_penalty(t + 1, alpha)).masked_fill(~ends[:, :K], -torch.inf)
+            alive.finish(finished, normalised, beam[:, :K], token[:, :K], t, n_best)
 
         # Alive: the best K candidates that did not end.
         alive.scores, pick = top_scores.masked_fill(ends, -torch.inf).topk(K, dim=1)
@@ -233,37 +222,36 @@ def beam_search(
             prev = prev.view(n, K)[keep].view(-1)
         else:  # rows only permute (or, after step 0, expand) the beams of each sentence: encoder states stay
             state.select(rows)
-    return [fin.nbest(n_best) for fin in finished]
+    return finished.nbest(n_best)
 
 
 def translate_ids(
     model: Transformer,
     sources: list,
     beam_size: int = 1,
-    alphas: Sequence[float] = (PAPER.alpha,),
+    alpha: float = PAPER.alpha,
     max_len_a: float = PAPER.max_len_a,
     max_len_b: int = PAPER.max_len_b,
     tokens_per_batch: int = 16384,
     progress: bool = False,
     n_best: int = 0,
-) -> list[list]:
-    """Translate token-id sequences in length-sorted batches; results come back in input order, per alpha: each
-    sentence's best tokens, or with n_best=K > 0 its K best (tokens, score) pairs, best first (K <= beam_size).
-
+) -> list:
+    """Translate token-id sequences in length-sorted batches; results come back in input order: each sentence's
+    best tokens, or with n_best=K > 0 its K best (tokens, score) pairs, best first (K <= beam_size).
     A batch holds at most `tokens_per_batch` source tokens counted over all beams (sentences x beam x longest).
-    `progress` shows a bar of translated sentences on stderr. Greedy (beam 1, n_best 0) decodes once for every alpha.
-    """
+    `progress` shows a bar of translated sentences on stderr."""
     if n_best > beam_size:
         raise InputError(f"n_best={n_best} exceeds the beam size {beam_size}: set decoding.beam_size={n_best} or more")
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    results: list = [[[] for _ in sources] for _ in alphas]
+    results: list = [[] for _ in sources]
     device = next(model.parameters()).device
     was_training = model.training
     if was_training:
         model.eval()
-    # In a log file, a line every 30 s
-    bar = tqdm(total=len(sources), desc="translating", unit="sentence", disable=not progress, leave=False,
-               mininterval=1 if sys.stderr.isatty() else 30)  # fmt: skip
+    every = 1 if sys.stderr.isatty() else 30  # seconds between updates of the bar; in a log file, a line each
+    bar = tqdm(
+        total=len(sources), desc="translating", unit="sentence", disable=not progress, leave=False, mininterval=every
+    )
     start = 0
     while start < len(order):
         end = start + 1  # grow the batch while (sentences x beam x longest) fits tokens_per_batch
@@ -271,13 +259,12 @@ def translate_ids(
             end += 1
         src = source_batch([sources[i] for i in order[start:end]], device)
         if beam_size == 1 and not n_best:
-            per_alpha = [greedy(model, src, max_len_a, max_len_b)] * len(alphas)
+            hyps = greedy(model, src, max_len_a, max_len_b)
         else:
-            found = beam_search(model, src, beam_size, alphas, max_len_a, max_len_b, max(n_best, 1))
-            per_alpha = [hyps if n_best else [h[0][0] for h in hyps] for hyps in found]
-        for alpha_results, hyps in zip(results, per_alpha):
-            for i, hyp in zip(order[start:end], hyps):
-                alpha_results[i] = hyp
+            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, max(n_best, 1))
+            hyps = hyps if n_best else [nbest[0][0] for nbest in hyps]
+        for i, hyp in zip(order[start:end], hyps):
+            results[i] = hyp
         bar.update(end - start)
         start = end
     bar.close()
@@ -286,12 +273,11 @@ def translate_ids(
     return results
 
 
-def translate_lines_alphas(
-    model: Transformer, tokenizer: Tokenizer, lines: list[str], alphas: Sequence[float], warn=None,
-    first_line: int = 1, **decoding
-) -> list[list]:  # fmt: skip
-    """Text in, text out, same order, per alpha (one search for all: beam_search). Empty lines stay empty; inputs
-    longer than the model's positions are truncated, calling `warn(message)` for each (lines numbered from
+def translate_lines(
+    model: Transformer, tokenizer: Tokenizer, lines: list[str], warn=None, first_line: int = 1, **decoding
+) -> list:
+    """Text in, text out, same order: the contract of every engine (evaluation/engines.py). Empty lines stay empty;
+    inputs longer than the model's positions are truncated, calling `warn(message)` for each (lines numbered from
     first_line). decoding: translate_ids' options; with n_best=K, each line gives its K best (text, score) pairs."""
     limit = model.cfg.max_positions - 1  # room for EOS
     sources = tokenizer.encode([line.strip() for line in lines])
@@ -301,28 +287,13 @@ def translate_lines_alphas(
                 warn(f"line {first_line + i}: {len(ids)} tokens, truncated to the model's maximum of {limit}")
             sources[i] = ids[:limit]
     todo = [i for i, ids in enumerate(sources) if ids]
-    outputs = []
-    for results in translate_ids(model, [sources[i] for i in todo], alphas=alphas, **decoding):
-        if decoding.get("n_best"):  # each line: its K best (text, score), best first; an empty line: ("", 0.0)
-            texts = [[("", 0.0)] for _ in lines]
-            for i, hyps in zip(todo, results):
-                texts[i] = list(zip(tokenizer.decode([ids for ids, _ in hyps]), [score for _, score in hyps]))
-        else:
-            texts = [""] * len(lines)
-            for i, text in zip(todo, tokenizer.decode(results)):
-                texts[i] = text
-        outputs.append(texts)
+    results = translate_ids(model, [sources[i] for i in todo], **decoding)
+    if decoding.get("n_best"):  # each line: its K best (text, score), best first; an empty line: ("", 0.0)
+        outputs = [[("", 0.0)] for _ in lines]
+        for i, hyps in zip(todo, results):
+            outputs[i] = list(zip(tokenizer.decode([ids for ids, _ in hyps]), [score for _, score in hyps]))
+        return outputs
+    outputs = [""] * len(lines)
+    for i, text in zip(todo, tokenizer.decode(results)):
+        outputs[i] = text
     return outputs
-
-
-def translate_lines(
-    model: Transformer, tokenizer: Tokenizer, lines: list[str], warn=None, first_line: int = 1,
-    alpha: float = PAPER.alpha, **decoding
-) -> list:  # fmt: skip
-    """translate_lines_alphas for one alpha: the contract of every engine (evaluation/engines.py)."""
-    return translate_lines_alphas(model, tokenizer, lines, [alpha], warn, first_line, **decoding)[0]
-
-
-def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:
-    """One sentence's n-best list in Moses' format: "<sentence number, from 0> ||| <translation> ||| <score>" lines."""
-    return "".join(f"{number} ||| {text} ||| {score:.4f}\n" for text, score in hyps)

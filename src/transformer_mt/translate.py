@@ -14,7 +14,6 @@ from transformer_mt.configs import CONF_DIR
 from transformer_mt.errors import InputError
 from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import decode_line
-from transformer_mt.search import nbest_lines
 
 
 def stderr(message: str) -> None:
@@ -39,6 +38,11 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
 def translate(cfg: DictConfig) -> None:
     with open_engine(cfg) as engine:
         translate_stdin(cfg, engine.translate)
+
+
+def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:
+    """One sentence's n-best list in Moses' format: "<sentence number, from 0> ||| <translation> ||| <score>" lines."""
+    return "".join(f"{number} ||| {text} ||| {score:.4f}\n" for text, score in hyps)
 
 
 def translate_stdin(cfg: DictConfig, translate_lines) -> None:

@@ -34,17 +34,13 @@ def tune(cfg: DictConfig) -> Decoding:
         print(
             f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
             f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
-            f"up to {decodes} rows"
-            + (f", the {len(alphas)} length penalties from one search" if engine.translate_alphas else ""),
+            f"up to {decodes} rows",
             flush=True,
         )
-        translate, translate_alphas = (
-            partial(f, tokens_per_batch=cfg.tokens_per_batch) if f else None
-            for f in (engine.translate, engine.translate_alphas)
-        )
+        translate = partial(engine.translate, tokens_per_batch=cfg.tokens_per_batch)
         chosen, rows = grid_for_a_person(
             translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
-            say=lambda line: print(line, flush=True), translate_alphas=translate_alphas, significance=cfg.significance,
+            say=lambda line: print(line, flush=True), significance=cfg.significance,
         )  # fmt: skip
     best = next(r for r in rows if Decoding.of(r) == chosen)
     paper = [r for r in rows if Decoding.of(r) == decoding.but(beam_size=PAPER.beam_size, alpha=PAPER.alpha)]

@@ -170,11 +170,10 @@ def engine_name(cfg) -> str:
 
 class Engine(NamedTuple):
     """An open engine: `translate` has search.translate_lines' contract less its model and tokenizer; `config` is
-    the checkpoint's training config; ours also searches for several alphas at once (translate_lines_alphas')."""
+    the checkpoint's training config."""
 
     translate: Callable[..., list]
     config: dict
-    translate_alphas: Callable[..., list] | None = None
 
 
 @contextlib.contextmanager
@@ -187,16 +186,16 @@ def open_engine(cfg) -> Iterator[Engine]:
     if cfg.engine not in ENGINES:
         raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
     if cfg.engine == "torch":
-        from transformer_mt.search import translate_lines, translate_lines_alphas  # noqa: PLC0415
+        from transformer_mt.search import translate_lines  # noqa: PLC0415
 
         model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
         if not isinstance(cfg.compile, bool):
             raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
         if cfg.compile:
             model.compile_decoding()
-        config = checkpoint["hyper_parameters"].get("config", {})
-        translate, alphas = (functools.partial(f, model, tokenizer) for f in (translate_lines, translate_lines_alphas))
-        yield Engine(translate, config, alphas)
+        yield Engine(
+            functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
+        )
         return
     if cfg.compile:
         raise InputError(

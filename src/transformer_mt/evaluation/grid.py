@@ -47,37 +47,6 @@ def checked_for_runaway(translate: Callable[[list[str]], list], lengths: Sequenc
     return run
 
 
-def alphas_in_one_search(
-    translate_alphas: Callable[..., list],
-    sources: Sequence[str],
-    references: Sequence[str],
-    tgt_lang: str,
-    settings: dict,
-    alphas: list,
-) -> tuple[dict, float]:
-    """The grid's rows at the starting beam, every alpha from one beam search (search.translate_lines_alphas):
-    ({alpha: evaluate_translations' result, or why it was abandoned}, seconds). In CHUNKS parts, as the grid's rows
-    one by one: an alpha whose translations run away (ran_away, against the references and the first alpha's)
-    leaves the search."""
-    start, size = time.perf_counter(), max(1, -(-len(sources) // CHUNKS))
-    done: dict[float, list[str]] = {alpha: [] for alpha in alphas}
-    abandoned: dict[float, str] = {}
-    for lo in range(0, len(sources), size):
-        searched = [alpha for alpha in alphas if alpha not in abandoned]
-        for alpha, out in zip(searched, translate_alphas(list(sources[lo : lo + size]), searched, **settings)):
-            done[alpha] += out
-        usual = [max(len(r.split()), len(h.split())) for r, h in zip(references, done[alphas[0]])]
-        for alpha in searched[1:]:
-            if why := ran_away(done[alpha], usual, len(sources)):
-                abandoned[alpha] = why
-    seconds = time.perf_counter() - start
-    scored = dict(abandoned)
-    for alpha in alphas:
-        if alpha not in abandoned:
-            scored[alpha] = evaluate_translations(lambda _, a=alpha: done[a], sources, references, tgt_lang)
-    return scored, seconds
-
-
 SETTINGS = tuple(PAPER.settings())
 # A setting replaces the current choice only when it scores higher and sacreBLEU's paired bootstrap test (1,000
 # resamples of the split's sentences) puts the difference beyond luck: p below this. A win of 26.92 against 26.91
@@ -98,21 +67,6 @@ class Grid:
         self.rows: list[dict] = []
         self.outputs: list[list[str] | None] = []  # rows[i]'s translations (None: abandoned)
 
-    def add(
-        self, settings: dict, scored, seconds: float, **extra
-    ) -> dict:  # scored: evaluate_translations', or why not
-        if isinstance(scored, str):
-            row, best = {**settings, "bleu": None, "abandoned": scored, "seconds": round(seconds, 1)}, None
-        else:
-            _, best, scores = scored
-            bp, ratio = map(float, DETAIL.search(scores["bleu_detail"]).groups())
-            row = {**settings, "bleu": scores["bleu"], "bleu_signature": scores["bleu_signature"]}
-            row |= {"chrf": scores["chrf"], "brevity_penalty": bp, "length_ratio": ratio, "seconds": round(seconds, 1)}
-        self.rows.append(row | extra)
-        self.outputs.append(best)
-        self.report(self.rows[-1])
-        return self.rows[-1]
-
     def run(self, **changes) -> dict:
         """The row of the starting settings with `changes`, decoded and scored (abandoned if it runs away)."""
         settings = {k: v for k, v in {**self.decoding, **changes}.items() if k in SETTINGS}
@@ -122,10 +76,17 @@ class Grid:
             usual = [max(len(r.split()), len(h.split())) for r, h in zip(self.references, self.outputs[0])]
             row_translate = checked_for_runaway(row_translate, usual)
         try:
-            scored = evaluate_translations(row_translate, self.sources, self.references, self.tgt_lang)
+            _, best, scores = evaluate_translations(row_translate, self.sources, self.references, self.tgt_lang)
         except RunAway as e:
-            return self.add(settings, str(e), time.perf_counter() - start)
-        return self.add(settings, scored, scored[2]["seconds"])
+            row, best = {**settings, "bleu": None, "abandoned": str(e)}, None
+        else:
+            bp, ratio = map(float, DETAIL.search(scores["bleu_detail"]).groups())
+            row = {**settings, "bleu": scores["bleu"], "bleu_signature": scores["bleu_signature"]}
+            row |= {"chrf": scores["chrf"], "brevity_penalty": bp, "length_ratio": ratio}
+        self.rows.append(row | {"seconds": round(time.perf_counter() - start, 1)})
+        self.outputs.append(best)
+        self.report(self.rows[-1])
+        return self.rows[-1]
 
     def step(self, what: str, current: dict, candidates: list[dict]) -> dict:
         """The best of `candidates` where it beats `current` clearly (SIGNIFICANCE), else `current`; says why."""
@@ -171,7 +132,6 @@ def search_grid(
     alphas: Sequence[float] = tuple(TUNE_GRID["alphas"]),
     beams: Sequence[int] = tuple(TUNE_GRID["beams"]),
     report: Callable[[dict], None] = lambda row: None,
-    translate_alphas: Callable[..., list] | None = None,
     say: Callable[[str], None] = lambda line: None,
     significance: float = SIGNIFICANCE,
 ) -> tuple[Decoding, list[dict]]:
@@ -180,19 +140,11 @@ def search_grid(
     and its length limit the one doubled last. Three steps (length penalty, beam, length limit), each keeping the
     current choice unless a row beats it clearly (Grid.step: higher sacreBLEU and paired bootstrap p < significance);
     `say` gets a line per step that says why. Each row reaches `report` as it is scored; a row whose translations run
-    away (RUNAWAY) is abandoned early, with bleu None and why. translate_alphas(lines, alphas, **settings): the alpha
-    rows from one search (search.translate_lines_alphas, our engine's), a list of outputs per alpha."""
+    away (RUNAWAY) is abandoned early, with bleu None and why."""
     grid = Grid(translate, sources, references, tgt_lang, decoding.settings(), report, say, significance)
     decoding = decoding.settings()
-    if translate_alphas and len(alphas) > 1:
-        settings = {k: v for k, v in decoding.items() if k in SETTINGS and k != "alpha"}
-        scored, seconds = alphas_in_one_search(translate_alphas, sources, references, tgt_lang, settings, list(alphas))
-        shared = f"one search for {len(alphas)} alphas: {seconds:.1f} s"
-        for alpha in alphas:
-            grid.add({**settings, "alpha": alpha}, scored[alpha], seconds / len(alphas), search=shared)
-    else:
-        for alpha in alphas:
-            grid.run(alpha=alpha)
+    for alpha in alphas:
+        grid.run(alpha=alpha)
     current = next((r for r in grid.rows if r["alpha"] == decoding["alpha"]), None)
     if current is None:  # the starting alpha is not in the grid: the grid's best is the choice to beat
         current = max(grid.rows, key=best_first)
@@ -217,15 +169,13 @@ def grid_for_a_person(
     alphas: Sequence[float],
     beams: Sequence[int],
     say: Callable[[str], None],
-    translate_alphas: Callable[..., list] | None,
     significance: float = SIGNIFICANCE,
 ) -> tuple[Decoding, list[dict]]:
     """search_grid with its table told through `say` (make tune's console, the end of a run's log): the header,
     each row as it is scored, and why each step kept or chose."""
     say(TABLE_HEADER)
     report = lambda row: say(table_row(row))  # noqa: E731
-    return search_grid(translate, sources, references, tgt_lang, decoding, alphas, beams, report, translate_alphas,
-                       say, significance)  # fmt: skip
+    return search_grid(translate, sources, references, tgt_lang, decoding, alphas, beams, report, say, significance)
 
 
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
@@ -234,10 +184,9 @@ TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chr
 def table_row(r: dict) -> str:
     """One setting of the grid for a person: its sacreBLEU, chrF, brevity penalty, length ratio and seconds."""
     limit = f"{r['max_len_a']:g}x+{r['max_len_b']}"
-    shared = f" ({r['search']})" if "search" in r else ""  # the alpha rows of one search: its time, shared
     if r["bleu"] is None:
-        return f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['abandoned']} ({r['seconds']:.1f} s){shared}"
+        return f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['abandoned']} ({r['seconds']:.1f} s)"
     return (
         f"{r['beam_size']:>4} {r['alpha']:>5} {limit:>10} {r['bleu']:>9.2f} {r['chrf']:>6.2f} "
-        f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}{shared}"
+        f"{r['brevity_penalty']:>6.3f} {r['length_ratio']:>6.3f} {r['seconds']:>6.1f}"
     )

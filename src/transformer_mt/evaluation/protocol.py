@@ -41,7 +41,7 @@ from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
 from transformer_mt.runtime import Peak, duration, use_tf32
 from transformer_mt.scoring import evaluate_translations
-from transformer_mt.search import translate_lines, translate_lines_alphas
+from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,6 @@ class Protocol:
         chosen, rows = grid_for_a_person(
             partial(translate_lines, model, tokenizer), text.sources, text.references, text.tgt_lang, self.decoding,
             self.alphas, self.beams, say=lambda line: log.info("%s", line),
-            translate_alphas=partial(translate_lines_alphas, model, tokenizer),
         )  # fmt: skip
         save_tuned(path, chosen, rows, f"{self.corpus.name} validation")
         scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}

@@ -123,8 +123,7 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
         tgt_ids = tokenizer.encode([reference.strip()])[0][: model.cfg.max_positions - 1]
         origin = "the reference"
     else:
-        settings = dict(beam_size=PAPER.beam_size, alphas=[PAPER.alpha], max_len_a=PAPER.max_len_a)
-        tgt_ids = translate_ids(model, [src_ids], **settings, max_len_b=PAPER.max_len_b)[0][0]  # decoding=beam's
+        tgt_ids = translate_ids(model, [src_ids], **PAPER.settings())[0]  # decoding=beam's
         origin = f"its own translation (beam {PAPER.beam_size})"
     weights = attention_weights(model, src_ids, tgt_ids)
 

@@ -262,7 +262,7 @@ def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> None
     n = 30  # tokens at most, EOS included, for both
     results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=n)
     theirs = [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results]
-    ours = translate_ids(model, tokenizer.encode(PROBE), beam_size=1, max_len_a=0, max_len_b=n)[0]
+    ours = translate_ids(model, tokenizer.encode(PROBE), beam_size=1, max_len_a=0, max_len_b=n)
     if theirs != ours:
         raise AssertionError(f"{directory}: CTranslate2's greedy tokens differ from ours: {theirs} vs {ours}")
 
