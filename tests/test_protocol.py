@@ -5,13 +5,11 @@ import json
 import logging
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import hydra_task, write_corpus
-from transformer_mt.averaging import average_run
+from conftest import hydra_task
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
@@ -97,22 +95,6 @@ def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_
     assert {"model.embed.positions.target", "model.src_embed.positions.source", "model.output.weight"} <= average.keys()
     for key, value in average.items():
         torch.testing.assert_close(value, sum(p[key].double() for p in parts).float() / 3, rtol=0, atol=1e-6)
-
-
-def test_make_average_and_evaluate_keep_working_for_runs_without_the_new_keys(tmp_path, capsys):
-    """A run from before results.json (no totals, no moving average, no switches in its hyper-parameters)."""
-    old = Path(__file__).resolve().parent / "data" / "pre-layout-step3.ckpt"
-    folder = tmp_path / "old" / "checkpoints"
-    folder.mkdir(parents=True)
-    for step in (2, 3):
-        shutil.copy(old, folder / f"step{step:07d}.ckpt")
-    average = average_run(tmp_path / "old", 2)
-    assert "totals" not in read_checkpoint(average)
-    corpus = write_corpus(tmp_path / "corpus")
-    scores = evaluate(
-        hydra_task("evaluate", [f"ckpt={average}", f"data_path={corpus}", "split=test"], tmp_path / "evaluate")
-    )
-    assert scores["sentences"] == 30 and 0 <= scores["bleu"] <= 100
 
 
 def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped_short(variant_run, tmp_path, capsys):
