@@ -24,24 +24,18 @@ class RunAway(Exception):
     """A grid row's translations ran away (RUNAWAY): the row is abandoned."""
 
 
-def ran_away(done: Sequence[str], lengths: Sequence[int], total: int) -> str | None:
-    """Why a row is abandoned, if it is: the translations so far (`done`, before the last part of `total`) are
-    RUNAWAY times longer in words than `lengths` (per sentence) on the same sentences."""
-    words, usual = sum(len(h.split()) for h in done), max(sum(lengths[: len(done)]), 1)
-    if len(done) < total and words > RUNAWAY * usual:
-        return f"abandoned: {words / usual:.2f}x the usual length after {len(done):,} of {total:,} sentences"
-    return None
-
-
 def checked_for_runaway(translate: Callable[[list[str]], list], lengths: Sequence[int]) -> Callable:
-    """`translate` over the split in CHUNKS parts; raises RunAway when what is translated so far ran_away."""
+    """`translate` over the split in CHUNKS parts; raises RunAway when the translations so far are RUNAWAY times
+    longer in words than `lengths` (per sentence) on the same sentences."""
 
     def run(lines: list[str]) -> list:
         size, done = max(1, -(-len(lines) // CHUNKS)), []
         for start in range(0, len(lines), size):
             done += translate(lines[start : start + size])
-            if why := ran_away(done, lengths, len(lines)):
-                raise RunAway(why)
+            words, usual = sum(len(h.split()) for h in done), max(sum(lengths[: len(done)]), 1)
+            if len(done) < len(lines) and words > RUNAWAY * usual:
+                raise RunAway(f"abandoned: {words / usual:.2f}x the usual length after {len(done):,} of {len(lines):,} "
+                              "sentences")  # fmt: skip
         return done
 
     return run
