@@ -90,9 +90,9 @@ def test_drop_empty_strips_and_counts():
 
 def test_length_filter_counts_each_rule():
     src, tgt = np.array([3, 10, 4, 2, 6]), np.array([3, 4, 12, 7, 5])
-    rule = length_filter(src, tgt, max_len=10, max_ratio=2.0)
-    assert rule["keep"].tolist() == [True, False, False, False, True]
-    assert rule["drops"] == {"longer than 10 tokens": 1, "length ratio above 2.0": 2}
+    keep, drops = length_filter(src, tgt, max_len=10, max_ratio=2.0)
+    assert keep.tolist() == [True, False, False, False, True]
+    assert drops == {"longer than 10 tokens": 1, "length ratio above 2.0": 2}
 
 
 # ---------------------------------------------------------------- local copies of Hub layouts
