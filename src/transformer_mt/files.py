@@ -187,6 +187,9 @@ class RunFolder:
     def ema(self) -> Path:
         return self.checkpoints / "ema.ckpt"
 
+    def average(self, n: int) -> Path:
+        return self.checkpoints / self.average_name(n)
+
     @property
     def results(self) -> Path:
         return self.path / RESULTS
