@@ -14,7 +14,6 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from transformer_mt.errors import InputError, MissingInputError
@@ -57,34 +56,25 @@ def remove(path: Path) -> None:
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
     """Remove atomic_write's temporaries in `directory` (or a folder in it) whose writer, of this host, is gone."""
-    removed = []
     found = [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")] if directory.is_dir() else []
-    for path in found:
-        if is_stale(path):
-            remove(path)
-            removed.append(path)
+    removed = [path for path in found if is_stale(path)]
+    for path in removed:
+        remove(path)
     return removed
 
 
 def is_stale(path: Path) -> bool:
     """A temporary of atomic_write whose writer, a process of this host, is gone."""
-    owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)
-    return (
-        len(owner) == 3
-        and owner[0] == socket.gethostname()
-        and owner[1].isdigit()
-        and not process_exists(int(owner[1]))
-    )
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)  # host, pid, a random part
+    if len(owner) != 3 or owner[0] != socket.gethostname() or not owner[1].isdigit():
         return False
-    except PermissionError:  # another user's process
+    try:
+        os.kill(int(owner[1]), 0)
+    except ProcessLookupError:
         return True
-    return True
+    except PermissionError:  # another user's process
+        pass
+    return False
 
 
 def decode_line(line: bytes, number: int, where: str) -> str:
@@ -162,41 +152,24 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
 class RunFolder:
     """A training run's folder: checkpoints/ (step<N>.ckpt, last.ckpt, best.ckpt; the end-of-run protocol's
     average-last<N>.ckpt and ema.ckpt), results.json, and .lock (RunFolderLock)."""
 
-    path: Path
-
     LAST, BEST, AVERAGE = "last.ckpt", "best.ckpt", "average-"
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.last, self.ema = self.checkpoints / self.LAST, self.checkpoints / "ema.ckpt"
+        self.results, self.lock_file = self.path / RESULTS, self.path / ".lock"
 
     @staticmethod
     def average_name(n: int) -> str:
         return f"{RunFolder.AVERAGE}last{n}.ckpt"
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
-
-    @property
-    def last(self) -> Path:
-        return self.checkpoints / self.LAST
-
-    @property
-    def ema(self) -> Path:
-        return self.checkpoints / "ema.ckpt"
-
     def average(self, n: int) -> Path:
         return self.checkpoints / self.average_name(n)
-
-    @property
-    def results(self) -> Path:
-        return self.path / RESULTS
-
-    @property
-    def lock_file(self) -> Path:
-        return self.path / ".lock"
 
     def in_use(self) -> bool:
         """Whether a training holds the folder's lock."""

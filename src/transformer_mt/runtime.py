@@ -161,17 +161,6 @@ class Peak:
         return again if self.flops and again.flops > self.flops else self
 
 
-def matmul_format(precision: str, device: torch.device) -> str:
-    """The format training's matrix products compute in: bf16, fp16, tf32 (use_tf32 on CUDA) or fp32."""
-    precision = str(precision)
-    if precision.startswith("bf16"):
-        return "bf16"
-    if precision.startswith("16"):
-        return "fp16"
-    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
-    return "tf32" if tf32 else "fp32"
-
-
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> tuple[float, float]:
     """(FLOP/s, spread) of a square product on the CPU: the fastest of those timed for `seconds` (at least `repeats`),
     which other work on the cores slows less than the rest (5 products once read 371 GFLOP/s of ~850), and the
@@ -191,7 +180,9 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: fl
 
 def device_peak(device: torch.device, precision: str) -> Peak:
     """A GPU's peak from PEAK_TFLOPS; a CPU's measured (matmul_peak): CPUs differ too much for a table."""
-    fmt = matmul_format(precision, device)
+    # the format training's matrix products compute in: bf16, fp16, tf32 (fp32 after use_tf32, on CUDA) or fp32
+    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    fmt = {"bf16": "bf16", "16": "fp16"}.get(str(precision).split("-")[0], "tf32" if tf32 else "fp32")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peaks = next((peaks for pattern, peaks in PEAK_TFLOPS if re.search(pattern, name)), {})

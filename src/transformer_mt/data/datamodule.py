@@ -196,12 +196,9 @@ class ResumableLoader(DataLoader):
         """Where the next batch comes from; after an epoch's last batch, the next epoch (workers start prefetching
         it before Lightning calls set_epoch)."""
         epoch, done = self.batch_sampler.epoch, self.batches_done()
-        where = (
-            {"epoch": epoch + 1, "position": 0}
-            if done >= len(self.batch_sampler)
-            else {"epoch": epoch, "position": done}
-        )
-        return {**where, "plan": self.batch_sampler.plan}
+        if done >= len(self.batch_sampler):
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "position": done, "plan": self.batch_sampler.plan}
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.load_state_dict(state)
