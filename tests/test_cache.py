@@ -240,6 +240,8 @@ def test_a_damaged_cache_is_noticed_when_opened_and_built_again_with_a_warning(t
     arrow = train_cache / "pairs.arrow"
     expected = [list(first.splits["train"][i][0]) for i in range(5)]
     os.truncate(arrow, arrow.stat().st_size // 2)  # cut short after it was written
+    valid_size = first.cache.split_directory(first.raw["validation"], first.tokenizer) / "pairs.size"
+    valid_size.unlink()  # its size unknown: damaged too
     model = first.cache.tokenizer_directory(first.raw["train"]) / "sentencepiece.model"
     model.write_bytes(b"garbage")
     again = text_datamodule(tmp_path)
@@ -249,7 +251,8 @@ def test_a_damaged_cache_is_noticed_when_opened_and_built_again_with_a_warning(t
     assert re.search(
         rf"damaged cache, built again: {re.escape(str(arrow))} holds [\d,]+ bytes, [\d,]+ were", caplog.text
     )
-    assert [list(again.splits["train"][i][0]) for i in range(5)] == expected  # the same ids as before
+    assert re.search(r"damaged cache, built again: \S+pairs.arrow: \[Errno 2\] No such file", caplog.text)
+    assert [list(again.splits["train"][i][0]) for i in range(5)] == expected and valid_size.is_file()
 
 
 def test_a_wrong_but_valid_sentencepiece_model_in_a_cache_entry_is_one_line_naming_the_entry(tmp_path, caplog):
