@@ -90,9 +90,9 @@ def test_drop_empty_strips_and_counts():
 
 def test_length_filter_counts_each_rule():
     src, tgt = np.array([3, 10, 4, 2, 6]), np.array([3, 4, 12, 7, 5])
-    rule = length_filter(src, tgt, max_len=10, max_ratio=2.0)
-    assert rule["keep"].tolist() == [True, False, False, False, True]
-    assert rule["drops"] == {"longer than 10 tokens": 1, "length ratio above 2.0": 2}
+    keep, drops = length_filter(src, tgt, max_len=10, max_ratio=2.0)
+    assert keep.tolist() == [True, False, False, False, True]
+    assert drops == {"longer than 10 tokens": 1, "length ratio above 2.0": 2}
 
 
 # ---------------------------------------------------------------- local copies of Hub layouts
@@ -201,32 +201,12 @@ def test_offline_the_hub_is_asked_once_and_the_error_names_each_data_sets_fix(tm
 def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     script = ROOT / "scripts" / "make_wmt14_layout.py"
     wmt = SHARED_DATA / "wmt14"
-    subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "--out",
-            str(tmp_path / "wmt14"),
-            "--train",
-            str(wmt / "train-sample" / "news2008-2012"),
-            "--validation",
-            str(wmt / "newstest2013"),
-            "--test",
-            str(wmt / "newstest2014"),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    splits = ["--train", wmt / "train-sample" / "news2008-2012", "--validation", wmt / "newstest2013"]
+    args = ["--out", tmp_path / "wmt14", *splits, "--test", wmt / "newstest2014"]
+    subprocess.run([sys.executable, str(script), *map(str, args)], check=True, capture_output=True)
+    settings = dict(hub_config="de-en", vocab_size=4000, max_len_ratio=1.5)
     dm = TranslationDataModule(
-        "wmt14",
-        path=str(tmp_path / "wmt14"),
-        hub_name="wmt14",
-        hub_config="de-en",
-        vocab_size=4000,
-        max_len=250,
-        max_len_ratio=1.5,
-        max_tokens=4096,
-        cache_dir=str(tmp_path / "cache"),
+        "wmt14", path=str(tmp_path / "wmt14"), hub_name="wmt14", cache_dir=str(tmp_path / "cache"), **settings
     )
     dm.build()
     assert len(dm.tokenizer) == 4000
@@ -238,14 +218,7 @@ def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     assert 12_000 < len(dm.splits["train"]) <= 13_071
     # The same copy read as the Hub is read (data.path unset, data.hub_name = a repository in the Hub's
     # layout): datasets.load_dataset(name, "de-en", split=...) finds the files through the README's configs.
-    hub = TranslationDataModule(
-        "wmt14",
-        hub_name=str(tmp_path / "wmt14"),
-        hub_config="de-en",
-        vocab_size=4000,
-        max_len_ratio=1.5,
-        cache_dir=str(tmp_path / "cache-hub"),
-    )
+    hub = TranslationDataModule("wmt14", hub_name=str(tmp_path / "wmt14"), cache_dir=str(tmp_path / "hub"), **settings)
     hub.build()
     for split in ("train", "validation", "test"):
         assert len(hub.splits[split]) == len(dm.splits[split])

@@ -1,5 +1,4 @@
-"""Files: atomic writes (a crash never leaves a half-written file), stale temporaries, reading UTF-8 lines, a
-file's SHA-256, and a training run's folder (RunFolder: the names in it, its lock)."""
+"""Files: atomic writes, reading UTF-8 lines, a file's SHA-256, and a training run's folder (its names, its lock)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from transformer_mt.errors import InputError, MissingInputError
@@ -27,14 +25,8 @@ TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
 @contextmanager
 def atomic_write(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to `target` (a file or a directory); rename it to `target`
-    when the block succeeds, remove it when it fails.
-
-    The rename is atomic: readers see the old content or the new, never part of it. The
-    temporary name is unique to this write. A directory that another process renamed into place
-    first is kept. Temporaries of the same target left by killed writers (make export, make
-    average, a cache) are removed first.
-    """
+    """A temporary path beside `target` (a file or a directory), renamed to `target` when the block succeeds
+    (readers see the old content or the new, never part of it) and removed when it fails."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*"):  # of this target, by killed writers
@@ -63,42 +55,31 @@ def remove(path: Path) -> None:
 
 
 def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove the temporary files and folders that atomic_write left in `directory` (or a folder
-    inside it) when its process was killed: those of this host whose process is gone (another
-    host's may still be writing)."""
-    removed = []
+    """Remove atomic_write's temporaries in `directory` (or a folder in it) whose writer, of this host, is gone."""
     found = [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")] if directory.is_dir() else []
-    for path in found:
-        if is_stale(path):
-            remove(path)
-            removed.append(path)
+    removed = [path for path in found if is_stale(path)]
+    for path in removed:
+        remove(path)
     return removed
 
 
 def is_stale(path: Path) -> bool:
     """A temporary of atomic_write whose writer, a process of this host, is gone."""
-    owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)
-    return (
-        len(owner) == 3
-        and owner[0] == socket.gethostname()
-        and owner[1].isdigit()
-        and not process_exists(int(owner[1]))
-    )
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)  # host, pid, a random part
+    if len(owner) != 3 or owner[0] != socket.gethostname() or not owner[1].isdigit():
         return False
-    except PermissionError:  # another user's process
+    try:
+        os.kill(int(owner[1]), 0)
+    except ProcessLookupError:
         return True
-    return True
+    except PermissionError:  # another user's process
+        pass
+    return False
 
 
 def decode_line(line: bytes, number: int, where: str) -> str:
-    """One line of UTF-8 bytes as text, without its "\\n" (and, on line 1, a byte-order mark: not text, it would
-    stay glued to the first sentence, e.g. in BLEU references); invalid UTF-8 names `where` and the line."""
+    """One line of UTF-8 bytes as text, without its "\\n" nor, on line 1, a byte-order mark (it would stick to the
+    first sentence); invalid UTF-8 is one line naming `where` and the line."""
     try:
         text = line.decode("utf-8-sig" if number == 1 else "utf-8")
     except UnicodeDecodeError as e:
@@ -110,8 +91,7 @@ def decode_line(line: bytes, number: int, where: str) -> str:
 
 
 def iter_lines(path: str | Path) -> Iterator[str]:
-    """Lines of a UTF-8 file, one at a time (a file is never held whole), split on "\\n" only:
-    str.splitlines() also splits on U+0085, which occurs inside WMT sentences."""
+    """Lines of a UTF-8 file, one at a time, split on "\\n" only (splitlines() splits on U+0085, in WMT sentences)."""
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"no such file: {path}")
@@ -125,11 +105,9 @@ def read_lines(path: str | Path) -> list[str]:
 
 
 class RunFolderLock:
-    """Holds <run>/.lock (an flock) for a training's lifetime: a second training started into the same
-    folder is refused in one line naming the holder, instead of both writing the same checkpoints and
-    log. The lock goes with its process, however it ends (even SIGKILL): a stale .lock file is taken
-    over. Hydra writes the refused start's own .hydra/ files before it runs; the holder writes its
-    own back when it ends."""
+    """<run>/.lock, an flock held for a training's lifetime (it goes with its process, SIGKILL included): a second
+    training into the folder is refused in one line naming the holder. Hydra writes the refused start's .hydra/
+    files before it runs; the holder writes its own back when it ends."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -166,7 +144,7 @@ class RunFolderLock:
 
 
 def file_digest(path: Path) -> str:
-    """The SHA-256 of a file's bytes (which checkpoint an export or make tune's record was made from)."""
+    """A file's SHA-256 (which checkpoint an export or make tune's record was made from)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -174,59 +152,27 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
 class RunFolder:
-    """A training run's folder and the names in it: checkpoints/ (training's step<N>.ckpt, last.ckpt and
-    best.ckpt; the end-of-run protocol's average-last<N>.ckpt and ema.ckpt), results.json, and .lock, which a
-    training holds while it runs (RunFolderLock)."""
+    """A training run's folder: checkpoints/ (step<N>.ckpt, last.ckpt, best.ckpt; the end-of-run protocol's
+    average-last<N>.ckpt and ema.ckpt), results.json, and .lock (RunFolderLock)."""
 
-    path: Path
+    LAST, BEST, AVERAGE = "last.ckpt", "best.ckpt", "average-"
 
-    CHECKPOINTS, LAST, BEST, EMA, AVERAGE, LOCK = (
-        "checkpoints",
-        "last.ckpt",
-        "best.ckpt",
-        "ema.ckpt",
-        "average-",
-        ".lock",
-    )
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.checkpoints = self.path / "checkpoints"
+        self.last, self.ema = self.checkpoints / self.LAST, self.checkpoints / "ema.ckpt"
+        self.results, self.lock_file = self.path / RESULTS, self.path / ".lock"
 
     @staticmethod
     def average_name(n: int) -> str:
         return f"{RunFolder.AVERAGE}last{n}.ckpt"
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / self.CHECKPOINTS
-
-    @property
-    def last(self) -> Path:
-        return self.checkpoints / self.LAST
-
-    @property
-    def best(self) -> Path:
-        return self.checkpoints / self.BEST
-
-    @property
-    def ema(self) -> Path:
-        return self.checkpoints / self.EMA
-
     def average(self, n: int) -> Path:
         return self.checkpoints / self.average_name(n)
 
-    @property
-    def results(self) -> Path:
-        return self.path / RESULTS
-
-    @property
-    def lock_file(self) -> Path:
-        return self.path / self.LOCK
-
-    def lock(self) -> RunFolderLock:
-        return RunFolderLock(self.path)
-
     def in_use(self) -> bool:
-        """Whether a training holds the folder's lock (RunFolderLock)."""
+        """Whether a training holds the folder's lock."""
         try:
             fd = os.open(self.lock_file, os.O_RDONLY)
         except FileNotFoundError:
@@ -241,12 +187,11 @@ class RunFolder:
 
     def remove_if_empty(self) -> None:
         """Remove the folder if it holds only Hydra's files (.hydra/, <job>.log) and a free .lock, and the folders
-        above it that it leaves empty, up to the working directory (outputs/<date>/ and outputs/): a command that
-        failed on bad input leaves no folder behind."""
+        above it left empty, up to the working directory: a command failed on bad input leaves no folder behind."""
         cwd, run_dir = Path.cwd().resolve(), self.path.resolve()
         if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
             return
-        hydra_only = (".hydra", self.LOCK)  # and the logs
+        hydra_only = (".hydra", ".lock")  # and the logs
         if not run_dir.is_dir() or any(p.name not in hydra_only and p.suffix != ".log" for p in run_dir.iterdir()):
             return
         if self.in_use():  # a start refused there: the folder is another training's, still building its data
@@ -261,12 +206,11 @@ class RunFolder:
                 break
 
     def holder(self) -> str:
-        """Who holds the lock, as its file says (pid, host, since when)."""
+        """Who holds the lock (pid, host, since when)."""
         return self.lock_file.read_text(encoding="utf-8", errors="replace").strip() or "a process"
 
     def keep_earlier_results(self) -> Path | None:
-        """An earlier results.json of the run (make finish on a finished run, a run extended and finished again) is
-        kept beside the new one as results.<n>.json, the first free n, and the log says so: nothing is overwritten."""
+        """An earlier results.json (a run finished again) is kept as results.<n>.json, the first free n, and said."""
         if not self.results.is_file():
             return None
         n = 1

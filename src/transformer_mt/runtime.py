@@ -1,18 +1,4 @@
-"""The machine a process runs on: devices, CPU threads, CPU features, and glibc's allocator.
-
-glibc malloc settings for training and decoding processes (Linux; elsewhere nothing happens):
-
-PyTorch's CPU tensors come straight from malloc. glibc serves large blocks (above a threshold
-that adapts up to 32 MiB) with mmap and hands them back with munmap when freed, so every training
-step maps its activations afresh and the kernel zero-fills them page by page. On Multi30k-shaped
-batches (small model, fp32, 2-core AMD EPYC) that was ~46,000 minor page faults per update and
-7.5% of the CPU time in the kernel; with mmap off and freed memory kept for reuse (below): ~4,000
-faults, 0.9%, and 1.19x the target tokens/s (scripts/benchmark.py prints both columns).
-
-The price: memory freed by tensors stays in the process for the next step, so resident memory
-is the high-water mark of live tensors plus up to TRIM_THRESHOLD kept at the heap's top.
-TRANSFORMER_MT_MALLOC=system in the environment leaves glibc's defaults alone.
-"""
+"""The machine a process runs on: devices, CPU threads and features, peak FLOP/s, glibc's allocator, process ends."""
 
 from __future__ import annotations
 
@@ -52,19 +38,17 @@ IDEEP_CACHE = "LRU_CACHE_CAPACITY"  # ideep, PyTorch's layer over oneDNN: its ow
 
 
 def bound_onednn_cache() -> None:
-    """bf16 and fp32 products on the CPU go through ideep and oneDNN, and each keeps what it compiled for
-    every input shape it meets, up to 1,024 shapes, with its buffers; token buckets give almost every
-    training batch a new shape. oneDNN's cache grew the process by ~12 MiB per update (the Multi30k recipe
-    on 2 CPU cores, bf16) and ideep's by ~3 MiB more: capacity 0 for oneDNN and 1 for ideep (0 crashes it)
-    keep neither (docs/measurements.md, host memory). Set before the first product; a capacity already in
-    the environment wins."""
+    """oneDNN and ideep keep a compiled product per input shape, and token buckets give almost every batch a new
+    one (~15 MiB per update: docs/measurements.md, host memory): capacity 0 and 1 (0 crashes ideep) keep none.
+    Set before the first product; a capacity in the environment wins."""
     os.environ.setdefault(ONEDNN_CACHE, "0")
     os.environ.setdefault(IDEEP_CACHE, "1")
 
 
 def keep_freed_memory() -> bool:
-    """Serve every allocation from the heap (no mmap) and keep freed memory for reuse. Returns
-    whether the settings took effect (False: not glibc, or TRANSFORMER_MT_MALLOC=system)."""
+    """glibc serves every allocation from the heap (no mmap) and keeps freed memory for reuse: no page faults for
+    each step's activations (46,000 -> 4,000 per update, 1.19x tokens/s: docs/measurements.md). Whether it took
+    effect (not under TRANSFORMER_MT_MALLOC=system, nor without glibc)."""
     lib = libc()
     if lib is None or os.environ.get("TRANSFORMER_MT_MALLOC") == "system":
         return False
@@ -72,9 +56,7 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> None:
-    """Hand memory that C/C++ code freed back to the system. SentencePiece's trainer frees its gigabytes
-    of sentences when it ends, but glibc keeps freed heap pages for reuse: at WMT14 scale, 4.8 GB
-    stayed resident in the training process."""
+    """Hand freed heap memory back to the system (SentencePiece's trainer left 4.8 GB resident at WMT14 scale)."""
     lib = libc()
     if lib is not None:
         lib.malloc_trim(0)
@@ -90,10 +72,7 @@ def pick_device(name: str) -> torch.device:
 
 
 def set_threads(threads: int) -> None:
-    """CPU threads for torch (0: leave torch's default, every core). Fewer threads than cores pay off
-    when other processes keep cores busy: decoding Multi30k on 2 cores beside one busy process,
-    2 threads gave 32 sentences/s and 1 thread 76 (alone: 114 and 75), as threads that wait for
-    a descheduled sibling at every small operation stall the whole step."""
+    """CPU threads for torch (0: torch's default, every core; fewer pay off beside busy processes: docs/inference)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise InputError(f"threads={threads!r}: must be a whole number >= 0 (0 = every core)")
     if threads:
@@ -101,7 +80,6 @@ def set_threads(threads: int) -> None:
 
 
 def cpuinfo() -> str | None:
-    """/proc/cpuinfo, or None where there is none (not Linux)."""
     try:
         return Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -137,9 +115,7 @@ def usable_cores() -> int:
 
 
 def use_tf32() -> None:
-    """fp32 matrix products (and cuDNN convolutions) on CUDA tensor cores in TF32: the inputs rounded to a
-    10-bit mantissa, sums in fp32, several times faster than full fp32 from Ampere on. PyTorch leaves it
-    off by default; bf16-mixed training does not use it (its products are bf16)."""
+    """fp32 products on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 sums; off in PyTorch by default)."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
 
@@ -164,53 +140,32 @@ class Peak:
 
     flops: float | None
     source: str
-    spread: float = 1.0  # a measured peak's slowest product / its fastest: above DISTURBED, other work took the cores
-    fmt: str | None = None  # a CPU's measured peak: the format it was measured in (it can be measured again)
-
-    DISTURBED = 2.0
+    spread: float = 1.0  # a CPU probe's slowest product / its fastest: above 2, other work took the cores
+    fmt: str | None = None  # a CPU's measured peak: its format (it can be measured again)
 
     @property
     def disturbed(self) -> bool:
-        return self.spread > self.DISTURBED
+        return self.spread > 2.0
 
     def utilisation(self, flops_per_second: float) -> float | None:
-        """The share of the peak, never above 1: model FLOP/s above it say the peak is too low (raised)."""
+        """The share of the peak, never above 1."""
         return min(flops_per_second / self.flops, 1.0) if self.flops else None
 
     def raised(self, flops_per_second: float) -> Peak:
-        """The peak once training ran faster than it: what training reached (a CPU's probe was disturbed)."""
+        """What training reached, once it ran faster than the peak."""
         return Peak(flops_per_second, f"{flops_text(flops_per_second)}, the model FLOP/s training reached", self.spread)
 
     def remeasured(self) -> Peak:
-        """A CPU's peak measured again; the better of the two (a probe disturbed by other work reads too low)."""
-        flops, spread = matmul_peak(torch.bfloat16 if self.fmt == "bf16" else torch.float32)
-        if not self.flops or flops <= self.flops:
-            return self
-        return Peak(
-            flops, f"{flops_text(flops)} {self.fmt}, a 2048^3 matrix product timed on this CPU", spread, self.fmt
-        )
-
-
-def matmul_format(precision: str, device: torch.device) -> str:
-    """The format training's matrix products compute in: bf16, fp16, tf32 (fp32 on CUDA tensor cores, as
-    use_tf32 allows) or fp32."""
-    precision = str(precision)
-    if precision.startswith("bf16"):
-        return "bf16"
-    if precision.startswith("16"):
-        return "fp16"
-    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
-    return "tf32" if tf32 else "fp32"
+        """A CPU's peak measured again, the better of the two kept (a disturbed probe reads too low)."""
+        again = cpu_measured(self.fmt, matmul_peak(torch.bfloat16 if self.fmt == "bf16" else torch.float32))
+        return again if self.flops and again.flops > self.flops else self
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> tuple[float, float]:
-    """FLOP/s of a large square matrix product in `dtype` on the CPU: the fastest of the products timed one
-    after another for `seconds` (at least `repeats` of them), after a warm-up, and their spread (the slowest
-    product's time / the fastest's). Other processes that take the cores for a moment slow some of them, not
-    the fastest (5 products in a row, ~0.1 s in bf16, once gave 371 GFLOP/s on a CPU that measures ~850, and
-    that run's every MFU twice the real one); a spread over 2 says they did (Peak.disturbed)."""
-    values = torch.Generator().manual_seed(0)  # not the global generator: a run's dropout must not depend on whether
-    # this process measured the peak before (it does once: the first run of a sweep would differ from a rerun)
+    """(FLOP/s, spread) of a square product on the CPU: the fastest of those timed for `seconds` (at least `repeats`),
+    which other work on the cores slows less than the rest (5 products once read 371 GFLOP/s of ~850), and the
+    slowest's time over the fastest's (Peak.disturbed)."""
+    values = torch.Generator().manual_seed(0)  # not the global generator: a run's dropout is the same either way
     a, b = (torch.randn(n, n, generator=values).to(dtype) for _ in range(2))
     a @ b  # the first product allocates and wakes the threads
     fastest, slowest, done, began = float("inf"), 0.0, 0, time.perf_counter()
@@ -224,27 +179,28 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: fl
 
 
 def device_peak(device: torch.device, precision: str) -> Peak:
-    """The peak of one training device: a GPU's from PEAK_TFLOPS, a CPU's measured here (the fastest 2048^3
-    product in training's format over ~1 s): CPUs differ too much for a table (cores, AVX-512, AMX, clocks)."""
-    fmt = matmul_format(precision, device)
+    """A GPU's peak from PEAK_TFLOPS; a CPU's measured (matmul_peak): CPUs differ too much for a table."""
+    # the format training's matrix products compute in: bf16, fp16, tf32 (fp32 after use_tf32, on CUDA) or fp32
+    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    fmt = {"bf16": "bf16", "16": "fp16"}.get(str(precision).split("-")[0], "tf32" if tf32 else "fp32")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peaks = next((peaks for pattern, peaks in PEAK_TFLOPS if re.search(pattern, name)), None)
-        if peaks is None:
-            return Peak(None, f"no peak known for {name}: no MFU (add its data sheet's to runtime.PEAK_TFLOPS)")
+        peaks = next((peaks for pattern, peaks in PEAK_TFLOPS if re.search(pattern, name)), {})
         if fmt not in peaks:
-            return Peak(None, f"no {fmt} peak known for {name}: no MFU")
+            return Peak(None, f"no {fmt} peak known for {name}: no MFU (add its data sheet's to runtime.PEAK_TFLOPS)")
         return Peak(peaks[fmt] * 1e12, f"{peaks[fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
     if device.type != "cpu":
         return Peak(None, f"no peak known for {device.type} devices: no MFU")
-    flops, spread = cpu_peak(fmt)
-    return Peak(flops, f"{flops_text(flops)} {fmt}, a 2048^3 matrix product timed on this CPU", spread, fmt)
+    return cpu_measured(fmt, cpu_peak(fmt))
+
+
+def cpu_measured(fmt: str, probe: tuple[float, float]) -> Peak:
+    return Peak(probe[0], f"{flops_text(probe[0])} {fmt}, a 2048^3 matrix product timed on this CPU", probe[1], fmt)
 
 
 @functools.cache
 def cpu_peak(fmt: str) -> tuple[float, float]:
-    """matmul_peak in format `fmt` (bf16 or fp32), timed once per process: a second training in the same
-    process (a sweep's job, a test) reuses it instead of spending another second."""
+    """matmul_peak in `fmt` (bf16 or fp32), once per process (a sweep's next job reuses it)."""
     return matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
 
 
@@ -254,8 +210,7 @@ def duration(seconds: float) -> str:
 
 
 def flops_text(flops_per_second: float) -> str:
-    """FLOP/s for a person, at least 3 significant digits: 412 GFLOP/s or 0.0512 GFLOP/s on a CPU, 1.34 TFLOP/s on
-    an AMX CPU, 412.3 TFLOP/s on a GPU."""
+    """FLOP/s for a person, at least 3 significant digits: 412 GFLOP/s, 0.0512 GFLOP/s, 1.34 TFLOP/s, 412.3 TFLOP/s."""
     if flops_per_second >= 1e12:
         tera = flops_per_second / 1e12
         return f"{tera:,.{2 if tera < 10 else 1}f} TFLOP/s"
@@ -266,10 +221,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(worker_id: int = 0) -> None:
-    """A data loader's worker_init_fn: on Linux, the kernel kills this worker when the training process
-    dies, however it dies (SIGKILL included), instead of leaving it running. The stop signals (Ctrl+C,
-    SIGTERM, SLURM's SIGUSR1 reach the whole process group) are the training process's to handle: a
-    worker ignores them, so that the update in progress can finish."""
+    """A loader's worker_init_fn: the kernel kills the worker when the training process dies (SIGKILL included);
+    the stop signals, sent to the whole process group, are the training process's to handle (the update ends)."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
@@ -277,12 +230,9 @@ def die_with_parent(worker_id: int = 0) -> None:
 
 
 def end_process_group() -> list[str]:
-    """Destroy the job's process group and collect what still holds it (the Trainer's DDP/FSDP wrappers:
-    call this once they are out of scope), so that gloo's worker threads are joined before the interpreter
-    exits. Those threads release a collective's tensors just after the collective returns; one that did so
-    while the interpreter was finalizing could not take the GIL and aborted its process ("terminate called
-    without an active exception", status -6) now and then under torchrun and srun (pytorch/pytorch#190489).
-    Returns the names of gloo threads still running (Linux; [] elsewhere): none when the group is gone."""
+    """Destroy the process group and collect its holders (once the Trainer's wrappers are gone); the gloo threads
+    still running ([] once it is gone). One that outlives the interpreter's finalization aborts the process
+    (status -6, pytorch/pytorch#190489)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     gc.collect()
@@ -290,28 +240,21 @@ def end_process_group() -> list[str]:
 
 
 def gloo_threads() -> list[str]:
-    return [name for name in thread_names() if name.startswith(("pt_gloo", "gloo"))]
+    """gloo's threads in this process (Linux; [] elsewhere)."""
+    names = []
+    with contextlib.suppress(OSError):
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):
+                names.append((task / "comm").read_text().strip())
+    return [name for name in names if name.startswith(("pt_gloo", "gloo"))]
 
 
 def leave_if_gloo_remains(status: int) -> None:
-    """End the process now, past Python's finalization, where gloo's threads outlive the process group: under
-    trainer=fsdp, FSDP2's per-layer states keep the group alive after the run (a reference cycle that runs through
-    hooks held on the C++ side, which Python's gc cannot collect), and a gloo thread that released a tensor while
-    the interpreter was finalizing aborted its process (end_process_group). Logs and output are flushed first; the
-    process ends with `status`, the run's own. Elsewhere (DDP, one process) a no-op: the exit is Python's."""
+    """Exit with `status` now, past Python's finalization, if gloo's threads outlive the process group (trainer=fsdp:
+    FSDP2's per-layer states hold it through C++ hooks gc cannot collect); logs and output flushed first."""
     if not gloo_threads():
         return
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def thread_names() -> list[str]:
-    """The names of this process's threads (Linux: /proc/self/task; [] elsewhere)."""
-    names = []
-    with contextlib.suppress(OSError):
-        for task in Path("/proc/self/task").iterdir():
-            with contextlib.suppress(OSError):
-                names.append((task / "comm").read_text().strip())
-    return names

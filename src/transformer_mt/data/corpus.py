@@ -1,8 +1,5 @@
-"""Parallel text: where a corpus comes from (the Hub through `datasets`, a local copy of the
-Hub's layout, or aligned plain-text files), reading it safely, and cleaning it.
-
-Splits are always named train/validation/test.
-"""
+"""Parallel text: where a corpus comes from (the Hub, a local copy of its layout, or aligned text files), reading
+it safely, and cleaning it. Splits are always named train/validation/test."""
 
 from __future__ import annotations
 
@@ -22,9 +19,6 @@ from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import iter_lines
 
 SPLITS = ("train", "validation", "test")
-
-
-# ---------------------------------------------------------------- reading raw text
 
 
 def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
@@ -49,7 +43,6 @@ def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Ite
 
 
 def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
-    """All (source, target) texts of chunked pairs, in two lists."""
     src, tgt = [], []
     for s, t in batches:
         src += s
@@ -88,9 +81,7 @@ class Corpus:
 
     @classmethod
     def from_config(cls, data_cfg: Mapping, **overrides) -> Corpus:
-        """The corpus a data config (conf/data/*.yaml) names: its fields picked by name, a field the config
-        lacks at its default. The config's other keys (vocabulary, batching, cache) are the DataModule's and
-        are passed over; `overrides` win, and each must be a field (an unknown one is a TypeError)."""
+        """The Corpus fields of a data config (conf/data/); `overrides` win, and an unknown one is a TypeError."""
         names = {f.name for f in fields(cls)}
         picked = {key: value for key, value in data_cfg.items() if key in names} | overrides
         picked["text_files"] = dict(picked.get("text_files") or {})  # null in conf/data/default.yaml
@@ -113,8 +104,8 @@ class Corpus:
         return []
 
     def load_from_hub(self, split: str) -> datasets.Dataset:
-        """`split` from the Hugging Face Hub, or `datasets`' cache of it when the Hub does not answer (asked once,
-        not retried for ~25 s); a failure names this corpus' offline fix."""
+        """`split` from the Hub, or `datasets`' cache of it when the Hub does not answer (asked once, not retried
+        for ~25 s); a failure names this corpus' offline fix."""
         unreachable = None if Path(self.hub_name).expanduser().is_dir() else hub_unreachable()  # a folder: no Hub
         try:
             with hub_offline(unreachable is not None):
@@ -128,7 +119,6 @@ class Corpus:
             ) from e
 
     def offline_fix(self) -> str:
-        """How to train without the Hub: the text files this corpus' config names, or else the Hub's layout."""
         if self.text_files:
             files = ", ".join(
                 f"{prefix}.{lang}" for prefix in self.text_files.values() for lang in (self.src_lang, self.tgt_lang)
@@ -140,8 +130,7 @@ class Corpus:
         )
 
     def texts(self, split: str) -> tuple[list[str], list[str]]:
-        """A split's (sources, references) as they are scored, by the end of a run, make evaluate and make tune
-        alike: both sides stripped, the pairs with an empty side left out (drop_empty, as its cache keeps them)."""
+        """A split's (sources, references) as the end of a run, make evaluate and make tune score them (drop_empty)."""
         raw = self.load(split)
         sources, references, _ = drop_empty(*raw.pairs())
         if not sources:
@@ -168,7 +157,7 @@ class Corpus:
             return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
         files = self.local_files(split)
         if not files:
-            looked = [str(p) for p in filter(None, [self.text_paths(split)])]
+            looked = [str(p) for p in self.text_paths(split) or ()]
             raise MissingInputError(
                 f"data '{self.name}': no {split} split under {root}; looked for "
                 f"{' and '.join(looked) + ', ' if looked else ''}{split}-*.parquet / {split}.jsonl "
@@ -187,8 +176,7 @@ class Corpus:
 
 
 def hub_unreachable(timeout: float = 10.0) -> str | None:
-    """Why the Hub does not answer one request (HF_HUB_OFFLINE set, no network, no name resolution), or None when
-    it answers at all (any HTTP status: the load then says what is wrong)."""
+    """Why the Hub does not answer one request, or None when it answers at all (any HTTP status)."""
     if datasets.config.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
     try:
@@ -200,13 +188,9 @@ def hub_unreachable(timeout: float = 10.0) -> str | None:
 
 @contextmanager
 def hub_offline(offline: bool) -> Iterator[None]:
-    """`datasets` and `huggingface_hub` in their offline mode (as with HF_HUB_OFFLINE=1) inside the block when
-    `offline`: a dataset comes from their cache, or the load fails at once instead of retrying."""
-    if not offline:
-        yield
-        return
+    """`datasets` and `huggingface_hub` offline inside the block (as HF_HUB_OFFLINE=1) when `offline`."""
     saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = (True, True) if offline else saved
     try:
         yield
     finally:
@@ -215,8 +199,8 @@ def hub_offline(offline: bool) -> Iterator[None]:
 
 @dataclass
 class RawSplit:
-    """One split before tokenization; its fingerprint identifies the content for caching. The text is
-    read in chunks (`batches`), never held whole: WMT14's 4.5M pairs are ~1.3 GB as Python strings."""
+    """One split before tokenization; its fingerprint keys the cache. Read in chunks (`batches`), never whole:
+    WMT14's 4.5M pairs are ~1.3 GB as Python strings."""
 
     corpus: Corpus
     split: str
@@ -235,7 +219,7 @@ class RawSplit:
         return where if row is None else f"{where}, row {row}"
 
     def open(self) -> None:
-        """Open a local copy's dataset if not yet open (`datasets` converts its files to Arrow, once)."""
+        """Open a local copy's dataset (`datasets` converts its files to Arrow, once)."""
         if self.dataset is None and self.open_dataset is not None:
             self.dataset = self.open_dataset()
 
@@ -261,22 +245,18 @@ class RawSplit:
             yield tuple([x or "" for x in side.to_pylist()] for side in sides)
 
     def pairs(self) -> tuple[list[str], list[str]]:
-        """Every (source, target) text of the split; for small splits (validation, test, a file to score)."""
+        """Every (source, target) text of a small split."""
         return gather(self.batches())
 
 
-# ---------------------------------------------------------------- cleaning
-
-
 def drop_empty(src: list[str], tgt: list[str]) -> tuple[list[str], list[str], list[int]]:
-    """Strip both sides; drop pairs where either side is empty. Returns (src, tgt, rows kept), rows
-    counted from 0 in the input (so that an error can name the line)."""
+    """Both sides stripped, the pairs with an empty side dropped; (src, tgt, the rows kept, from 0)."""
     kept = [(i, s, t) for i, (s, t) in enumerate(zip((s.strip() for s in src), (t.strip() for t in tgt))) if s and t]
     return [s for _, s, _ in kept], [t for _, _, t in kept], [i for i, _, _ in kept]
 
 
-def length_filter(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int, max_ratio: float | None) -> dict:
-    """Boolean keep-mask and per-rule drop counts for token lengths (without BOS/EOS)."""
+def length_filter(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int, max_ratio: float | None) -> tuple:
+    """(keep-mask, drops per rule) of token lengths (without BOS/EOS)."""
     too_long = (src_lens > max_len) | (tgt_lens > max_len)
     keep = ~too_long
     drops = {f"longer than {max_len} tokens": int(too_long.sum())}
@@ -285,4 +265,4 @@ def length_filter(src_lens: np.ndarray, tgt_lens: np.ndarray, max_len: int, max_
         bad_ratio = keep & (ratio > max_ratio)
         keep &= ~bad_ratio
         drops[f"length ratio above {max_ratio}"] = int(bad_ratio.sum())
-    return {"keep": keep, "drops": drops}
+    return keep, drops

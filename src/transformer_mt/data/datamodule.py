@@ -1,8 +1,4 @@
-"""The LightningDataModule: corpus -> shared SentencePiece -> cached token ids -> token buckets.
-
-Reading and cleaning text is in corpus.py, the token cache in cache.py, batching in batching.py; this
-file holds the data settings, checks the splits against the model, and hands Lightning its loaders.
-"""
+"""The LightningDataModule: the data settings, the splits checked against the model, Lightning's loaders."""
 
 from __future__ import annotations
 
@@ -10,7 +6,6 @@ import logging
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
@@ -28,15 +23,9 @@ from transformer_mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-CORPUS_FIELDS = {f.name for f in fields(Corpus)}
-
 
 class TranslationDataModule(L.LightningDataModule):
-    """Loads a corpus, trains/loads the shared SentencePiece model, caches token ids, batches.
-
-    Takes the keys of a data config (conf/data/): `name` and `corpus` are the Corpus's (src_lang,
-    tgt_lang, path, hub_name, hub_config, text_files: corpus.py), the others are named below.
-    """
+    """A data config's keys (conf/data/): `name` and `corpus` are the Corpus's (corpus.py), the others below."""
 
     def __init__(
         self,
@@ -54,8 +43,6 @@ class TranslationDataModule(L.LightningDataModule):
         **corpus,
     ):
         super().__init__()
-        if unknown := sorted(set(corpus) - CORPUS_FIELDS):  # as Python refuses an unknown keyword argument
-            raise TypeError(f"TranslationDataModule.__init__() got an unexpected keyword argument {unknown[0]!r}")
         numbers = dict(
             max_tokens=max_tokens, max_tokens_fallback=max_tokens_fallback, vocab_size=vocab_size, max_len=max_len
         )
@@ -65,7 +52,7 @@ class TranslationDataModule(L.LightningDataModule):
                     " or auto (the largest batch the device fits)" if key == "max_tokens" else ""))  # fmt: skip
         if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
-        self.corpus = Corpus.from_config(corpus, name=name)
+        self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
         self.cache_dir = Path(os.path.expanduser(cache_dir))
         self.cache = TokenCache(
             self.corpus, self.cache_dir, vocab_size, spm_max_sentences, max_len, max_len_ratio, seed
@@ -81,8 +68,6 @@ class TranslationDataModule(L.LightningDataModule):
         self._shape: tuple[tuple, tuple[int, int]] | None = None  # (its inputs, the shape): update_shape()
         self.update_tokens: int | None = None  # padded tokens per side of an update (training/batch_fit.shape_updates)
 
-    # -- building and caching (cache.py)
-
     def prepare_data(self) -> None:
         if not self.splits:  # train.py builds before the Trainer exists (the vocabulary size sizes the model)
             self.build()
@@ -92,26 +77,19 @@ class TranslationDataModule(L.LightningDataModule):
             self.build()
 
     def build(self, stage: Stage = lambda name: nullcontext()) -> None:
-        """Tokenizer and tokenized splits: from the cache when present, else built and cached (cache.py).
-
-        Each step runs inside `with stage("<what it does>")`: a hook for measuring them one at a time
-        (scripts/scale_report.py), named by what the step will do (load or build).
-        """
+        """Tokenizer and tokenized splits, cached (cache.py); each step inside `with stage(<its name>)`."""
         self.raw, self.tokenizer, self.splits = self.cache.build(stage)
 
     def build_when_cached(self, poll_seconds: float = 5.0, timeout_seconds: float = 6 * 3600) -> None:
-        """build() once another process (rank 0 of a launched job) has written every cache: the other
-        ranks wait instead of each training SentencePiece and tokenizing the corpus themselves."""
+        """build() once rank 0 of a launched job has written every cache."""
         self.cache.wait_for_rank_0(poll_seconds, timeout_seconds)
         self.build()
 
-    def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
-        """The cache's (scripts/spm_sample_size.py calls it here)."""
+    def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:  # scripts/spm_sample_size.py
         return self.cache.load_or_train_tokenizer(train)
 
     def check_lengths(self, max_positions: int) -> None:
-        """Every pair of every split fits the model's position table (with EOS, or BOS for the decoder
-        input): found now, not at the first validation after hours of training."""
+        """Every pair fits the model's position table with EOS (BOS): found now, not at the first validation."""
         for split, data in self.splits.items():
             longest = np.maximum(data.src_lens, data.tgt_lens) + 1
             too_long = np.flatnonzero(longest > max_positions)
@@ -130,39 +108,29 @@ class TranslationDataModule(L.LightningDataModule):
                 f"pairs in {split}); {fix}, or raise model.max_positions"
             )
 
-    # -- batching
-
-    def _rank_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-
     def longest_training_pair(self) -> int:
         """Tokens of the longer side of the longest training pair, with EOS (BOS): data.max_tokens=auto's probe."""
         split = self.splits["train"]
         return int(max(split.src_lens.max(), split.tgt_lens.max())) + 1
 
     def known_max_tokens(self) -> int:
-        """max_tokens, or max_tokens_fallback while auto is unresolved: the probe (training/batch_fit.py) sets
-        max_tokens in the processes that train, not in ddp_spawn's main process nor in the data tools."""
+        """max_tokens, or max_tokens_fallback until auto's probe (training/batch_fit.py) sets it."""
         return self.max_tokens_fallback if self.max_tokens == "auto" else self.max_tokens
 
     def update_shape(self, world_size: int) -> tuple[int, int]:
-        """(training tokens per micro-batch and device, micro-batches per update): batching.update_shape's,
-        worked out once and kept. The Trainer's accumulation (training/batch_fit.shape_updates) and the
-        training sampler's batch both read it; it is worked out again only when its inputs change (auto's
-        probe sets max_tokens after Lightning's setup(), so a shape fixed there could be stale)."""
+        """(training tokens per micro-batch and device, micro-batches per update), kept until its inputs change
+        (auto's probe sets max_tokens after setup()); the Trainer's accumulation and the sampler read it."""
         inputs = (self.tokens_per_update, self.known_max_tokens(), world_size)
         if self._shape is None or self._shape[0] != inputs:
             self._shape = (inputs, update_shape(*inputs))
         return self._shape[1]
 
-    def sampler(self, split: str, shuffle: bool, whole: bool = False) -> TokenBucketSampler:
-        """Token buckets of a split (this rank's share; `whole`: all of it). A training pair longer than
-        max_tokens (with EOS/BOS) is left out, and counted in the log; a validation or test sentence that
-        long is kept, in a batch of its own."""
-        rank, world = (0, 1) if whole else self._rank_world()
+    def sampler(self, split: str, shuffle: bool) -> TokenBucketSampler:
+        """Token buckets of this rank's share of a split. A training pair over max_tokens is left out and counted;
+        a validation or test one is kept, in a batch of its own."""
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         data = self.splits[split]
-        # training: the per-device share of the update (the shape kept by update_shape); validation and test: max_tokens
         max_tokens = self.update_shape(world)[0] if split == "train" else self.known_max_tokens()
         fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= max_tokens
         indices = np.flatnonzero(fits) if split == "train" else None
@@ -193,21 +161,14 @@ class TranslationDataModule(L.LightningDataModule):
             collate_fn=collate_fn,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
-            # Each iter() over a loader draws a seed for its workers; from the global generator, that draw
-            # would shift dropout's random numbers by whether a validation or an epoch start came between
-            # a checkpoint and the next update, so a resumed run would not match. Collation draws nothing.
+            # the workers' seed, drawn at each iter(), not from the global generator: a resumed run's dropout matches
             generator=torch.Generator().manual_seed(self.seed),
             worker_init_fn=die_with_parent,
-            pin_memory=self._on_cuda(),
+            pin_memory=self.trainer is not None and self.trainer.strategy.root_device.type == "cuda",  # GPU copies
         )
         if split == "train":
             return ResumableLoader(data, batches_done=self._batches_done, **kwargs)
         return DataLoader(data, **kwargs)
-
-    def _on_cuda(self) -> bool:
-        """Whether the Trainer's device is a GPU: its loaders then pin their batches (page-locked host memory),
-        which Lightning copies to the GPU without blocking (non_blocking=True). On a CPU pinning only costs."""
-        return self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
 
     def _batches_done(self) -> int:
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
@@ -222,34 +183,22 @@ class TranslationDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.sampler("test", shuffle=False))
 
-    def whole_split_loader(self, split: str) -> DataLoader:
-        """Every batch of a validation or test split, for one process (the end-of-run evaluation)."""
-        return self._loader(split, self.sampler(split, shuffle=False, whole=True))
-
 
 class ResumableLoader(DataLoader):
-    """The training loader, resumable inside an epoch: Lightning keeps the state_dict of such a loader
-    in every checkpoint and hands it back on resume (and warns about loaders without one).
-
-    The state is the epoch and the number of its batches that training has processed. The sampler
-    itself runs ahead of training (Lightning and the workers prefetch), so that number comes from
-    the trainer (`batches_done`), not from how far the sampler got.
-    """
+    """The training loader, resumable inside an epoch (Lightning checkpoints its state_dict): the epoch and the
+    batches training processed (`batches_done`, from the trainer: the sampler runs ahead, prefetching)."""
 
     def __init__(self, *args, batches_done: Callable[[], int], **kwargs):
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
 
     def state_dict(self) -> dict:
-        """Where the next batch comes from. After an epoch's last batch that is the next epoch: with worker
-        processes the loader's iterator is created (and starts prefetching) before Lightning calls
-        set_epoch for the new epoch, so the restored state must already name it."""
+        """Where the next batch comes from; after an epoch's last batch, the next epoch (workers start prefetching
+        it before Lightning calls set_epoch)."""
         epoch, done = self.batch_sampler.epoch, self.batches_done()
-        return (
-            {"epoch": epoch + 1, "position": 0}
-            if done >= len(self.batch_sampler)
-            else {"epoch": epoch, "position": done}
-        )
+        if done >= len(self.batch_sampler):
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "position": done}
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler.load_state_dict(state)
