@@ -5,13 +5,11 @@ import json
 import logging
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import hydra_task, write_corpus
-from transformer_mt.averaging import average_run
+from conftest import hydra_task
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
@@ -99,22 +97,6 @@ def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_
         torch.testing.assert_close(value, sum(p[key].double() for p in parts).float() / 3, rtol=0, atol=1e-6)
 
 
-def test_make_average_and_evaluate_keep_working_for_runs_without_the_new_keys(tmp_path, capsys):
-    """A run from before results.json (no totals, no moving average, no switches in its hyper-parameters)."""
-    old = Path(__file__).resolve().parent / "data" / "pre-layout-step3.ckpt"
-    folder = tmp_path / "old" / "checkpoints"
-    folder.mkdir(parents=True)
-    for step in (2, 3):
-        shutil.copy(old, folder / f"step{step:07d}.ckpt")
-    average = average_run(tmp_path / "old", 2)
-    assert "totals" not in read_checkpoint(average)
-    corpus = write_corpus(tmp_path / "corpus")
-    scores = evaluate(
-        hydra_task("evaluate", [f"ckpt={average}", f"data_path={corpus}", "split=test"], tmp_path / "evaluate")
-    )
-    assert scores["sentences"] == 30 and 0 <= scores["bleu"] <= 100
-
-
 def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped_short(variant_run, tmp_path, capsys):
     """make finish beside a live training (the folder's lock held) is refused in one line naming the holder, and
     nothing is written; on a run whose training stopped before its schedule's end it says so, and what finishing
@@ -136,10 +118,6 @@ def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped
     finish(run, device="cpu", tune=False)
     warning = f"warning: {run}'s training stopped at update {planned - 2:,} of the {planned:,} its schedule planned"
     assert warning in capsys.readouterr().out
-    del last["hyper_parameters"]["config"]["final"]  # a run from before the end-of-run protocol: its defaults
-    torch.save(last, run / "checkpoints" / "last.ckpt")
-    assert "test" in finish(run, device="cpu", tune=False).models["average-last3"]
-    assert "holds no end-of-run settings (trained before the `final` block)" in capsys.readouterr().out
 
 
 def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(variant_run, tmp_path, caplog):
