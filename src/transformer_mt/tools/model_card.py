@@ -75,14 +75,14 @@ def card_data(data: dict, name: str, entry: dict | None):
 
 def recipe_lines(checkpoint: dict, data: dict, results: Results | None) -> list[str]:
     model = checkpoint["hyper_parameters"]["model"]
-    averaged = f", weights averaged over {len(checkpoint['averaged_from'])} checkpoints"
+    averaged = checkpoint.get("averaged_from")
     lines = [
         f"- model: {model['n_encoder_layers']}+{model['n_decoder_layers']} layers, d_model {model['d_model']}, d_ff "
         f"{model['d_ff']}, {model['n_heads']} heads, a shared vocabulary of {model['vocab_size']} SentencePiece pieces"
         " (post-norm, ReLU, sinusoidal positions, tied embeddings)",
         f"- data: {data['name']} ({data['src_lang']} -> {data['tgt_lang']})",
         f"- updates: {checkpoint.get('global_step') or (results and results.updates) or 'unknown'}"
-        + (averaged if "averaged_from" in checkpoint else ""),
+        + (f", weights averaged over {len(averaged)} checkpoints" if averaged else ""),
     ]
     if results:
         took, peak = timedelta(seconds=int(results.train_seconds)), results.peak

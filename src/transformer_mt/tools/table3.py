@@ -100,16 +100,8 @@ def difference(entry: dict, metric: str, mean: dict, spread: dict) -> str:
 def table(entries: list[dict]) -> str:
     mean, spread = base_spread(entries)
     has_test = any(e["test_sacrebleu"] is not None for e in entries)
-    head = [
-        "row",
-        "change",
-        "seed",
-        "params (M) ours / paper",
-        "PPL dev ours / paper",
-        "BLEU dev ours / paper",
-        "Δ BLEU dev",
-        "sacreBLEU dev",
-    ]
+    head = ["row", "change", "seed", "params (M) ours / paper", "PPL dev ours / paper", "BLEU dev ours / paper",
+            "Δ BLEU dev", "sacreBLEU dev"]  # fmt: skip
     head += ["sacreBLEU test", "Δ test"] if has_test else []
     head += ["updates", "training"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
