@@ -162,8 +162,5 @@ EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a ch
 
 def ema_state(checkpoint: dict) -> dict[str, torch.Tensor]:
     """A checkpoint's moving average (training/ema.py) as the LightningModule's state_dict, in the weights' dtypes."""
-    state = checkpoint.get("callbacks", {}).get(EMA_KEY)
-    if state is None:
-        raise KeyError("the checkpoint holds no moving average (trained without ema_decay)")
-    weights = checkpoint["state_dict"]
-    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in state["average"].items()}
+    weights, average = checkpoint["state_dict"], checkpoint["callbacks"][EMA_KEY]["average"]
+    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in average.items()}

@@ -148,15 +148,9 @@ class Protocol:
             chosen["last"] = self.run.last
         if self.ema:
             checkpoint = read_checkpoint(self.run.last)
-            try:
-                state = ema_state(checkpoint)
-            except KeyError as e:
-                log.warning("ema_decay is set but %s holds no moving average (%s): not evaluated", self.run.last.name,
-                            e.args[0])  # fmt: skip
-            else:
-                keep = ("hyper_parameters", "sentencepiece", "global_step", "epoch")
-                write_checkpoint({**{k: checkpoint[k] for k in keep}, "state_dict": state}, self.run.ema)
-                chosen["ema"] = self.run.ema
+            keep = ("hyper_parameters", "sentencepiece", "global_step", "epoch")
+            write_checkpoint({**{k: checkpoint[k] for k in keep}, "state_dict": ema_state(checkpoint)}, self.run.ema)
+            chosen["ema"] = self.run.ema
         return chosen
 
     def training_figures(self, peak: Peak | None) -> Results:
