@@ -112,25 +112,46 @@ def room(module: str) -> str:
     return "door" if top in DOORS else top if top in WINGS else "core"
 
 
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A path that closes a circle in graph (depth first), or None."""
+    done, path = set(), []
+
+    def visit(node: str) -> list[str] | None:
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        found = next((c for target in sorted(graph[node]) if (c := visit(target))), None)
+        path.pop()
+        done.add(node)
+        return found
+
+    return next((c for node in sorted(graph) if (c := visit(node))), None)
+
+
 def test_the_import_graph_has_no_circle_and_no_arrow_from_the_core_to_a_door_or_wing():
     graph = import_graph()
     arrows = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if room(a) == "core" != room(b))
     assert not arrows, f"the core imports a door or a wing: {arrows}"
-    done, path = set(), []
+    assert not (found := circle(graph)), f"an import circle: {' -> '.join(found)}"
 
-    def visit(module: str) -> None:  # depth first; a module met again on the current path closes a circle
-        if module in path:
-            raise AssertionError(f"an import circle: {' -> '.join(path[path.index(module) :] + [module])}")
-        if module in done:
-            return
-        path.append(module)
-        for target in sorted(graph[module]):
-            visit(target)
-        path.pop()
-        done.add(module)
 
-    for module in sorted(graph):
-        visit(module)
+def test_no_wing_imports_a_door():
+    graph = import_graph()
+    arrows = sorted(
+        f"{a} -> {b}" for a, targets in graph.items() for b in targets if room(a) in WINGS and room(b) == "door"
+    )
+    assert not arrows, f"a wing imports a front door: {arrows}"
+
+
+def test_the_wings_import_each_other_without_a_loop():
+    graph = import_graph()
+    folders = {
+        wing: {room(b) for a, t in graph.items() if room(a) == wing for b in t} - {wing, "core", "door"}
+        for wing in WINGS
+    }
+    assert not (found := circle(folders)), f"the wings import each other in a loop: {' -> '.join(found)}"
 
 
 def test_hydra_stays_in_the_front_doors_and_the_evaluation_wing_reaches_no_lightning():

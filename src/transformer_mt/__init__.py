@@ -13,10 +13,12 @@ core
     tokenizer.py            the shared SentencePiece vocabulary (§5.1), and the model's input layout in ids
     checkpoint.py           checkpoint files: atomic writes, safe reads, averaging, a model for inference
     scoring.py              sacreBLEU, chrF and the paper's tokenized BLEU
-    errors.py               errors a user can act on, reported in one line
+    results.py              results.json, the end-of-run protocol's record, as one type (Results)
+    errors.py               errors a user can act on, reported in one line; the option commands' parser
     files.py                atomic writes, stale temporaries, UTF-8 line reading, a run's folder (RunFolder)
     runtime.py              devices, threads, CPU features, glibc's allocator, the process's end
-    launcher.py             which launcher started the process (torchrun, srun), its job's name, the Hydra job
+    launcher.py             which launcher started the process (torchrun, srun), its job's name, the Hydra job,
+                            whether a GPU can be there (read without torch)
 front doors (make train/evaluate/tune/translate/finish/average; transformer-mt-* commands): Hydra stops here
     train.py  evaluate.py  tune.py  translate.py  averaging.py  finish.py  (train.py runs training/fit.py)
     configs.py      where the Hydra configs live, their resolvers; composing them outside an entry point

@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from transformer_mt.checkpoint import average_checkpoints, run_checkpoints, write_checkpoint
-from transformer_mt.commandline import CommandParser
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.errors import CommandParser, InputError, exit_on_user_error
 from transformer_mt.files import RunFolder, remove_stale_temporaries
 
 

@@ -1,5 +1,5 @@
-"""Checkpoint files: atomic writes, safe reads, a run's periodic checkpoints and their average (§6.1), and a
-model ready for inference (device, threads, allocator)."""
+"""Checkpoint files: atomic writes, safe reads, a run's periodic checkpoints and their average (§6.1), and a model
+ready for inference."""
 
 from __future__ import annotations
 
@@ -35,9 +35,8 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
 
 
 def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -> dict:
-    """torch.load with weights_only=True, and a clear error for files that are not ours.
-    mmap: tensors are read from the file when used (cheap to look inside a large checkpoint).
-    finite: refuse weights that hold NaN or inf (check_finite)."""
+    """torch.load with weights_only=True and a clear error for files that are not ours; mmap: tensors read when used;
+    finite: refuse weights that hold NaN or inf."""
     if not str(path).strip():
         raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
     path = Path(path)
@@ -67,8 +66,7 @@ def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -
 
 
 def check_finite(path: str | Path, checkpoint: dict) -> None:
-    """One line naming the file and its first weight tensor that holds NaN or inf. Training never writes
-    such weights (it stops before a non-finite update), so the file was damaged or written elsewhere."""
+    """One line naming the first weight tensor that holds NaN or inf (training never writes such weights)."""
     for key, value in checkpoint["state_dict"].items():
         if value.is_floating_point() and not torch.isfinite(value).all():
             nan, inf = int(value.isnan().sum()), int(value.isinf().sum())
@@ -89,19 +87,15 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
     except RuntimeError as e:
         raise InputError(f"{path}: weights do not fit the model its hyper_parameters describe: {e}") from None
     if "sentencepiece" not in checkpoint:
-        raise InputError(f"{path}: has no SentencePiece model inside (written by an older version?)")
+        raise InputError(f"{path}: has no SentencePiece model inside")
     tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin=f"{path} (sentencepiece)")
     return model.requires_grad_(False).eval(), tokenizer, checkpoint  # no gradients: decoding keeps its copies
 
 
 def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) -> tuple[Transformer, Tokenizer, dict]:
-    """What every inference command does first (evaluate, translate, make attention): glibc's allocator
-    settings, the checkpoint in eval mode on `device` (auto: a GPU when there is one), `threads` CPU threads.
-    On a GPU its fp32 products run in TF32 (use_tf32, tensor cores); the cuda tier requires fp32's beam-4
-    translations on >= 98% of Multi30k's test set (not yet run on a GPU). oneDNN's and ideep's per-shape caches
-    are bounded as in training (runtime.bound_onednn_cache): a long translation meets a new shape per batch. (fp32
-    products on the CPU do not go through oneDNN in torch 2.13, ONEDNN_VERBOSE counts none: the bound costs
-    decoding nothing there; bf16 products do.)"""
+    """What every inference command does first: glibc's allocator settings and oneDNN's caches bounded as in training
+    (a long translation meets a new shape per batch), the model in eval mode on `device` (auto: a GPU when there is
+    one; fp32 products in TF32 there), `threads` CPU threads."""
     keep_freed_memory()
     bound_onednn_cache()
     model, tokenizer, checkpoint = load_for_inference(ckpt)
@@ -167,10 +161,6 @@ EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a ch
 
 
 def ema_state(checkpoint: dict) -> dict[str, torch.Tensor]:
-    """A checkpoint's moving average (training/ema.py) as a state_dict of the LightningModule (names under
-    "model."), in the trained weights' dtypes."""
-    state = checkpoint.get("callbacks", {}).get(EMA_KEY)
-    if state is None:
-        raise KeyError("the checkpoint holds no moving average (trained without ema_decay)")
-    weights = checkpoint["state_dict"]
-    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in state["average"].items()}
+    """A checkpoint's moving average (training/ema.py) as the LightningModule's state_dict, in the weights' dtypes."""
+    weights, average = checkpoint["state_dict"], checkpoint["callbacks"][EMA_KEY]["average"]
+    return {f"model.{name}": value.to(weights[f"model.{name}"].dtype) for name, value in average.items()}

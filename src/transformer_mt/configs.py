@@ -1,5 +1,5 @@
-"""Where the Hydra configs live (transformer_mt/conf: a link to the checkout's conf/, a copy once
-installed), and composing them outside an entry point (scripts, tests) exactly as Hydra does."""
+"""Where the Hydra configs live (transformer_mt/conf: a link to the checkout's conf/, a copy once installed), their
+resolvers, and composing them outside an entry point (scripts, tests) exactly as Hydra does."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.decoding import PAPER, TUNE_GRID
@@ -18,14 +22,13 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 def run_folder() -> str:
-    """${run_folder:} in conf/train.yaml's hydra.run.dir: <date>/<time>, or under torchrun/srun the job's
-    name (launch_id), the same for every rank and for the job requeued or restarted: one run folder."""
+    """${run_folder:} in train.yaml's hydra.run.dir: <date>/<time>, or under torchrun/srun the job's name (one folder
+    for every rank, and for the job restarted)."""
     return launch_id() or datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
 
 
 def own_folder() -> str:
-    """${own_folder:} in make evaluate's and make tune's hydra.run.dir: <date>_<time>-<process id>, so that two
-    commands started in the same second write to folders of their own."""
+    """${own_folder:} in evaluate's and tune's hydra.run.dir: <date>_<time>-<pid> (two commands in one second)."""
     return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}"
 
 
@@ -34,26 +37,14 @@ OmegaConf.register_new_resolver("own_folder", own_folder, replace=True)
 # ${tune_grid:alphas} in conf/tune.yaml and conf/train.yaml's final block: make tune's grid, decoding.TUNE_GRID
 OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)
 
-
-def store_paper_decoding() -> None:
-    """decoding=beam, the config group's default: §6.1's beam search (beam 4, length penalty alpha 0.6, output length
-    at most input + 50), decoding.PAPER's settings, where they are written once; conf/decoding/greedy.yaml builds
-    on it. Stored in Hydra's ConfigStore as plain values (overridable: decoding.alpha=1.0)."""
-    from hydra.core.config_store import ConfigStore  # noqa: PLC0415 (Hydra only where configs are composed)
-
-    ConfigStore.instance().store(group="decoding", name="beam", node=PAPER.settings())
-
-
-store_paper_decoding()
+# decoding=beam, the group's default: §6.1's search as decoding.PAPER writes it once (conf/decoding/greedy.yaml builds
+# on it), stored as plain values (overridable: decoding.alpha=1.0).
+ConfigStore.instance().store(group="decoding", name="beam", node=PAPER.settings())
 
 
 @contextmanager
 def hydra_on_conf() -> Iterator:
-    """Hydra's global state on conf/, which composing and glob() need; inside a Hydra app, the app's own (its
-    search path is already this one). Yields Hydra's config loader."""
-    from hydra import initialize_config_dir  # noqa: PLC0415 (Hydra only where configs are composed)
-    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415
-
+    """Hydra's global state on conf/ (inside a Hydra app, the app's own); yields its config loader."""
     if GlobalHydra.instance().is_initialized():
         yield GlobalHydra.instance().config_loader()
         return
@@ -63,8 +54,6 @@ def hydra_on_conf() -> Iterator:
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
     """A primary config (train, evaluate, translate) with command-line style overrides."""
-    from hydra import compose as hydra_compose  # noqa: PLC0415 (Hydra only where configs are composed)
-
     with hydra_on_conf():
         return hydra_compose(config_name, overrides=list(overrides))
 

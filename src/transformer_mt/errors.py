@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from difflib import get_close_matches
+from typing import NoReturn
 
 
 class UserError(Exception):
-    """Bad input or configuration. The message names the file, line or key and the fix; entry
-    points print it as one `error: ...` line instead of a traceback."""
+    """Bad input or configuration; the message names the file, line or key and the fix."""
 
 
 class InputError(UserError, ValueError):
@@ -22,10 +24,8 @@ class MissingInputError(UserError, FileNotFoundError):
 
 
 def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, failed: Callable | None = None):
-    """fn(*args); a UserError ends the program with one `error: ...` line on stderr and exit status 1 (with
-    HYDRA_FULL_ERROR=1, the full traceback instead). cleanup: called first (an entry point's run folder removed
-    if it holds nothing but Hydra's own files); failed: the exception to end with instead of exit status 1 (a
-    sweep's job: commandline.run_task)."""
+    """fn(*args); a UserError ends the program with one `error: ...` line and status 1 (HYDRA_FULL_ERROR=1: the
+    traceback). cleanup runs first; failed: the exception to end with instead (a sweep's job: commandline.run_task)."""
     try:
         try:
             return fn(*args)
@@ -49,8 +49,7 @@ WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
 
 
 def write_fault(e: OSError) -> InputError | None:
-    """An OSError of WRITE_FAULTS as one line a user can act on (None: another fault). Checkpoints, exports, caches
-    and make tune's record are written through files.atomic_write: the one cut short is removed."""
+    """An OSError of WRITE_FAULTS as one line a user can act on (None: another fault)."""
     if e.errno not in WRITE_FAULTS:
         return None
     where = f" ({e.filename})" if e.filename else ""
@@ -67,3 +66,27 @@ def required(cfg, key: str):
     if OmegaConf.is_missing(cfg, key):
         raise MissingInputError(f"{key} is required: add {key}=<value> (make ... {key.upper()}=<value>)")
     return cfg[key]
+
+
+def closest(name: str, options: Iterable[str]) -> str | None:
+    """The option closest to a misspelled name, if one is close (difflib's ratio >= 0.6)."""
+    match = get_close_matches(name, list(options), n=1)
+    return match[0] if match else None
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for the commands that take options (make finish, average, export, attention, plot, table3): a wrong
+    option is one `error:` line with the closest option and status 1, as a misspelled Hydra key is."""
+
+    def __init__(self, doc: str | None):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message: str) -> NoReturn:
+        options = [option for action in self._actions for option in action.option_strings]
+        given = message.partition("unrecognized arguments: ")[2].split()
+        hints = [f"did you mean {match}?" for g in given if g.startswith("-") and (match := closest(g, options))]
+        listed = f" (the options: {', '.join(options)})" if given and not hints else " (--help says more)"
+        raise InputError("; ".join([message, *hints]) + listed)
+
+    def parse(self) -> argparse.Namespace:
+        return exit_on_user_error(self.parse_args)

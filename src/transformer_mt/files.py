@@ -19,7 +19,7 @@ from pathlib import Path
 from transformer_mt.errors import InputError, MissingInputError
 
 log = logging.getLogger(__name__)
-RESULTS = "results.json"  # in a run folder: the end-of-run protocol's scores (evaluation/results.py)
+RESULTS = "results.json"  # in a run folder: the end-of-run protocol's scores (results.py)
 TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
 

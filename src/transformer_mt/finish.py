@@ -15,11 +15,10 @@ import logging
 from pathlib import Path
 
 from transformer_mt.checkpoint import read_checkpoint
-from transformer_mt.commandline import CommandParser
-from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
+from transformer_mt.errors import CommandParser, InputError, MissingInputError, exit_on_user_error
 from transformer_mt.evaluation.protocol import Protocol
-from transformer_mt.evaluation.results import Results
 from transformer_mt.files import RunFolder, remove_stale_temporaries
+from transformer_mt.results import Results
 from transformer_mt.runtime import pick_device
 
 

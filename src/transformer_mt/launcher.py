@@ -1,32 +1,32 @@
-"""Which launcher started this process (torchrun, srun, Lightning's ddp) and the name of its job: environment
-variables only, nothing imported (the command line's check and the run folder's name read it before torch)."""
+"""Where this process runs, read without importing torch: which launcher started it (torchrun, srun, Lightning's ddp),
+its job's name, whether a GPU can be visible (the command line's check and the run folder's name read these)."""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformer_mt.errors import InputError
+
 
 def launched_rank() -> int:
-    """This process's global rank when an outside launcher started every rank (torchrun: RANK; srun:
-    SLURM_PROCID), else 0. Lightning's own ddp starts the other ranks later, from inside fit()."""
+    """The global rank when an outside launcher started every rank (torchrun: RANK; srun: SLURM_PROCID), else 0."""
     return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
 
 
 def first_process() -> bool:
-    """The job's first process: global rank 0, and not one of the ranks Lightning's ddp starts itself
-    (those re-run the command with LOCAL_RANK set), on the first node (NODE_RANK)."""
+    """Global rank 0, not a rank Lightning's ddp started itself (LOCAL_RANK set), on the first node."""
     local = int(os.environ.get("LOCAL_RANK") or 0)
     return launched_rank() == 0 and local == 0 and int(os.environ.get("NODE_RANK") or 0) == 0
 
 
 def launch_id() -> str | None:
-    """A name shared by every rank of one launched job, and by the same job restarted or requeued:
-    torchrun's run id; under SLURM the job (an array's job and task) and, for an srun step, the step:
-    slurm-<job>-<step>, or slurm-<job> for a batch script that runs python itself (sbatch sets
-    ENVIRONMENT=BATCH there). None outside a launcher, an salloc shell included."""
+    """A name shared by every rank of one launched job and by the job restarted or requeued: torchrun's run id;
+    slurm-<job>-<step> for an srun step, slurm-<job> for a batch script that runs python itself (sbatch sets
+    ENVIRONMENT=BATCH); an array task's job is <array job>_<task>. None outside a launcher (an salloc shell too)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != "none":
         return f"torchrun-{run_id}"
@@ -35,7 +35,7 @@ def launch_id() -> str | None:
         return None
     job = env["SLURM_JOB_ID"]
     if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
-        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"  # each task its own, as scontrol names it
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         return f"slurm-{job}-{env['SLURM_STEP_ID']}"
     return f"slurm-{job}" if env.get("ENVIRONMENT") == "BATCH" else None
@@ -43,12 +43,38 @@ def launch_id() -> str | None:
 
 @dataclass(frozen=True)
 class Job:
-    """What the entry point (Hydra, in train.py) tells a training about its job: its run folder, its command-line
-    overrides, the sweep it is one job of (a -m job: the sweep's folder and the job's number; None: no sweep), and
-    the function that makes objects of the configs with a _target_ (the loggers: hydra.utils.instantiate)."""
+    """What the entry point (Hydra, in train.py) tells a training about its job: its run folder, its overrides, the
+    sweep it is one job of (folder and number; None: no sweep), and hydra.utils.instantiate for the loggers."""
 
     run_dir: Path
     overrides: tuple[str, ...] = ()
     sweep_dir: str | None = None
     number: int | None = None
     instantiate: Callable | None = None
+
+
+# Without one of these a CUDA GPU cannot be reached (NVIDIA's driver, or ROCm's for a ROCm build of torch).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
+def gpu_may_be_visible() -> bool:
+    """False where no GPU driver's device file exists or CUDA_VISIBLE_DEVICES hides every GPU."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+    return not hidden and any(Path(p).exists() for p in GPU_DEVICE_FILES)
+
+
+def check_device(accelerator: str) -> None:
+    """A GPU recipe on a machine without a GPU is refused, pointing at the CPU recipe; torch is asked only where a GPU
+    driver is there or torch is loaded already (its import takes seconds on a slow machine)."""
+    if accelerator not in ("gpu", "cuda"):
+        return
+    if "torch" in sys.modules or gpu_may_be_visible():
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            return
+    raise InputError(
+        f"trainer.accelerator={accelerator} needs a CUDA GPU and none is visible here. On a CPU, train the "
+        'Multi30k recipe (~26 minutes on 2 cores): make train CONFIG=multi30k [ARGS="data.path=<folder with '
+        'train.en, train.de, ...>"]; only to force this config onto the CPU (days for base) add trainer=cpu'
+    )

@@ -23,11 +23,8 @@ def split_compounds(line: str) -> str:
 
 
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
-    """Moses-tokenize, split hyphenated compounds, then multi-bleu (BLEU on the tokens as they are).
-
-    This is how the paper's 27.3 / 28.4 were computed; it is NOT comparable with sacreBLEU,
-    which scores detokenized text with its own 13a tokenization (usually ~0.7-1.5 lower).
-    """
+    """Moses-tokenize, split hyphenated compounds, then BLEU on the tokens: the paper's 27.3 / 28.4, NOT comparable
+    with sacreBLEU (detokenized text, its own 13a tokenization: usually ~0.7-1.5 lower)."""
     moses = MosesTokenizer(lang=lang)
 
     def prepare(lines: list[str]) -> list[str]:
@@ -37,11 +34,8 @@ def tokenized_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
 
 
 def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) -> dict:
-    """sacreBLEU's BLEU and chrF of detokenized hypotheses: what validation and every scored split report.
-
-    Keys are the metric names ("bleu", "chrf"); with `signatures`, also "<name>_signature" and
-    "<name>_detail". A new metric added here appears in validation, make evaluate and results.json.
-    """
+    """sacreBLEU's BLEU and chrF of detokenized hypotheses, by name; with `signatures` also "<name>_signature" and
+    "<name>_detail". A metric added here appears in validation, make evaluate and results.json."""
     if len(hyps) != len(refs):
         raise InputError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if not hyps:
@@ -57,10 +51,9 @@ def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) ->
 
 
 def paired_bootstrap_p(baseline: list[str], system: list[str], refs: list[str]) -> float:
-    """sacreBLEU's paired bootstrap test (1,000 resamples, its fixed seed): the p-value of the difference in BLEU
-    between two systems' translations of the same sentences (small: the difference is not the luck of the sample)."""
-    sacrebleu_log = logging.getLogger("sacrebleu")  # its progress lines (the test's constructor's too) would sit
-    level = sacrebleu_log.level  # between make tune's own
+    """sacreBLEU's paired bootstrap test (1,000 resamples, its fixed seed): the p-value of the BLEU difference."""
+    sacrebleu_log = logging.getLogger("sacrebleu")  # its progress lines would sit between make tune's own
+    level = sacrebleu_log.level
     sacrebleu_log.setLevel(logging.WARNING)
     try:
         test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [refs], test_type="bs")
@@ -85,11 +78,8 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
 def evaluate_translations(
     translate: Callable[[list[str]], list], sources: Sequence[str], references: Sequence[str], tgt_lang: str
 ) -> tuple[list, list[str], dict]:
-    """The one way a split is scored, by `make evaluate` and at the end of a run (training/final.py):
-    `translate` (search.translate_lines with the decoding settings, or CTranslate2's) turns the source lines
-    into translations, scored against the references by `score`, and timed. Returns the translations as
-    `translate` gave them (with n_best, each line's list of (text, score)), the scored (best) ones, and the
-    scores."""
+    """The one way a split is scored (make evaluate, make tune, the end of a run): the translations as `translate`
+    gave them (n_best: each line's list of (text, score)), the scored (best) ones, and the timed scores."""
     start = time.perf_counter()
     outputs = translate(list(sources))
     seconds = time.perf_counter() - start

@@ -9,9 +9,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from transformer_mt.commandline import check_command_line, check_device, hydra_job, run_task, trainer_parameters
+from transformer_mt.commandline import check_command_line, hydra_job, run_task
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.errors import exit_on_user_error
+from transformer_mt.launcher import check_device
 
 
 @hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
@@ -25,7 +26,7 @@ def main() -> None:
     """`make train`, `transformer-mt-train`: the command line is checked before Hydra makes a run folder (a
     misspelled key, a GPU recipe without a GPU: one line, no folder, no data built), then run."""
     argv = sys.argv[1:]
-    cfg = exit_on_user_error(check_command_line, "train", argv, {"trainer": trainer_parameters()})
+    cfg = exit_on_user_error(check_command_line, "train", argv)
     sweep = any(a in ("-m", "--multirun") or a.startswith("hparams_search=") for a in argv)
     if cfg is not None and not sweep:  # a sweep's jobs may run elsewhere (hydra/launcher=slurm): each checks its own
         exit_on_user_error(check_device, cfg.trainer.accelerator)

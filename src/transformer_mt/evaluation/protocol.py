@@ -1,12 +1,7 @@
-"""The paper's protocol when a run ends (§6.1): average the last N periodic checkpoints (5 for base, 20 for
-big), decode each split of final.splits with beam search (beam 4, alpha 0.6), score it. Writes <run>/results.json
-(results.Results) and a block in the run's log: sacreBLEU with its signature, chrF, the tokenized compound-split
-BLEU the paper reports, perplexity, the update count, training time and target tokens/s.
-
-conf/train.yaml's `final` block sets it; the end of training and `make finish` build it the same way
-(Protocol.of_run); `make average` and `make evaluate` do the same steps by hand. A split's text is read as make
-evaluate and make tune read it (data.corpus.Corpus.texts), never from training's DataModule: no Lightning here.
-"""
+"""The paper's protocol when a run ends (§6.1): average the last N periodic checkpoints (5 for base, 20 for big),
+decode each split of final.splits with beam search, score it; results.json and a block in the run's log. The end of
+training and `make finish` build it the same way (Protocol.of_run); a split's text is read as make evaluate and make
+tune read it (Corpus.texts), never from training's DataModule: no Lightning here."""
 
 from __future__ import annotations
 
@@ -31,14 +26,14 @@ from transformer_mt.checkpoint import (
 )
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import Corpus
-from transformer_mt.decoding import TUNE_GRID, Decoding
+from transformer_mt.decoding import Decoding
 from transformer_mt.errors import MissingInputError
 from transformer_mt.evaluation.grid import grid_for_a_person
-from transformer_mt.evaluation.results import Results
 from transformer_mt.evaluation.tuned import save_tuned
 from transformer_mt.files import RunFolder
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
+from transformer_mt.results import Results
 from transformer_mt.runtime import Peak, duration, use_tf32
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import translate_lines
@@ -46,15 +41,6 @@ from transformer_mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 PERPLEXITY_TOKENS = 4096  # a teacher-forced batch's padded tokens per side
-
-
-@dataclass(frozen=True)
-class SplitText:
-    """One split's text as every scorer reads it (Corpus.texts), read once per protocol."""
-
-    sources: list[str]
-    references: list[str]
-    tgt_lang: str
 
 
 @dataclass
@@ -66,46 +52,43 @@ class Protocol:
     corpus: Corpus
     splits: list[str]
     average_last: int
-    tune: bool = False
-    alphas: list[float] = field(default_factory=lambda: list(TUNE_GRID["alphas"]))
-    beams: list[int] = field(default_factory=lambda: list(TUNE_GRID["beams"]))
-    label_smoothing: float = 0.1
-    ema: bool = False
-    extra: dict = field(default_factory=dict)  # Results' table3_row, seed, overrides, finished_by
-    devices: int = 1  # how many devices trained (the MFU is per device)
-    texts: dict[str, SplitText] = field(default_factory=dict, repr=False)
+    tune: bool
+    alphas: list[float]
+    beams: list[int]
+    label_smoothing: float
+    ema: bool
+    extra: dict  # Results' table3_row, seed, overrides, finished_by
+    devices: int  # how many devices trained (the MFU is per device)
+    texts: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict, repr=False)  # read once
 
     @classmethod
     def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
-        """From a run's resolved config (conf/train.yaml's keys; last.ckpt carries it); a run from before the
-        `final` block gets its defaults (the last checkpoint.keep_last averaged, the test split)."""
-        final = cfg.get("final") or {"average_last": cfg["checkpoint"]["keep_last"], "splits": ["test"]}
-        trainer = cfg.get("trainer", {})
-        devices, nodes = trainer.get("devices"), trainer.get("num_nodes")
+        """From a run's resolved config (conf/train.yaml's keys; last.ckpt carries it)."""
+        final, devices = cfg["final"], cfg["trainer"]["devices"]
         settings = dict(
             run=run,
             decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
             corpus=Corpus.from_config(cfg["data"]),
             splits=list(final["splits"]),
             average_last=final["average_last"],
-            tune=bool(final.get("tune")),
-            alphas=list(final.get("tune_alphas", TUNE_GRID["alphas"])),
-            beams=list(final.get("tune_beams", TUNE_GRID["beams"])),
+            tune=final["tune"],
+            alphas=list(final["tune_alphas"]),
+            beams=list(final["tune_beams"]),
             label_smoothing=cfg["label_smoothing"],
-            ema=bool(cfg.get("ema_decay")),
-            extra={"table3_row": cfg.get("table3_row"), "seed": cfg.get("seed")},
-            devices=devices * (nodes or 1) if isinstance(devices, int) else 1,  # as configured ("auto": 1)
+            ema=bool(cfg["ema_decay"]),
+            extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"]},
+            devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
         )
         return cls(**{**settings, **changes})
 
-    def split(self, name: str) -> SplitText:
+    def split(self, name: str) -> tuple[list[str], list[str]]:
+        """(sources, references) as every scorer reads them (Corpus.texts)."""
         if name not in self.texts:
-            self.texts[name] = SplitText(*self.corpus.texts(name), self.corpus.tgt_lang)
+            self.texts[name] = self.corpus.texts(name)
         return self.texts[name]
 
     def run_on(self, device: torch.device, peak: Peak | None = None) -> Results:
-        """The protocol (one process): results.json in the run folder, a block in the log. peak: one training
-        device's (for the MFU)."""
+        """The protocol in one process; peak: one training device's (for the MFU)."""
         start = time.monotonic()
         log.info("the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
                  "with: make finish RUN=%s", ", ".join(self.splits), self.run.path)  # fmt: skip
@@ -165,28 +148,19 @@ class Protocol:
             chosen["last"] = self.run.last
         if self.ema:
             checkpoint = read_checkpoint(self.run.last)
-            try:
-                state = ema_state(checkpoint)
-            except KeyError as e:
-                log.warning("ema_decay is set but %s holds no moving average (%s): not evaluated", self.run.last.name,
-                            e.args[0])  # fmt: skip
-            else:
-                keep = ("hyper_parameters", "sentencepiece", "global_step", "epoch")
-                write_checkpoint({**{k: checkpoint[k] for k in keep if k in checkpoint}, "state_dict": state},
-                                 self.run.ema)  # fmt: skip
-                chosen["ema"] = self.run.ema
+            keep = ("hyper_parameters", "sentencepiece", "global_step", "epoch")
+            write_checkpoint({**{k: checkpoint[k] for k in keep}, "state_dict": ema_state(checkpoint)}, self.run.ema)
+            chosen["ema"] = self.run.ema
         return chosen
 
     def training_figures(self, peak: Peak | None) -> Results:
         """Results with last.ckpt's training totals, before any model is scored."""
         last = read_checkpoint(self.run.last, mmap=True, finite=False)
-        totals = last.get("totals", {})
-        seconds, tokens = totals.get("train_seconds", 0.0), totals.get("target_tokens", 0)
-        flops = totals.get("model_flops")  # absent from checkpoints written before it was counted
+        seconds, tokens, flops = (last["totals"][k] for k in ("train_seconds", "target_tokens", "model_flops"))
         flops_per_second = flops / seconds if flops and seconds else None
         mfu = peak.utilisation(flops_per_second / self.devices) if peak and flops_per_second else None
         return Results(
-            updates=last.get("global_step"),
+            updates=last["global_step"],
             train_seconds=round(seconds, 1),
             target_tokens=tokens,
             target_tokens_per_second=round(tokens / seconds) if seconds else None,
@@ -195,23 +169,20 @@ class Protocol:
             mfu=float(f"{mfu:.4g}") if mfu else None,
             peak=peak.source if peak else None,
             peak_flops_per_second=float(f"{peak.flops:.4g}") if peak and peak.flops else None,
-            parameters=None,
             decoding=self.decoding.settings(),
             **self.extra,
         )
 
     def scores(self, model: Transformer, tokenizer: Tokenizer, split: str, decoding: Decoding) -> dict:
         """A split translated and scored as `make evaluate` scores it (scoring.evaluate_translations)."""
-        text = self.split(split)
         translate = partial(translate_lines, model, tokenizer, **decoding.settings())
-        return evaluate_translations(translate, text.sources, text.references, text.tgt_lang)[2]
+        return evaluate_translations(translate, *self.split(split), self.corpus.tgt_lang)[2]
 
     @torch.no_grad()
     def perplexity(self, model: Transformer, tokenizer: Tokenizer, split: str) -> dict:
-        """Teacher-forced loss and perplexity per target token (EOS included) over the split, in length-sorted
-        batches of the checkpoint's own tokens."""
-        text, device = self.split(split), next(model.parameters()).device
-        sources, targets = tokenizer.encode(text.sources), tokenizer.encode(text.references)
+        """Teacher-forced loss and perplexity per target token (EOS included), in length-sorted batches."""
+        sources, targets = (tokenizer.encode(side) for side in self.split(split))
+        device = next(model.parameters()).device
         lengths = [np.array([len(ids) for ids in side]) for side in (sources, targets)]
         batches = TokenBucketSampler(*lengths, max_tokens=PERPLEXITY_TOKENS, shuffle=False)
         sums = torch.zeros(3, dtype=torch.float64)
@@ -224,13 +195,12 @@ class Protocol:
         return {"loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
 
     def tune_and_score(self, model: Transformer, tokenizer: Tokenizer, path: Path) -> dict:
-        """final.tune: make tune's grid on the validation split (grid.py; never the test split), the choice stored
-        beside the checkpoint (so that make translate / make evaluate use it), then the splits at that choice."""
-        text = self.split("validation")
+        """final.tune: make tune's grid on the validation split, its choice stored beside the checkpoint (make
+        translate / evaluate use it), then the splits at that choice."""
         log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
         start = time.monotonic()
         chosen, rows = grid_for_a_person(
-            partial(translate_lines, model, tokenizer), text.sources, text.references, text.tgt_lang, self.decoding,
+            partial(translate_lines, model, tokenizer), *self.split("validation"), self.corpus.tgt_lang, self.decoding,
             self.alphas, self.beams, say=lambda line: log.info("%s", line),
         )  # fmt: skip
         save_tuned(path, chosen, rows, f"{self.corpus.name} validation")

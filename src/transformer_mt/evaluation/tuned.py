@@ -1,6 +1,5 @@
 """make tune's record beside a checkpoint, <name>.decoding.json: the settings chosen on the development set, the
-grid's rows and the SHA-256 of the checkpoint they were chosen for. make translate and make evaluate decode with it
-by default (which), saying so; it no longer applies once the checkpoint's bytes change."""
+grid's rows and the SHA-256 of the checkpoint; make translate and evaluate use it while those bytes hold."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ def tuned_path(ckpt: str | Path) -> Path:
 
 
 def save_tuned(ckpt: str | Path, chosen: Decoding, rows: list[dict], split: str) -> Path:
-    """The chosen settings, the grid, and the checkpoint they were chosen for."""
     path = tuned_path(ckpt)
     record = {
         "decoding": chosen.settings(),
@@ -33,8 +31,7 @@ def save_tuned(ckpt: str | Path, chosen: Decoding, rows: list[dict], split: str)
 
 
 def read_tuned(ckpt: str | Path) -> tuple[Decoding | None, str]:
-    """(the settings make tune chose for ckpt as it is now, or None; a line that says which and why). A hand-edited
-    record whose settings beam search cannot take is one line naming the file, the setting and the fix."""
+    """(make tune's settings for ckpt as it is now, or None; a line that says which and why)."""
     path = tuned_path(ckpt)
     if not path.is_file():
         return None, ""
@@ -63,9 +60,8 @@ def read_tuned(ckpt: str | Path) -> tuple[Decoding | None, str]:
 def decoding_for(
     ckpt: str | Path, configured: Decoding, tuned: bool, given: bool, say: Callable[[str], None]
 ) -> Decoding:
-    """What make translate / make evaluate decode with: conf/decoding's settings (`configured`), or make tune's for
-    this checkpoint when `tuned`, no decoding key was `given` on the command line, and the record is the
-    checkpoint's as it is now; `say` gets the line that tells which."""
+    """conf/decoding's settings (`configured`), or make tune's for this checkpoint when `tuned` and no decoding key
+    was `given` on the command line; `say` gets the line that tells which."""
     if not tuned or given:
         return configured
     chosen, line = read_tuned(ckpt)

@@ -22,9 +22,8 @@ from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.checkpoint import start_inference
-from transformer_mt.commandline import CommandParser
 from transformer_mt.decoding import PAPER
-from transformer_mt.errors import InputError, exit_on_user_error
+from transformer_mt.errors import CommandParser, InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
 from transformer_mt.search import translate_ids
@@ -66,14 +65,9 @@ def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: s
             ax = axes[layer, head]
             ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
             # Ticks only where labels are: thousands of unlabelled ticks take most of the drawing time.
-            if layer == n_layers - 1:
-                ax.set_xticks(range(len(columns)), columns, rotation=90, fontsize=6)
-            else:
-                ax.set_xticks([])
-            if head == 0:
-                ax.set_yticks(range(len(rows)), rows, fontsize=6)
-            else:
-                ax.set_yticks([])
+            x, y = (columns if layer == n_layers - 1 else []), (rows if head == 0 else [])
+            ax.set_xticks(range(len(x)), x, rotation=90, fontsize=6)
+            ax.set_yticks(range(len(y)), y, fontsize=6)
             if layer == 0:
                 ax.set_title(f"head {head + 1}", fontsize=8)
             if head == 0:

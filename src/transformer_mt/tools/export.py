@@ -1,11 +1,9 @@
-"""A checkpoint as a Hugging Face Marian model or a CTranslate2 model: `make export CKPT=... FORMAT=hf|ct2 OUT=...`.
+"""A checkpoint as a Hugging Face Marian model or a CTranslate2 model: `make export CKPT=... FORMAT=hf|ct2 OUT=...`
+(the `export` extra: transformers, ctranslate2), checked against ours after writing.
 
-Both formats need the optional packages of the `export` extra (transformers, ctranslate2).
-The export is exact: the Marian model gives our logits for our ids (checked after writing).
-Marian's layers are ours (post-norm, ReLU, sqrt(d) embedding scale, shared embeddings); only
-its position table differs: all sines first, then all cosines, where ours interleaves them
-(§3.5). So the residual (d_model) dimension is reordered in every weight that reads or writes
-it; the dimensions inside the heads and the FFN are left as they are.
+Marian's layers are ours (post-norm, ReLU, sqrt(d) embedding scale, shared embeddings); only its position table
+differs: all sines, then all cosines, where ours interleaves them (§3.5). So the residual (d_model) dimension is
+reordered in every weight that reads or writes it; the dimensions inside the heads and the FFN stay as they are.
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.commandline import CommandParser
 from transformer_mt.decoding import HF_LENGTH_PENALTY
-from transformer_mt.errors import InputError, UserError, exit_on_user_error
+from transformer_mt.errors import CommandParser, InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
@@ -40,7 +37,7 @@ EXACT = 1e-6  # max abs logit difference in float64; rounding alone gives ~1e-10
 
 
 def optional(module: str):
-    """Import a package of the `export` extra, or a one-line error that says how to install it."""
+    """A package of the `export` extra, or a one-line error that says how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -136,8 +133,8 @@ def marian_config(model: Transformer):
 
 
 def generation_config(model: Transformer):
-    """Beam 4 (§6.1) with the length penalty closest to ours, pad never generated, EOS forced at the
-    maximum length, and a search that stops only when no live hypothesis can win, as ours."""
+    """Beam 4 (§6.1), the length penalty closest to ours, pad never generated, EOS forced at the maximum length, and
+    a search that stops only when no live hypothesis can win, as ours."""
     transformers = optional("transformers")
     return transformers.GenerationConfig(
         decoder_start_token_id=BOS_ID,
@@ -195,8 +192,8 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
 
 
 def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple[float, float]:
-    """Load the export as a user would; compare its tokenizer ids and its logits with ours. Returns the max
-    abs logit difference in float32 and in float64 (which shows the mapping exact, free of rounding)."""
+    """The export loaded as a user would: its tokenizer's ids and its logits against ours. Returns the max abs logit
+    difference in float32 and in float64 (which shows the mapping exact, free of rounding)."""
     transformers = optional("transformers")
     hf_tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
     batch = hf_tokenizer(PROBE, return_tensors="pt", padding=True)
@@ -217,8 +214,8 @@ def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple
 
 
 def ct2_loader():
-    """CTranslate2's own Marian converter, told our conventions: the decoder starts from BOS's
-    embedding (Marian's from a zero vector) and pad is id 0 (Marian's is last, which its converter drops)."""
+    """CTranslate2's own Marian converter, told our conventions: the decoder starts from BOS's embedding (Marian's
+    from a zero vector) and pad is id 0 (Marian's is last, which its converter drops)."""
     converters = optional("ctranslate2.converters.transformers")
 
     class Loader(converters.MarianMTLoader):
@@ -287,8 +284,8 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
             f"{ckpt}: cannot be exported as a Marian model: {'; '.join(cannot)}. Translate and evaluate it with "
             "make translate / make evaluate (nothing was written)"
         )
-    data = checkpoint["hyper_parameters"].get("config", {}).get("data", {})
-    languages = (data.get("src_lang", "en"), data.get("tgt_lang", "de"))
+    data = checkpoint["hyper_parameters"]["config"]["data"]
+    languages = (data["src_lang"], data["tgt_lang"])
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
         tmp.mkdir()
         if fmt == "hf":

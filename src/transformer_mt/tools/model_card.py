@@ -1,10 +1,7 @@
-"""The model card every `make export` writes as README.md beside the weights: the Hugging Face Hub's YAML
-front matter (languages, tags, data set, a model-index with the run's scores and their sacreBLEU signatures),
-then what the model is, how it was trained, how it scores and how to use the folder.
-
-The scores come from the run's results.json (evaluation/results.py, the end-of-run protocol's) when it scored this
-very checkpoint (the run folder is the checkpoint's grandparent: <run>/checkpoints/<name>.ckpt); a checkpoint
-without them gets a card that says it has no scores, never someone else's."""
+"""The model card every `make export` writes as README.md beside the weights: the Hugging Face Hub's front matter
+(languages, tags, data set, a model-index of the run's scores with their sacreBLEU signatures), then what the model
+is, how it was trained, how it scores and how to use the folder. The scores come from the run's results.json
+(<run>/checkpoints/<name>.ckpt: the grandparent) when it scored this very checkpoint; else the card says it has none."""
 
 from __future__ import annotations
 
@@ -12,11 +9,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from transformer_mt.decoding import PAPER, Decoding
-from transformer_mt.evaluation.results import Results
 from transformer_mt.files import RunFolder
+from transformer_mt.results import Results
 
-# The weights' terms follow the training data's (Multi30k's, WMT14's corpora each have their own), not this project's
-# MIT license: a placeholder the user replaces before uploading, which the export says.
+# The weights' terms follow the training data's, not this project's MIT license: a placeholder the user replaces
+# before uploading, which the export says.
 LICENSE_NAME = "set-to-the-training-data-terms"
 REPOSITORY = "<your-name>/<this-model>"  # the usage snippet's Hub repository: where the user uploads the folder
 METRICS = {"bleu": "sacreBLEU", "chrf": "chrF"}  # results.json's key -> the card's name; signatures beside them
@@ -28,8 +25,7 @@ BLEU_NOTE = (
 
 
 def run_scores(ckpt: Path) -> tuple[Path, Results, dict] | None:
-    """(results.json, its content, its entry for ckpt) when ckpt's run scored this checkpoint, else None.
-    Matched by file name within the run folder, so a moved or copied run folder still finds its scores."""
+    """(results.json, its content, its entry for ckpt) when ckpt's run scored this checkpoint, else None."""
     path = RunFolder(ckpt.resolve().parent.parent).results
     if not path.is_file():
         return None
@@ -38,33 +34,32 @@ def run_scores(ckpt: Path) -> tuple[Path, Results, dict] | None:
     return (path, results, entry) if entry is not None else None
 
 
-def card_data(config: dict, name: str, scores: tuple[Path, dict, dict] | None):
+def scored_splits(entry: dict) -> dict[str, dict]:
+    return {split: s for split, s in entry.items() if isinstance(s, dict) and "bleu" in s}
+
+
+def card_data(data: dict, name: str, entry: dict | None):
     """The front matter as huggingface_hub's ModelCardData (a model-index entry per split and metric)."""
     from huggingface_hub import EvalResult, ModelCardData  # noqa: PLC0415 (the export extra's, with transformers)
 
-    data = config.get("data", {})
-    src, tgt = data.get("src_lang", "en"), data.get("tgt_lang", "de")
-    dataset = data.get("hub_name") or data.get("name") or "unknown"
-    results = []
-    for split, score in scores[2].items() if scores else []:
-        if not isinstance(score, dict) or "bleu" not in score:
-            continue  # the entry's "checkpoint", and "tuned" (the model-index holds the paper's settings' scores)
-        for key, metric in METRICS.items():
-            results.append(
-                EvalResult(
-                    task_type="translation",
-                    task_name=f"Translation {src}-{tgt}",
-                    dataset_type=dataset,
-                    dataset_name=data.get("name", dataset),
-                    dataset_config=data.get("hub_config"),
-                    dataset_split=split,
-                    metric_type=key,
-                    metric_name=metric,
-                    metric_value=score[key],
-                    metric_config=score[f"{key}_signature"],
-                    verified=False,
-                )
-            )
+    src, tgt, dataset = data["src_lang"], data["tgt_lang"], data["hub_name"] or data["name"]
+    results = [
+        EvalResult(
+            task_type="translation",
+            task_name=f"Translation {src}-{tgt}",
+            dataset_type=dataset,
+            dataset_name=data["name"],
+            dataset_config=data["hub_config"],
+            dataset_split=split,
+            metric_type=key,
+            metric_name=metric,
+            metric_value=score[key],
+            metric_config=score[f"{key}_signature"],
+            verified=False,
+        )
+        for split, score in scored_splits(entry or {}).items()  # the paper's settings' scores, not "tuned"
+        for key, metric in METRICS.items()
+    ]
     return ModelCardData(
         language=[src, tgt],
         tags=["translation", "transformer", "transformer-mt"],
@@ -78,22 +73,18 @@ def card_data(config: dict, name: str, scores: tuple[Path, dict, dict] | None):
     )
 
 
-def recipe_lines(checkpoint: dict, config: dict, scores: tuple[Path, dict, dict] | None) -> list[str]:
-    model, data = checkpoint["hyper_parameters"].get("model", {}), config.get("data", {})
+def recipe_lines(checkpoint: dict, data: dict, results: Results | None) -> list[str]:
+    model = checkpoint["hyper_parameters"]["model"]
+    averaged = checkpoint.get("averaged_from")
     lines = [
-        f"- model: {model.get('n_encoder_layers')}+{model.get('n_decoder_layers')} layers, d_model "
-        f"{model.get('d_model')}, d_ff {model.get('d_ff')}, {model.get('n_heads')} heads, a shared vocabulary of "
-        f"{model.get('vocab_size')} SentencePiece pieces (post-norm, ReLU, sinusoidal positions, tied embeddings)",
-        f"- data: {data.get('name', 'unknown')} ({data.get('src_lang', 'en')} -> {data.get('tgt_lang', 'de')})",
-        f"- updates: {checkpoint.get('global_step') or (scores and scores[1].updates) or 'unknown'}"
-        + (
-            f", weights averaged over {len(checkpoint['averaged_from'])} checkpoints"
-            if "averaged_from" in checkpoint
-            else ""
-        ),  # fmt: skip
+        f"- model: {model['n_encoder_layers']}+{model['n_decoder_layers']} layers, d_model {model['d_model']}, d_ff "
+        f"{model['d_ff']}, {model['n_heads']} heads, a shared vocabulary of {model['vocab_size']} SentencePiece pieces"
+        " (post-norm, ReLU, sinusoidal positions, tied embeddings)",
+        f"- data: {data['name']} ({data['src_lang']} -> {data['tgt_lang']})",
+        f"- updates: {checkpoint.get('global_step') or (results and results.updates) or 'unknown'}"
+        + (f", weights averaged over {len(averaged)} checkpoints" if averaged else ""),
     ]
-    if scores:
-        results = scores[1]
+    if results:
         took, peak = timedelta(seconds=int(results.train_seconds)), results.peak
         lines.append(
             f"- training: {took}, {results.target_tokens:,} target tokens on {results.devices} device(s)"
@@ -134,9 +125,9 @@ def score_row(label: str, s: dict) -> str:
 
 def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
     """README.md for an export of ckpt (fmt hf or ct2); `checked`: what the export checked against ours."""
-    config = checkpoint["hyper_parameters"].get("config") or {}
-    scores = run_scores(ckpt)
-    name = f"transformer-mt {config.get('data', {}).get('name', '')} {ckpt.stem}".replace("  ", " ")
+    data = checkpoint["hyper_parameters"]["config"]["data"]
+    path, results, entry = run_scores(ckpt) or (None, None, None)
+    name = f"transformer-mt {data['name']} {ckpt.stem}"
     kind = "transformers' MarianMTModel" if fmt == "hf" else "a CTranslate2 model"
     lines = [
         f"# {name}",
@@ -145,27 +136,23 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
         f"exported from `{ckpt.name}` as {kind}. At the export, {checked}.",
         "",
         "## Training",
-        *recipe_lines(checkpoint, config, scores),
+        *recipe_lines(checkpoint, data, results),
         "",
         "## Scores",
     ]
-    if scores:
-        results, entry = scores[1], scores[2]
-        decoding = Decoding.of(results.decoding, where=str(scores[0]))
-        lines.append(f"From {scores[0].name} (beam {decoding.beam_size}, alpha {decoding.alpha}):")
-        lines.append("")
-        lines.append("| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |")
-        lines.append("|---|---|---|---|---|")
-        splits = {split: s for split, s in entry.items() if isinstance(s, dict) and "bleu" in s}
+    if entry:
+        decoding = Decoding.of(results.decoding, where=str(path))
+        splits = scored_splits(entry)
+        lines += [f"From {path.name} (beam {decoding.beam_size}, alpha {decoding.alpha}):", ""]
+        lines += [
+            "| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |",
+            "|---|---|---|---|---|",
+        ]
         lines += [score_row(split, s) for split, s in splits.items()]
         if "tuned" in entry:
             chosen = entry["tuned"]["decoding"]
             label = f"beam {chosen['beam_size']} and alpha {chosen['alpha']}, chosen on validation"
-            lines += [
-                score_row(f"{split}, {label}", t)
-                for split, t in entry["tuned"].items()
-                if isinstance(t, dict) and "bleu" in t
-            ]
+            lines += [score_row(f"{split}, {label}", t) for split, t in scored_splits(entry["tuned"]).items()]
         first = next(iter(splits.values()))
         lines += ["", f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.", "", BLEU_NOTE]
     else:
@@ -174,4 +161,4 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
             "protocol's model, or the checkpoint was moved out of its run). Score it with `make evaluate CKPT=...`."
         )
     lines += ["", "## Use", "", usage(fmt), ""]
-    return f"---\n{card_data(config, name, scores).to_yaml()}\n---\n\n" + "\n".join(lines)
+    return f"---\n{card_data(data, name, entry).to_yaml()}\n---\n\n" + "\n".join(lines)

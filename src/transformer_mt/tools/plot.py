@@ -1,10 +1,6 @@
-"""Learning curves of a training run as one PNG: `make plot RUN=<run dir>`.
-
-Reads the run's CSV metrics (<run>/csv/version_*/metrics.csv, which every run writes whatever
-its logger, wandb included, online or not) and draws training loss (the mean over each progress
-line's window, progress_every_n_updates) and learning rate per update, and validation loss, perplexity
-and BLEU.
-"""
+"""Learning curves of a training run as one PNG: `make plot RUN=<run dir>`, from the CSV metrics every run writes
+whatever its logger (<run>/csv/version_*/metrics.csv): training loss (each progress line's mean) and learning rate
+per update, validation loss, perplexity and BLEU."""
 
 from __future__ import annotations
 
@@ -14,13 +10,12 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
-from transformer_mt.commandline import CommandParser
-from transformer_mt.errors import MissingInputError, exit_on_user_error
+from transformer_mt.errors import CommandParser, MissingInputError, exit_on_user_error
 
-PANELS = [  # (title, [(metric, label)]); a metric "a|b" is a, or b in runs that did not log a
+PANELS = [  # (title, [(metric, label)])
     (
         "loss (label-smoothed cross-entropy)",
-        [("train/loss_window|train/loss", "training (mean since the previous point)"), ("val/loss", "validation")],
+        [("train/loss_window", "training (mean since the previous point)"), ("val/loss", "validation")],
     ),
     ("learning rate", [("lr-", "Noam schedule")]),
     ("validation perplexity", [("val/ppl", "validation")]),
@@ -39,8 +34,8 @@ def metrics_files(run: Path) -> list[Path]:
 
 
 def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """metric -> [(update, value)], from every metrics.csv of the run (a resumed run may add versions).
-    Lightning's `step` column counts the updates finished before the one being logged: update = step + 1."""
+    """metric -> [(update, value)] from every metrics.csv of the run (a resumed run adds versions); Lightning's
+    `step` counts the updates finished before the one logged: update = step + 1."""
     series: dict[str, dict[int, float]] = {}
     for path in metrics_files(run):
         with open(path, newline="", encoding="utf-8") as f:
@@ -55,11 +50,7 @@ def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def find(series: dict, key: str) -> list[tuple[int, float]]:
-    """The series named `key`; for a prefix such as "lr-" (LearningRateMonitor's lr-<optimizer>), the first so named;
-    for "a|b", series a where the run logged it, else b (runs from before train/loss_window: one micro-batch's loss)."""
-    if "|" in key:
-        first, fallback = key.split("|")
-        return find(series, first) or find(series, fallback)
+    """The series named `key` (finite values); for "lr-", the first named lr-<optimizer>."""
     if key.endswith("-"):
         key = next((name for name in series if name.startswith(key)), key)
     return [(s, v) for s, v in series.get(key, []) if math.isfinite(v)]

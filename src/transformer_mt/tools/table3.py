@@ -1,15 +1,12 @@
 """The runs of a Table 3 sweep as one table, ours beside the paper's: `make table3 RUNS=<sweep dir>` (or
 RUNS="<dir> <dir> ..." for runs spread over several sweeps).
 
-Reads every results.json under RUNS (each job of `make train CONFIG=table3 ARGS="-m table3=glob(*)"`, or
-of the CPU-sized table3_cpu study), and prints a Markdown table, also written to <RUNS>/table3.md:
-parameters, perplexity and BLEU on the validation split (Table 3's newstest2013: "dev"), sacreBLEU on the
-test split when the runs decoded it, and each row's difference from base. Runs of the base row with
-several seeds give the run-to-run spread; a difference larger than it is marked with *.
-
-BLEU (dev) is the tokenized compound-split BLEU (the paper's metric); sacreBLEU is the one to compare
-with other work. Each run contributes the first model its results.json evaluated: the average of the
-last checkpoints, or the final weights where averaging was off (Table 3's protocol); not the EMA.
+Reads every job's results.json (`make train CONFIG=table3 ARGS="-m table3=glob(*)"`, or table3_cpu) and prints a
+Markdown table, also written to <RUNS>/table3.md: parameters, perplexity and BLEU on the validation split (Table 3's
+newstest2013: "dev"), sacreBLEU on the test split where decoded, and each row's difference from base; a difference
+beyond the base row's run-to-run spread (its seeds) is marked with *. BLEU (dev) is the tokenized compound-split BLEU
+(the paper's metric). Each run contributes the first model its results.json evaluated (the average, else the final
+weights; not the EMA).
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from transformer_mt.commandline import CommandParser
-from transformer_mt.errors import InputError, MissingInputError, exit_on_user_error
-from transformer_mt.evaluation.results import Results
+from transformer_mt.errors import CommandParser, InputError, MissingInputError, exit_on_user_error
 from transformer_mt.files import RESULTS, RunFolder, atomic_write
+from transformer_mt.results import Results
 
 GROUPS = ["base", "(A)", "(B)", "(C)", "(D)", "(E)", "big"]  # Table 3's order of rows
 
@@ -104,16 +100,8 @@ def difference(entry: dict, metric: str, mean: dict, spread: dict) -> str:
 def table(entries: list[dict]) -> str:
     mean, spread = base_spread(entries)
     has_test = any(e["test_sacrebleu"] is not None for e in entries)
-    head = [
-        "row",
-        "change",
-        "seed",
-        "params (M) ours / paper",
-        "PPL dev ours / paper",
-        "BLEU dev ours / paper",
-        "Δ BLEU dev",
-        "sacreBLEU dev",
-    ]
+    head = ["row", "change", "seed", "params (M) ours / paper", "PPL dev ours / paper", "BLEU dev ours / paper",
+            "Δ BLEU dev", "sacreBLEU dev"]  # fmt: skip
     head += ["sacreBLEU test", "Δ test"] if has_test else []
     head += ["updates", "training"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

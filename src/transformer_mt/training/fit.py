@@ -4,6 +4,7 @@ the fit, then the end of the run (transformer_mt.train is the command that calls
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -19,12 +20,11 @@ from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.commandline import check_device, closest, trainer_parameters
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, closest
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, RunFolderLock, remove_stale_temporaries
-from transformer_mt.launcher import Job, first_process, launch_id, launched_rank
+from transformer_mt.launcher import Job, check_device, first_process, launch_id, launched_rank
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import (
     bound_onednn_cache,
@@ -66,7 +66,7 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
     args.pop("max_time", None)  # a time budget (training/budget.py), not Lightning's Timer
     accelerator = args.get("accelerator", "auto")
     check_device(accelerator)
-    known = trainer_parameters()
+    known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
     unknown = sorted(set(args) - known)  # +trainer.max_step=5 would end in the Trainer's TypeError
     if unknown:
         match = closest(unknown[0], known)

@@ -1,10 +1,6 @@
-"""results.json, the end-of-run protocol's record of a run (protocol.py), as one type: written by the protocol,
-read by the model card (tools/model_card.py) and make table3 (tools/table3.py), nowhere else by key.
-
-Its JSON is flat, in this field order; `overrides` (a training's command line) and `finished_by` (make finish)
-appear only where set. Each of `models` maps a checkpoint's name (average-last5, last, ema) to its path and
-each split's scores (scoring.evaluate_translations' and the perplexity); `tuned` (final.tune) the same per model
-at the settings chosen on the validation split, with those settings and how long choosing took."""
+"""results.json, the end-of-run protocol's record of a run (evaluation/protocol.py), as one type: read by make
+finish, the model card and make table3, nowhere else by key. Each of `models` maps a checkpoint's name (average-last5,
+last, ema) to its path and each split's scores; `tuned` (final.tune) the same at the settings chosen on validation."""
 
 from __future__ import annotations
 
@@ -18,14 +14,11 @@ from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write
 from transformer_mt.runtime import duration, flops_text
 
-OPTIONAL = ("overrides", "finished_by")  # left out of the file where None
 SCORES = {"bleu": "bleu", "chrf": "chrf", "tokenized_bleu_compound_split": "tokenized_bleu", "ppl": "ppl"}
 
 
 @dataclass
 class Results:
-    """Every field has a default: a results.json written before a field existed still reads."""
-
     updates: int | None = None
     train_seconds: float = 0.0
     target_tokens: int = 0
@@ -51,19 +44,15 @@ class Results:
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
                 raise TypeError(f"it holds a {type(data).__name__}, not an object")
-            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+            return cls(**data)
         except (ValueError, TypeError) as e:
             raise InputError(
                 f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it again"
             ) from None
 
-    def to_json(self) -> str:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if not (v is None and k in OPTIONAL + ("tuned",))}
-        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
-
     def write(self, path: Path) -> None:
         with atomic_write(path) as tmp:
-            tmp.write_text(self.to_json(), encoding="utf-8")
+            tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     def scored(self) -> list[tuple[str, str, dict]]:
         """(model, split, scores) of every scored split; a tuned one as model "<name>/tuned"."""
@@ -74,8 +63,8 @@ class Results:
         return [(name, split, s) for name, split, s in found if isinstance(s, dict) and "bleu" in s]
 
     def metrics(self) -> dict[str, float]:
-        """The scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl> (a tuned split has no
-        ppl of its own: the teacher-forced loss does not depend on the decoding settings)."""
+        """The scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl> (no ppl for a tuned
+        split: the teacher-forced loss does not depend on the decoding settings)."""
         return {
             f"final/{name}/{split}/{short}": scores[key]
             for name, split, scores in self.scored()
@@ -115,8 +104,8 @@ class Results:
         return "\n".join(lines)
 
     def entry(self, ckpt: Path) -> dict | None:
-        """The scores of the model evaluated from `ckpt` (with its tuned scores under "tuned"), or None. Matched by
-        file name within the run folder, so a moved or copied run folder still finds its scores."""
+        """The scores of the model evaluated from `ckpt` (its tuned ones under "tuned"), or None; matched by file
+        name, so a moved or copied run folder still finds its scores."""
         for name, entry in self.models.items():
             if Path(entry.get("checkpoint", "")).name == ckpt.name:
                 tuned = (self.tuned or {}).get(name)
