@@ -59,17 +59,28 @@ def test_every_module_is_named_in_its_package_map():
             assert f"{path.name}" in package_map, f"{path.relative_to(ROOT)} is not named in its package's map"
 
 
-def test_no_module_over_420_lines_no_function_over_70_and_the_lightning_module_within_180():
+# Issue 54's ceilings: the package at most 7,000 lines, a module at most 350 (model.py 380, search.py 300, the
+# decoding cache 100), a function at most 70; no second forward of the model on private ops or caches keyed on
+# tensor identity, no private Hydra.
+CEILINGS = {"model.py": 380, "search.py": 300, "decoding_state.py": 100}
+FORBIDDEN = ("torch.ops.mkldnn", "_version", "data_ptr", "hydra._internal")
+
+
+def test_the_package_stays_within_its_ceilings():
+    total = 0
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text(encoding="utf-8")
-        where = path.relative_to(ROOT)
-        assert len(text.splitlines()) <= 420, f"{where}: {len(text.splitlines())} lines"
+        where, lines = path.relative_to(ROOT), len(text.splitlines())
+        total += lines
+        assert lines <= CEILINGS.get(path.name, 350), f"{where}: {lines} lines"
+        assert not [word for word in FORBIDDEN if word in text], f"{where} names {FORBIDDEN}"
         for node in ast.walk(ast.parse(text)):
             size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert size <= 70, f"{where}: {node.name} is {size} lines"
             if isinstance(node, ast.ClassDef) and node.name == "TranslationModule":
                 assert size <= 180, f"{where}: {node.name} is {size} lines"
+    assert total <= 7000, f"the package is {total:,} lines"
 
 
 # The package's rooms. Front doors: the commands, and the two modules that serve only them (configs.py composes the

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -102,7 +103,7 @@ def describe_machine() -> str:
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
     return (
         f"{model} ({platform.machine()}, {'/'.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}"
+        f"torch {metadata.version('torch')}"
     )
 
 
