@@ -65,12 +65,12 @@ def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    with open_engine(cfg) as engine:
-        data_cfg = engine.config.get("data", {})
+    with open_engine(cfg) as (translate_lines, config):
+        data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch)
-        translate = partial(engine.translate, warn=log.warning, progress=True, **options, **decoding.settings())
+        translate = partial(translate_lines, warn=log.warning, progress=True, **options, **decoding.settings())
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     result = {
         "checkpoint": str(cfg.ckpt),

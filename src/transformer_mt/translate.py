@@ -36,8 +36,8 @@ def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | No
 
 
 def translate(cfg: DictConfig) -> None:
-    with open_engine(cfg) as engine:
-        translate_stdin(cfg, engine.translate)
+    with open_engine(cfg) as (translate_lines, _):
+        translate_stdin(cfg, translate_lines)
 
 
 def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:

@@ -22,8 +22,8 @@ def tune(cfg: DictConfig) -> Decoding:
     if cfg.split == "test":
         raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
     start = time.perf_counter()
-    with open_engine(cfg) as engine:
-        data_cfg = engine.config.get("data", {})
+    with open_engine(cfg) as (translate_lines, config):
+        data_cfg = config.get("data", {})
         corpus = Corpus.from_config(data_cfg, **({"path": cfg.data_path} if cfg.data_path else {}))
         sources, references = corpus.texts(cfg.split)  # as the end of a run and make evaluate read it
         if cfg.sentences:
@@ -37,7 +37,7 @@ def tune(cfg: DictConfig) -> Decoding:
             f"up to {decodes} rows",
             flush=True,
         )
-        translate = partial(engine.translate, tokens_per_batch=cfg.tokens_per_batch)
+        translate = partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch)
         chosen, rows = grid_for_a_person(
             translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
             say=lambda line: print(line, flush=True), significance=cfg.significance,

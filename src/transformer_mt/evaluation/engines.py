@@ -20,7 +20,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError, UserError
@@ -168,17 +167,10 @@ def engine_name(cfg) -> str:
     return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
 
 
-class Engine(NamedTuple):
-    """An open engine: `translate` has search.translate_lines' contract less its model and tokenizer; `config` is
-    the checkpoint's training config."""
-
-    translate: Callable[..., list]
-    config: dict
-
-
 @contextlib.contextmanager
-def open_engine(cfg) -> Iterator[Engine]:
-    """The engine of conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type)."""
+def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
+    """For conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type): a function with
+    search.translate_lines' contract less its model and tokenizer, and the checkpoint's training config."""
     from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
     from transformer_mt.errors import required  # noqa: PLC0415
 
@@ -193,9 +185,7 @@ def open_engine(cfg) -> Iterator[Engine]:
             raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
         if cfg.compile:
             model.compile_decoding()
-        yield Engine(
-            functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
-        )
+        yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
         return
     if cfg.compile:
         raise InputError(
@@ -204,4 +194,4 @@ def open_engine(cfg) -> Iterator[Engine]:
     folder = ct2_export(ckpt, log=lambda message: print(message, file=sys.stderr, flush=True))
     config = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"].get("config", {})
     with CT2Process(folder, cfg.device, cfg.threads, cfg.ct2_compute_type) as process:
-        yield Engine(process.translate_lines, config)
+        yield process.translate_lines, config
