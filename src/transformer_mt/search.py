@@ -97,11 +97,6 @@ class Finished:
     scores: Tensor  # (B, K) normalised scores, -inf: none
     tokens: Tensor  # (B, K, width), EOS included, PAD after it
 
-    @classmethod
-    def empty(cls, B: int, K: int, width: int, device: torch.device) -> Finished:
-        scores = torch.full((B, K), -torch.inf, device=device)
-        return cls(scores, torch.full((B, K, width), PAD_ID, dtype=torch.long, device=device))
-
     def add(self, sentences: Tensor, scores: Tensor, tokens: Tensor) -> Tensor:
         """Merge candidates (n, C), (n, C, width) of the original sentences `sentences` (n,) into their best K;
         returns those sentences' new scores (n, K)."""
@@ -148,11 +143,6 @@ class Searching:
         maximum length, would score best / ceiling at most)."""
         return self.floors >= self.scores[:, 0] / self.ceilings
 
-    def finish(self, finished: Finished, normalised: Tensor, parent: Tensor, token: Tensor, t: int, n_best: int):
-        """Step t's candidates (n, K) of `normalised` scores (-inf: not ended), extending `parent` by `token` (EOS),
-        merged into the finished ones; the floor, the n_best-th finished score, follows."""
-        self.floors = finished.add(self.ids, normalised, self.continued(parent, token, t))[:, n_best - 1]
-
     def continued(self, parent: Tensor, token: Tensor, t: int) -> Tensor:
         """The tokens (n, k', width) of the live hypotheses `parent` (n, k') continued by `token` (n, k') at t."""
         tokens = gather_hypotheses(self.tokens, parent)
@@ -188,7 +178,7 @@ def beam_search(
     state, limits, width = start_decoding(model, src, max_len_a, max_len_b)  # B rows; B * K after step 0
     alive = Searching.start(limits, alpha, width)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
-    finished = Finished.empty(B, K, width, device)  # per original sentence
+    finished = Finished(torch.full((B, K), -torch.inf, device=device), alive.tokens.new_full((B, K, width), PAD_ID))
     soonest = int(limits.min())  # the first step at which a sentence still searching must end
 
     for t in range(width):
@@ -200,9 +190,10 @@ def beam_search(
 
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
         # with those kept so far, the best K kept; most steps end none.
-        if ends[:, :K].any():
+        if ends[:, :K].any():  # the floors follow: each sentence's n_best-th finished score
             normalised = (top_scores[:, :K] / length_penalty(t + 1, alpha)).masked_fill(~ends[:, :K], -torch.inf)
-            alive.finish(finished, normalised, beam[:, :K], token[:, :K], t, n_best)
+            history = alive.continued(beam[:, :K], token[:, :K], t)
+            alive.floors = finished.add(alive.ids, normalised, history)[:, n_best - 1]
 
         # Alive: the best K candidates that did not end.
         alive.scores, pick = top_scores.masked_fill(ends, -torch.inf).topk(K, dim=1)
