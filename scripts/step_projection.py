@@ -62,26 +62,15 @@ FLOP_FORMULAS = {
 
 
 # Operations that read only the elements an index names: (output or source) elements moved twice, plus the index.
-INDEXED = {
-    aten.gather,
-    aten.index_select,
-    aten.scatter,
-    aten.scatter_,
-    aten.scatter_add,
-    aten.scatter_add_,
-    aten.index_add_,
-}
+INDEXED = {aten.gather, aten.index_select, aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_}
+INDEXED.add(aten.index_add_)  # the chunked loss's rows of W's gradient at the targets
 ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 
 
-# The Python kernels of F.linear_cross_entropy's chunked ops, called by the counter itself so that it sees their calls.
+# F.linear_cross_entropy's chunked op and its Python kernel, which the counter calls itself to see the kernel's calls.
 # Private names: torch has no public handle on a custom op's implementation.
-CUSTOM_KERNELS = {
-    torch.ops.torch_nn._linear_cross_entropy_batch_chunked: lce._linear_cross_entropy_batch_chunked._init_fn,
-    torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction: (
-        lce._linear_cross_entropy_batch_chunked_no_reduction._init_fn
-    ),
-}
+CHUNKED_LOSS = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
+CHUNKED_LOSS_KERNEL = lce._linear_cross_entropy_batch_chunked._init_fn
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -95,14 +84,14 @@ class Counter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.flops, self.bytes, self.inside = 0, 0, 0  # inside: bytes moved inside custom ops
+        self.flops, self.bytes, self.inside = 0, 0, 0  # inside: bytes moved inside the chunked loss
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "torch_nn":  # linear_cross_entropy's chunked op: its kernel's operations, not the op
+        if func.overloadpacket == CHUNKED_LOSS:  # its kernel's operations, not the op
             before = self.bytes
             with self:  # this mode is off while it handles an op: on again for the kernel's calls
-                out = CUSTOM_KERNELS[func.overloadpacket](*args, **kwargs)
+                out = CHUNKED_LOSS_KERNEL(*args, **kwargs)
             self.inside += self.bytes - before
             return out
         out = func(*args, **kwargs)
@@ -191,7 +180,7 @@ def reference_loss(hidden, weight, target, epsilon):
 
 def loss_bytes(loss, hidden, weight, target, mode: str, inside: bool = False) -> int:
     """Bytes moved by loss(hidden, weight, target, 0.1) (linear_smoothed_nll or reference_loss) and its backward
-    under bf16 autocast; inside: only those moved inside custom ops (eager)."""
+    under bf16 autocast; inside: only those moved inside the chunked loss (eager)."""
     hidden, weight = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)  # no .grad to add to
     with counting(mode) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
         compiled(loss, mode)(hidden, weight, target, 0.1)[0].backward()
