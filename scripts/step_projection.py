@@ -11,15 +11,17 @@ too: the length is fixed) and in the layers (alike), so these four give the coun
 micro-batch asked for (--tokens padded tokens per side, --real of them real target tokens: the rows the loss
 projects).
 - eager: a dispatch mode sees every operation: matrix products and attention add their FLOPs (torch's flop
-  formulas); every other operation that is not a view adds the bytes of its inputs and outputs. The loss alone is
-  counted the same way.
+  formulas); every other operation that is not a view adds the bytes of its inputs and outputs. Inside
+  F.linear_cross_entropy's chunked op (a custom op) it counts the operations its Python kernel runs. The loss alone
+  (from the hidden rows it projects) is counted the same way.
 - compiled: torch.compile (inductor) of the same step; inductor's own count of the bytes each generated kernel
   reads and writes (GraphLowering.count_bytes), the kernels it calls out to (matrix products, attention) left out.
   Inductor's CPU code generation fuses as its GPU code generation does for these operations (pointwise and
-  reductions into one loop); the counts are a projection, not a GPU measurement.
+  reductions into one loop); the counts are a projection, not a GPU measurement. Inductor calls the chunked op as
+  it is (as it calls a matrix product): what it moves inside is the eager count's.
 Time = FLOPs / (peak x --matmul-efficiency) + bytes / (bandwidth x --bandwidth-efficiency); the defaults (0.6 of
 the bf16 peak, 0.62 of the HBM bandwidth: 3 TB/s on an H200) are what the GPU-step issue's projection used.
---loss reference replaces the fused loss with label_smoothed_nll (the loss before it) for comparison.
+--loss reference replaces the chunked loss with label_smoothed_nll of the logits (the loss before it) for comparison.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch._inductor.compile_fx
 import torch._inductor.config
 import torch._inductor.graph
 import torch._inductor.metrics
+import torch.nn.functional as F
+import torch.nn.modules.linear_cross_entropy as lce
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -40,7 +44,7 @@ from torch.utils.flop_counter import flop_registry
 import transformer_mt.model
 from transformer_mt.configs import model_preset
 from transformer_mt.model import Transformer, TransformerConfig
-from transformer_mt.objective import label_smoothed_nll, sequence_losses, smoothed_cross_entropy
+from transformer_mt.objective import label_smoothed_nll, linear_smoothed_nll, sequence_losses
 
 SIZES = (8, 16)  # sentences of the counted micro-batches
 # (HBM bytes/s, dense bf16 FLOP/s) from NVIDIA's data sheets (SXM parts)
@@ -49,6 +53,7 @@ aten = torch.ops.aten
 # The CPU's fused attention has the FLOPs of the GPU's flash attention, whose formulas torch registers.
 FLOP_FORMULAS = {
     **flop_registry,
+    aten.addmm_: flop_registry[aten.addmm],  # the chunked loss's weight gradient, accumulated in place
     aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention],
     aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_registry[
         aten._scaled_dot_product_flash_attention_backward
@@ -58,7 +63,14 @@ FLOP_FORMULAS = {
 
 # Operations that read only the elements an index names: (output or source) elements moved twice, plus the index.
 INDEXED = {aten.gather, aten.index_select, aten.scatter, aten.scatter_, aten.scatter_add, aten.scatter_add_}
+INDEXED.add(aten.index_add_)  # the chunked loss's rows of W's gradient at the targets
 ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+
+
+# F.linear_cross_entropy's chunked op and its Python kernel, which the counter calls itself to see the kernel's calls.
+# Private names: torch has no public handle on a custom op's implementation.
+CHUNKED_LOSS = torch.ops.torch_nn._linear_cross_entropy_batch_chunked
+CHUNKED_LOSS_KERNEL = lce._linear_cross_entropy_batch_chunked._init_fn
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -72,10 +84,16 @@ class Counter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.flops, self.bytes = 0, 0
+        self.flops, self.bytes, self.inside = 0, 0, 0  # inside: bytes moved inside the chunked loss
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.overloadpacket == CHUNKED_LOSS:  # its kernel's operations, not the op
+            before = self.bytes
+            with self:  # this mode is off while it handles an op: on again for the kernel's calls
+                out = CHUNKED_LOSS_KERNEL(*args, **kwargs)
+            self.inside += self.bytes - before
+            return out
         out = func(*args, **kwargs)
         packet = func.overloadpacket
         formula = FLOP_FORMULAS.get(packet) or FLOP_FORMULAS.get(func)
@@ -125,7 +143,7 @@ class InductorBytes:
 
 
 def reference_losses(model, src, tgt_in, tgt_out, epsilon, positions):
-    """sequence_losses with label_smoothed_nll (fp32 log-probabilities kept), the loss before the fused one."""
+    """sequence_losses with label_smoothed_nll of the logits (fp32 log-probabilities kept), the loss before."""
     hidden = model.features(src, tgt_in)
     logits = model.project(hidden.flatten(0, 1).index_select(0, positions))
     return label_smoothed_nll(logits, tgt_out.flatten().index_select(0, positions), epsilon)
@@ -147,20 +165,26 @@ def count_step(model, batch, losses, mode: str) -> tuple[int, int, int]:
     with counting(mode) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _, _ = compiled(losses, mode)(model, *batch[:3], 0.1, batch[3])
         loss.backward()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the loss alone, from the same bf16 logits
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the loss alone, from the same hidden rows
         hidden = model.features(*batch[:2]).flatten(0, 1).index_select(0, batch[3])
-        logits = model.project(hidden).detach().requires_grad_(True)
     target = batch[2].flatten().index_select(0, batch[3])
-    loss_alone = label_smoothed_nll if losses is reference_losses else smoothed_cross_entropy
-    return getattr(counter, "flops", 0), counter.bytes, loss_bytes(loss_alone, logits, target, mode)
+    loss_alone = reference_loss if losses is reference_losses else linear_smoothed_nll
+    inside = 0 if mode == "eager" else loss_bytes(loss_alone, hidden, model.output_weight, target, "eager", True)
+    loss_moved = loss_bytes(loss_alone, hidden, model.output_weight, target, mode)
+    return getattr(counter, "flops", 0), counter.bytes + inside, loss_moved + inside
 
 
-def loss_bytes(loss, logits, target, mode: str) -> int:
-    """Bytes moved by loss(logits, target, 0.1) (label_smoothed_nll or smoothed_cross_entropy) and its backward."""
-    logits.grad = None  # a gradient to accumulate into would add its bytes
-    with counting(mode) as counter:
-        compiled(loss, mode)(logits, target, 0.1)[0].backward()
-    return counter.bytes
+def reference_loss(hidden, weight, target, epsilon):
+    return label_smoothed_nll(F.linear(hidden, weight), target, epsilon)
+
+
+def loss_bytes(loss, hidden, weight, target, mode: str, inside: bool = False) -> int:
+    """Bytes moved by loss(hidden, weight, target, 0.1) (linear_smoothed_nll or reference_loss) and its backward
+    under bf16 autocast; inside: only those moved inside the chunked loss (eager)."""
+    hidden, weight = hidden.detach().requires_grad_(True), weight.detach().requires_grad_(True)  # no .grad to add to
+    with counting(mode) as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(loss, mode)(hidden, weight, target, 0.1)[0].backward()
+    return counter.inside if inside else counter.bytes
 
 
 def compiled(fn, mode: str):
@@ -184,7 +208,7 @@ def main() -> None:
     parser.add_argument("--gpu", default="H200", choices=sorted(GPUS))
     parser.add_argument("--matmul-efficiency", type=float, default=0.6)
     parser.add_argument("--bandwidth-efficiency", type=float, default=0.62)
-    parser.add_argument("--loss", default="fused,reference", help="fused (smoothed_cross_entropy), reference, or both")
+    parser.add_argument("--loss", default="chunked,reference", help="chunked (linear_smoothed_nll), reference, or both")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager counts only")
     args = parser.parse_args()
     transformer_mt.model.FEW_QUERIES = 1 << 30  # the fused attention kernel, as on a GPU (model.py uses math on a CPU)
@@ -200,7 +224,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         cfg = TransformerConfig(**model_preset(shape), vocab_size=args.vocab, pad_id=0)
         for loss_name in args.loss.split(","):
-            losses = sequence_losses if loss_name == "fused" else reference_losses
+            losses = sequence_losses if loss_name == "chunked" else reference_losses
             flops = None  # the eager count's: compiling changes no matrix product
             for mode in ("eager", "compiled") if args.compile else ("eager",):
                 eager_flops, moved, loss_moved = projected(cfg, losses, mode, sentences, args)
