@@ -12,7 +12,7 @@ from conftest import random_batch, tiny_config
 from transformer_mt.attention_recording import explicit_attention, record_attention
 from transformer_mt.configs import model_preset
 from transformer_mt.model import Transformer, TransformerConfig, sinusoidal_positions, training_flops
-from transformer_mt.objective import sequence_losses
+from transformer_mt.objective import label_smoothed_nll
 
 # ---------------------------------------------------------------- oracle: torch.nn.Transformer
 
@@ -332,17 +332,17 @@ SWITCHES = [{}, dict(d_k=3, d_v=5), dict(d_k=6, d_v=10, positions="learned", nor
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=["paper", "d_k=3,d_v=5", "every-switch"])
 def test_training_flops_equal_torchs_flop_counter_but_for_the_causal_half(switches):
-    """model.training_flops against torch.utils.flop_counter on a real training step (forward with the
-    loss training uses, backward). The counter sees every matrix product as run: with no padding and the
-    MATH attention backend, the only difference is the masked half of decoder self-attention, which runs
-    but does no useful work (training_flops counts T(T+1)/2 pairs, the counter T^2); each pair costs
-    2 (H d_k + H d_v) in the forward pass (4 d_model in the paper's model)."""
+    """model.training_flops against torch.utils.flop_counter on a training step (forward with the reference loss,
+    whose output product the counter sees: F.linear_cross_entropy's chunked op computes the same products out of its
+    sight; backward). With no padding and the MATH attention backend, the only difference is the masked half of
+    decoder self-attention, which runs but does no useful work (training_flops counts T(T+1)/2 pairs, the counter
+    T^2); each pair costs 2 (H d_k + H d_v) in the forward pass (4 d_model in the paper's model)."""
     cfg = tiny_config(vocab_size=50, dropout=0.0, **switches)
     model = Transformer(cfg)
     B, S, T = 3, 7, 5
     src, tgt_in, tgt_out = (random_batch([n] * B, 50, seed=i) for i, n in enumerate((S, T, T)))
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        loss, _, _ = sequence_losses(model, src, tgt_in, tgt_out, 0.1)
+        loss, _, _ = label_smoothed_nll(model(src, tgt_in), tgt_out, 0.1)
         loss.backward()
     ours = training_flops(cfg, torch.full((B,), S), torch.full((B,), T))
     a, b = (cfg.n_heads * size for size in cfg.head_sizes)
