@@ -1,5 +1,5 @@
-"""What a training run tells a person and how it ends: progress lines, the start-up line, the update bar, a stop
-signal, and a summary of what to do next, or, stopped by a signal, how to continue."""
+"""What a training run tells a person: progress lines, the start-up line, the update bar, and at its end a summary of
+what to do next, or, stopped by a signal, how to continue."""
 
 from __future__ import annotations
 
@@ -12,24 +12,19 @@ import time
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from transformer_mt.files import RunFolder
 from transformer_mt.runtime import Peak, device_peak, duration, flops_text
 from transformer_mt.training import update as bookkeeping
 from transformer_mt.training.saving import UpdateCheckpoint
-from transformer_mt.training.update import SIGNALS, Update
+from transformer_mt.training.update import Update
 
 log = logging.getLogger(__name__)
 
-WINDOW_LOSS = "train/loss_window"  # the mean loss per target token of each progress line's window (every rank's)
-THROUGHPUT = "train/tgt_tok_per_s"  # target tokens per second of training over each progress line's window
-
 
 class StartupLog:
-    """How long the start took, and where it went (the data, then the model, trainer and first batches): at WMT14
-    scale a cold start spends minutes on SentencePiece; a cached one should reach its first update in seconds."""
+    """How long the start took, and where it went (a cold WMT14 start spends minutes on SentencePiece)."""
 
     def __init__(self, started: float):
         self.started, self.marks = started, {}
@@ -95,13 +90,14 @@ class ProgressLog(L.Callback):
         if trainer.is_global_zero:
             now = bookkeeping.clock()
             end = f"/{trainer.max_steps:,} ({step / trainer.max_steps:.0%})" if trainer.max_steps > 0 else ""
-            parts, metrics = [f"update {step:,}{end}"], {THROUGHPUT: self.tokens / seconds}  # every rank's tokens
-            if self.tokens:
-                metrics[WINDOW_LOSS] = loss = self.loss_sum / self.tokens  # make plot's training curve
+            speed = self.tokens / seconds  # every rank's target tokens, over the line's window
+            parts, metrics = [f"update {step:,}{end}"], {"train/tgt_tok_per_s": speed}
+            if self.tokens:  # the window's mean loss: make plot's training curve
+                metrics["train/loss_window"] = loss = self.loss_sum / self.tokens
                 parts.append(f"loss {loss:.3f}")
                 self.check_divergence(loss, step)
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
-            parts.append(f"{metrics[THROUGHPUT]:,.0f} target tok/s")
+            parts.append(f"{speed:,.0f} target tok/s")
             mfu = self.utilisation(self.flops / trainer.world_size / seconds)
             parts.append(flops_text(self.flops / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
             if mfu:
@@ -146,20 +142,16 @@ class ProgressLog(L.Callback):
 
 
 def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> float | None:
-    """Time left until max_steps (a budget's horizon, once fixed) at the rate so far, or until the time budget
-    runs out if that comes first."""
-    candidates = []
-    if trainer.max_steps > 0 and updates_per_second > 0:
-        candidates.append((trainer.max_steps - step) / updates_per_second)
+    """Time left until max_steps (a budget's horizon) at the rate so far, or until the time budget runs out."""
     budget = getattr(trainer.lightning_module, "budget", None)
-    if budget is not None:
-        candidates.append(budget.remaining())
-    return min(candidates) if candidates else None
+    left = [budget.remaining()] if budget is not None else []
+    if trainer.max_steps > 0 and updates_per_second > 0:
+        left.append((trainer.max_steps - step) / updates_per_second)
+    return min(left) if left else None
 
 
 def unreached(trainer: L.Trainer) -> list[str]:
-    """Warnings for what will not come between this run's first update and max_steps: a validation (no val/
-    curves to plot, no best.ckpt), a periodic checkpoint by update count (only last.ckpt, nothing to average)."""
+    """Warnings for what will not come between this run's first update and max_steps: a validation, a checkpoint."""
     step, last = trainer.global_step, trainer.max_steps
     if last <= 0:
         return []
@@ -181,8 +173,7 @@ def unreached(trainer: L.Trainer) -> list[str]:
 
 
 class UpdateProgressBar(TQDMProgressBar):
-    """One bar over the whole run, counted in optimizer updates (max_steps), not one per epoch; only on a terminal
-    (written to a file, a bar is noise: ProgressLog's lines say the same there)."""
+    """One bar over the whole run, in optimizer updates (max_steps), only on a terminal (in a file: ProgressLog's)."""
 
     def __init__(self):
         super().__init__()
@@ -199,11 +190,11 @@ class UpdateProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
         self.train_progress_bar.set_description(f"training (epoch {trainer.current_epoch})")
 
-    def on_train_batch_end(self, *args) -> None:
-        pass  # counted in updates: after_update
+    def on_train_batch_end(self, *args) -> None:  # counted in updates: after_update
+        pass
 
-    def on_train_epoch_end(self, *args) -> None:
-        pass  # the bar spans epochs
+    def on_train_epoch_end(self, *args) -> None:  # the bar spans epochs
+        pass
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:
         bar = self.train_progress_bar
@@ -223,82 +214,33 @@ def shown(path: Path) -> str:
 
 
 class RunEnd(L.Callback):
-    """How a run ends, in every process that trained. A stop signal (SIGTERM from a scheduler or `kill`, SIGINT from
-    Ctrl+C, SLURM's SIGUSR1) ends it after the update in progress, on every rank (the update's read carries it):
-    last.ckpt is written there and train() exits with 128 + its number (callback_metrics["stopped_by_signal"], which
-    ddp_spawn's workers hand back); a second Ctrl+C stops at once. On rank 0, a summary of the checkpoints and the
-    commands that use them (summary_later: after the end-of-run protocol's results, fit.after_fit)."""
+    """How a run ends, on rank 0: stopped by a signal (UpdateEnd's), how to continue; else a summary of the checkpoints
+    and the commands that use them (summary_later: after the end-of-run protocol's results, fit.after_fit)."""
 
     def __init__(self, checkpoint_dir: Path, keep_last: int, summary_later: bool = False):
         self.checkpoint_dir, self.keep_last, self.summary_later = checkpoint_dir, keep_last, summary_later
-        self.received: int = 0  # the stop signal's number, on this rank
-        self.stopped_by: signal.Signals | None = None  # the signal every rank stopped for
-        self._handlers: dict = {}
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        # Lightning's SIGTERM handler (registered as fit starts) stops inside an accumulation window and exits 0:
-        # replaced by one that only takes note.
-        self.updates = module.updates
-        self._handlers = {signum: signal.signal(signum, self.note) for signum in SIGNALS}
-        # Stands in for a switch that turns Lightning's SIGTERM check off (there is none): under DDP a broadcast and a
-        # wait for the device before every micro-batch, for a SIGTERM that its replaced handler would have noted.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
-        if trainer.received_sigterm:  # came as the run started (restoring, the sanity check): Lightning's handler
-            # Stands in for a setter of Trainer.received_sigterm: Lightning would exit 0 at the first micro-batch.
-            trainer._signal_connector.received_sigterm = False
-            self.note(signal.SIGTERM, None)
-
-    def note(self, signum: int, frame) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:  # a second Ctrl+C: now, still 128 + SIGINT
-            log.warning("received SIGINT again: stopping now, inside the update; the newest checkpoint holds the run")
-            raise SystemExit(128 + signal.SIGINT)
-        if not self.received:
-            again = "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else ""
-            name = signal.Signals(signum).name
-            log.warning(
-                f"received {name}: stopping at the end of the update in progress (last.ckpt is written there){again}"
-            )
-        self.received = self.updates.signal = signum
-
-    def after_update(self, trainer: L.Trainer, update: Update) -> bool:
-        """Whether any rank had received a stop signal by this update (the same answer on every rank)."""
-        if update.signal:
-            self.stop(trainer, update.signal)
-        return bool(update.signal)
-
-    def stop(self, trainer: L.Trainer, signum: int) -> None:
-        self.stopped_by = signal.Signals(signum)
-        trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(signum))  # for train(), from any process
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.teardown(trainer, module, "fit")  # the handlers from before the run
-        received = self.received  # a signal noted after the last update's read: every rank's, reduced once more
-        if self.stopped_by is None and trainer.world_size > 1:
-            flag = torch.tensor([received], device=module.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            received = int(flag.item())
-        if self.stopped_by is None and received:
-            self.stop(trainer, received)
         if not trainer.is_global_zero:
             return
-        if self.stopped_by is not None:
+        if (stopped := trainer.callback_metrics.get("stopped_by_signal")) is not None:
+            name, run = signal.Signals(int(stopped)).name, self.checkpoint_dir.parent
             log.warning(
-                f"stopped by {self.stopped_by.name} after update {trainer.global_step:,}; last.ckpt holds it. Continue "
-                f"with the same CONFIG and ARGS plus: ckpt_path=last hydra.run.dir={self.checkpoint_dir.parent}"
+                f"stopped by {name} after update {trainer.global_step:,}; last.ckpt holds it. Continue with the same "
+                f"CONFIG and ARGS plus: ckpt_path=last hydra.run.dir={run}"
             )
-            return
-        if cut := schedule_cut(trainer):
+        elif cut := schedule_cut(trainer):
             log.warning("%s", cut)
-        if not self.summary_later:
+        if stopped is None and not self.summary_later:
             self.log_summary(trainer, trainer.global_step)
 
     def log_summary(self, trainer: L.Trainer, updates: int) -> None:
         """Where the checkpoints are and the commands that use them (rank 0)."""
-        # best.ckpt of this run only: a resumed run restores the best path of the run it came from
         best = next((c for c in trainer.checkpoint_callbacks if getattr(c, "filename", None) == "best"), None)
-        if best is None or best.best_model_score is None or Path(best.best_model_path).parent != self.checkpoint_dir:
-            best = None
-        score = (best.monitor, float(best.best_model_score)) if best else None
+        # best.ckpt of this run only: a resumed run restores the best path of the run it came from
+        this_run = best is not None and best.best_model_score is not None
+        this_run = this_run and Path(best.best_model_path).parent == self.checkpoint_dir
+        score = (best.monitor, float(best.best_model_score)) if this_run else None
         summary = next_steps(self.checkpoint_dir.parent, self.checkpoint_dir, self.keep_last, score)
         log.info("finished after %s updates; next:\n%s", f"{updates:,}", summary)
 

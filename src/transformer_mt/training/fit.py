@@ -95,7 +95,7 @@ def make_callbacks(
     progress = ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds, startup, bar)
     ema = ExponentialMovingAverage(cfg.ema_decay) if cfg.ema_decay else None
     run_end = RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled)
-    callbacks = [UpdateEnd(progress, ema, run_end, saves=checkpoints[-1]), progress, run_end, RandomState()]
+    callbacks = [UpdateEnd(progress, ema, saves=checkpoints[-1]), progress, run_end, RandomState()]
     if cfg.early_stopping_patience:
         best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
@@ -211,8 +211,7 @@ def train(cfg: DictConfig, job: Job) -> float | None:
     trainer_args = trainer_arguments(cfg.trainer, sweep=job.sweep_dir is not None)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = job.run_dir
-    # One training per run folder: a second start into it is refused (the job's first process holds it).
-    try:
+    try:  # one training per run folder: a second start into it is refused (the job's first process holds it)
         with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
             return fit(cfg, job, trainer_args, startup)
     except BaseException as e:
@@ -245,14 +244,9 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
-        model=model_cfg,
-        label_smoothing=cfg.label_smoothing,
-        **plain(cfg.optim),
-        val_bleu_sentences=cfg.val_bleu_sentences,
-        budget=budget_settings(cfg),
-        config=plain(cfg),
-        tokenizer=datamodule.tokenizer,
-    )
+        model_cfg, cfg.label_smoothing, **plain(cfg.optim), val_bleu_sentences=cfg.val_bleu_sentences,
+        budget=budget_settings(cfg), config=plain(cfg), tokenizer=datamodule.tokenizer,
+    )  # fmt: skip
     if compiles_training(cfg.trainer, trainer_args.get("accelerator", "auto")):
         module.compile_training()
     if resume_path:
@@ -264,14 +258,8 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), job)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
-    trainer = L.Trainer(
-        **trainer_args,
-        logger=loggers,
-        callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
-        default_root_dir=run_dir,
-        enable_model_summary=False,
-    )
+    trainer = L.Trainer(**trainer_args, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
+                        default_root_dir=run_dir, enable_model_summary=False)  # fmt: skip
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
         update_tokens = shape_updates(trainer, datamodule)
         if resume_path and saved_update:
@@ -315,7 +303,7 @@ def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> f
     """A run stopped by a signal exits with 128 + its number; a finished one applies the paper's protocol (on the first
     process alone: the other ranks leave), its scores to the loggers, then the next commands. Returns the last
     validation BLEU (the objective of hparams_search)."""
-    stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # RunEnd's (also from ddp_spawn's workers)
+    stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # UpdateEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
             requeue_slurm_job()

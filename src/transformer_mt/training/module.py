@@ -80,8 +80,8 @@ class TranslationModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
         if self._compile_clock and self.trainer.is_global_zero:  # forward and backward compiled by now
-            log.info("trainer.compile: the first training micro-batch took %.1f s, compilation included",
-                     time.perf_counter() - self._compile_clock)  # fmt: skip
+            took = time.perf_counter() - self._compile_clock
+            log.info(f"trainer.compile: the first training micro-batch took {took:.1f} s, compilation included")
         if self._compile_clock:
             self._compile_clock = 0.0
 
@@ -111,17 +111,21 @@ class TranslationModule(L.LightningModule):
         self._decoder = full_copy(self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._add_losses(batch)
+        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        self._sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             rows = batch["index"] < self.hparams.val_bleu_sentences
             if rows.any():
-                self._keep_hypotheses(batch, rows, greedy(self._decoder, batch["src"][rows]))
+                hyps = greedy(self._decoder, batch["src"][rows])
+                references = [ref for ref, keep in zip(batch["reference"], rows.tolist()) if keep]
+                self._hyps.update(zip(batch["index"][rows].tolist(), zip(hyps, references)))
 
     def on_validation_epoch_end(self) -> None:
         self._decoder = None
-        loss, nll = self._mean_losses()
-        if loss is None:
+        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._sums, reduce_op="sum")
+        if n_tokens == 0:
             raise RuntimeError("validation saw no target tokens: the validation loader yielded no batch")
+        loss, nll = loss_sum / n_tokens, nll_sum / n_tokens
         metrics = {"val/loss": loss, "val/nll": nll, "val/ppl": torch.exp(nll)}
         summary = f"validation at update {self.global_step}: loss {loss:.3f}, ppl {torch.exp(nll):.2f}"
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
@@ -137,20 +141,6 @@ class TranslationModule(L.LightningModule):
         self.log_dict(metrics, sync_dist=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
-
-    # -- validation's parts
-
-    def _add_losses(self, batch: dict) -> None:
-        loss_sum, nll_sum, n_tokens = self._losses(batch)
-        self._sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
-
-    def _mean_losses(self) -> tuple[Tensor | None, Tensor | None]:
-        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._sums, reduce_op="sum")
-        return (None, None) if n_tokens == 0 else (loss_sum / n_tokens, nll_sum / n_tokens)
-
-    def _keep_hypotheses(self, batch: dict, rows: Tensor, hyps: list[list[int]]) -> None:
-        references = [ref for ref, keep in zip(batch["reference"], rows.tolist()) if keep]
-        self._hyps.update(zip(batch["index"][rows].tolist(), zip(hyps, references)))
 
     def _score_hypotheses(self) -> dict[str, float]:
         """Corpus scores of the hypotheses of every rank, detokenized, in split order."""

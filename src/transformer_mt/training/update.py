@@ -11,6 +11,7 @@ what follows, in one order. Nothing else here waits for the device: tests/device
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -23,6 +24,8 @@ from torch import Tensor
 from transformer_mt.errors import UserError
 from transformer_mt.model import training_flops
 from transformer_mt.training.sharding import is_sharded, local
+
+log = logging.getLogger(__name__)
 
 # The stop signals ranks agree on, highest number first: SIGTERM (15) wins over SIGUSR1 (10), over SIGINT (2).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -67,7 +70,7 @@ class UpdateBookkeeping(L.Callback):
 
     def __init__(self):
         self.totals = {"target_tokens": 0, "model_flops": 0.0, "train_seconds": 0.0}
-        self.signal = 0  # a stop signal's number, noted on this rank by RunEnd
+        self.signal = 0  # a stop signal's number, noted on this rank by UpdateEnd
         self.current: Update | None = None  # the newest update read
         self.norm: Tensor | None = None  # the update's gradient norm (device), known before its step
         self._sums: Tensor | None = None  # loss and NLL sums of this update's micro-batches (device)
@@ -155,16 +158,30 @@ class UpdateBookkeeping(L.Callback):
 
 
 class UpdateEnd(L.Callback):
-    """The one owner of an update's end: on_train_batch_end reads the update once, then runs what follows, in
-    its order. The parts are fit.make_callbacks'; the time budget is the module's (its schedule is)."""
+    """The one owner of an update's end: on_train_batch_end reads the update once, then runs what follows, in its
+    order (the parts are fit.make_callbacks'; the time budget is the module's, as its schedule is). It owns the stop
+    signals too (SIGTERM from a scheduler or `kill`, SIGINT from Ctrl+C, SLURM's SIGUSR1): one only takes note, the
+    update's reduction carries it to every rank, and the run stops after that update (one noted after the last
+    update's reduction is reduced once more at the end); train() exits with 128 + its number, through
+    callback_metrics["stopped_by_signal"] (which ddp_spawn's workers hand back). A second Ctrl+C stops at once."""
 
-    def __init__(self, progress=None, ema=None, run_end=None, saves=None):
-        self.progress, self.ema, self.run_end, self.saves = progress, ema, run_end, saves
+    def __init__(self, progress=None, ema=None, saves=None):
+        self.progress, self.ema, self.saves = progress, ema, saves
+        self.received, self._handlers = 0, {}
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.budget = getattr(module, "budget", None)
+        self.updates, self.budget = module.updates, getattr(module, "budget", None)
         if self.budget is not None:
             self.budget.begin(trainer, module.updates.totals["train_seconds"])
+        # Lightning's SIGTERM handler (registered as fit starts) stops inside an accumulation window and exits 0.
+        self._handlers = {signum: signal.signal(signum, self.note) for signum in SIGNALS}
+        # Stands in for a switch that turns Lightning's SIGTERM check off (there is none): under DDP a broadcast and a
+        # wait for the device before every micro-batch, for a SIGTERM that its replaced handler would have noted.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        if trainer.received_sigterm:  # came as the run started (restoring, the sanity check): Lightning's handler
+            # Stands in for a setter of Trainer.received_sigterm: Lightning would exit 0 at the first micro-batch.
+            trainer._signal_connector.received_sigterm = False
+            self.note(signal.SIGTERM, None)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         update = module.updates.end(trainer)  # the update's one wait for the device
@@ -183,11 +200,42 @@ class UpdateEnd(L.Callback):
             self.ema.after_update(module)
         if self.progress is not None:
             self.progress.after_update(trainer, update)  # the run log's lines, the bar
-        signalled = self.run_end is not None and self.run_end.after_update(trainer, update)  # any rank's signal
-        if out_of_time or signalled:
+        if update.signal:  # any rank's
+            self.stopped(trainer, update.signal)
+        if out_of_time or update.signal:
             stop_after_this_update(trainer)
         if self.saves is not None:
             self.saves.after_update(trainer, update)  # periodic and last.ckpt, after a validation that follows
+
+    def note(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # a second Ctrl+C: now, still 128 + SIGINT
+            log.warning("received SIGINT again: stopping now, inside the update; the newest checkpoint holds the run")
+            raise SystemExit(128 + signal.SIGINT)
+        if not self.received:
+            again = "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else ""
+            name = signal.Signals(signum).name
+            log.warning(
+                f"received {name}: stopping at the end of the update in progress (last.ckpt is written there){again}"
+            )
+        self.received = self.updates.signal = signum
+
+    def stopped(self, trainer: L.Trainer, signum: int) -> None:
+        trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(signum))  # for train(), from any process
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.teardown(trainer, module, "fit")
+        signum = self.received  # one noted after the last update's reduction: every rank's, reduced once more
+        if trainer.world_size > 1:
+            flag = torch.tensor([signum], device=module.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum and "stopped_by_signal" not in trainer.callback_metrics:
+            self.stopped(trainer, signum)
+
+    def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        for signum, handler in self._handlers.items():  # the handlers from before the run
+            signal.signal(signum, handler)
+        self._handlers = {}
 
 
 def gradient_norm(parameters, sharded: bool) -> Tensor:
