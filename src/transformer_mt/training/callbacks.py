@@ -244,11 +244,6 @@ class RunEnd(L.Callback):
         summary = next_steps(self.checkpoint_dir.parent, self.checkpoint_dir, self.keep_last, score)
         log.info("finished after %s updates; next:\n%s", f"{updates:,}", summary)
 
-    def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
-        for signum, handler in self._handlers.items():
-            signal.signal(signum, handler)
-        self._handlers = {}
-
 
 def schedule_cut(trainer: L.Trainer) -> str | None:
     """One line when training ended before its schedule did (the time budget ran out first, early stopping,
