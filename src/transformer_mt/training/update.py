@@ -237,6 +237,9 @@ class UpdateEnd(L.Callback):
             signal.signal(signum, handler)
         self._handlers = {}
 
+    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, module, "fit")  # Lightning calls no teardown hook then
+
 
 def gradient_norm(parameters, sharded: bool) -> Tensor:
     """The L2 norm of the whole gradient. Sharded (FSDP), the squares of each rank's part are summed across ranks,
