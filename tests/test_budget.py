@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import lightning as L
 import pytest
-import torch
 
 import transformer_mt.training.fit
 from conftest import load, train_in_process, write_corpus
@@ -17,15 +16,14 @@ from transformer_mt.errors import InputError
 from transformer_mt.objective import noam_lr
 from transformer_mt.tools.plot import read_metrics
 from transformer_mt.training import update as bookkeeping
-from transformer_mt.training.budget import (
-    MEASURE_FROM,
-    MEASURE_UPDATES,
-    BudgetSchedule,
-    budget_seconds,
-    horizon,
-)
+from transformer_mt.training.budget import MEASURE_FROM, MEASURE_UPDATES, TimeBudget, budget_seconds, horizon
 
 PEAK = noam_lr(600, 256, 600)  # the Multi30k recipe's: the Noam peak at warmup 600, d_model 256
+
+
+def budget(provisional: int) -> TimeBudget:
+    """Warmup and cool-down 20% of the horizon, `provisional` updates of warmup until the horizon is fixed."""
+    return TimeBudget(50.0, 0.05, 0.2, 0.2, 0.16, 4, peak=PEAK, provisional=provisional)
 
 
 def test_budget_seconds_reads_lightnings_forms_and_refuses_others_in_one_line():
@@ -45,16 +43,16 @@ def test_the_horizon_is_what_fits_the_rest_of_the_budget_less_the_margin_and_at_
     assert horizon(30, 2000.0, 0.5, 1560.0, 0.05, ceiling=2000) == 30  # the budget is spent already
 
 
-def rates(schedule: BudgetSchedule, last: int) -> list[float]:
+def rates(schedule: TimeBudget, last: int) -> list[float]:
     """The rate of updates 1..last, as LambdaLR asks (updates done, from 0)."""
-    return [schedule(done) for done in range(last)]
+    return [schedule.lr(done) for done in range(last)]
 
 
 def test_the_schedule_warms_up_fixes_its_horizon_without_a_jump_decays_as_noam_and_cools_down_near_zero():
-    schedule = BudgetSchedule(PEAK, warmup_share=0.2, cooldown_share=0.2, provisional_warmup=400)  # 0.2 x 2,000
+    schedule = budget(provisional=400)  # 0.2 x 2,000
     before = rates(schedule, 30)
     assert before == pytest.approx([PEAK * n / 400 for n in range(1, 31)])  # the warmup of the longest horizon
-    schedule.fix(30, 800)
+    schedule.fix(30, 31.0, 800)
     after = rates(schedule, 800)
     assert after[:30] == pytest.approx(before)  # the updates before the fix keep their rates
     assert after[159] == pytest.approx(PEAK) and max(after) == pytest.approx(PEAK)  # the peak at 0.2 x 800
@@ -67,27 +65,26 @@ def test_the_schedule_warms_up_fixes_its_horizon_without_a_jump_decays_as_noam_a
     cool = [b - a for a, b in zip(after[639:799], after[640:800])]
     assert max(cool) < 0 and max(cool) == pytest.approx(min(cool))
     assert after[-1] == pytest.approx(after[639] / 161) and after[-1] < PEAK / 10
-    assert schedule.warmup == 160
+    assert schedule.peak_at == 160 and schedule.every == round(0.16 * 800 / 4)  # the checkpoints span its last 16%
 
 
 def test_a_horizon_fixed_after_the_warmup_decays_from_the_rate_it_had():
-    schedule = BudgetSchedule(PEAK, warmup_share=0.2, cooldown_share=0.2, provisional_warmup=10)
-    schedule.fix(30, 40)  # a tiny budget: 0.2 x 40 = 8 updates of warmup, already behind
+    schedule = budget(provisional=10)
+    schedule.fix(30, 31.0, 40)  # a tiny budget: 0.2 x 40 = 8 updates of warmup, already behind
     after = rates(schedule, 40)
     assert after[29] == pytest.approx(PEAK) and after[31] == pytest.approx(PEAK * math.sqrt(30 / 32))
     assert after[-1] == pytest.approx(after[31] / 9)  # updates 33-40 cool down from update 32's rate
 
 
-def test_the_schedule_travels_in_the_schedulers_state():
-    parameter = torch.nn.Parameter(torch.zeros(1))
-    schedule = BudgetSchedule(PEAK, 0.2, 0.2, 400)
-    lambda_lr = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam([parameter], lr=1.0), schedule)
-    schedule.fix(30, 800)
-    state = lambda_lr.state_dict()
-    fresh = BudgetSchedule(PEAK, 0.2, 0.2, 400)
-    resumed = torch.optim.lr_scheduler.LambdaLR(torch.optim.Adam([parameter], lr=1.0), fresh)
-    resumed.load_state_dict(state)
-    assert (fresh.horizon, fresh.fixed_at, fresh.fixed_rate) == (800, 30, schedule.fixed_rate)
+def test_the_budget_travels_whole_in_its_checkpoint_field_and_a_resume_continues_its_schedule():
+    schedule = budget(provisional=400)
+    schedule.fix(30, 31.0, 800)
+    checkpoint = {"budget": schedule.state()}  # as TranslationModule.on_save_checkpoint writes it
+    assert TimeBudget.of(checkpoint) == schedule and TimeBudget.of({"budget": None}) is None
+    fresh = budget(provisional=400)
+    fresh.resume(checkpoint["budget"])
+    assert (fresh.horizon, fresh.fixed, fresh.fixed_rate) == (800, (30, 31.0), schedule.fixed_rate)
+    assert rates(fresh, 800) == rates(schedule, 800)
 
 
 # ---------------------------------------------------------------- runs on the driven clock
@@ -130,8 +127,8 @@ BUDGET = [
 
 
 def test_a_refit_at_the_cool_downs_start_moves_its_end_without_a_jump():
-    schedule = BudgetSchedule(PEAK, warmup_share=0.2, cooldown_share=0.2, provisional_warmup=400)
-    schedule.fix(30, 800)
+    schedule = budget(provisional=400)
+    schedule.fix(30, 31.0, 800)
     planned = rates(schedule, 800)
     assert schedule.cooldown_start == 640
     schedule.refit(640, 700)  # slower than measured: 60 updates of cool-down instead of 160
@@ -163,16 +160,12 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     assert expected in caplog.text
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 49
-    schedule = last["lr_schedulers"][0]["lr_lambdas"][0]
-    assert (schedule["horizon"], schedule["fixed_at"]) == (49, fixed_at)
+    schedule = TimeBudget.of(last)
+    assert (schedule.horizon, schedule.fixed[0]) == (49, fixed_at)
     # Every update's rate is the schedule's, the one right after the fix too (it was the provisional warmup's once:
     # a CI run failed when the fix fell on a logged update)
     logged = read_metrics(tmp_path / "run")["lr-Adam"]
-    wrong = [
-        (n, rate, BudgetSchedule(**schedule)(n))
-        for n, rate in logged
-        if rate != pytest.approx(BudgetSchedule(**schedule)(n))
-    ]
+    wrong = [(n, rate, schedule.lr(n)) for n, rate in logged if rate != pytest.approx(schedule.lr(n))]
     assert len(logged) == 49 and not wrong, wrong
     rate = last["optimizer_states"][0]["param_groups"][0]["lr"]  # what update 50 would use: past the horizon, 0
     assert rate == pytest.approx(0.0, abs=1e-12) and last["totals"]["train_seconds"] == 49.0
@@ -193,8 +186,7 @@ def test_a_machine_slower_after_the_fix_has_its_cool_down_moved_to_end_inside_th
         )
     assert "so the cool-down from update 39 ends at update 43 (planned: 49)" in caplog.text
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    schedule = last["lr_schedulers"][0]["lr_lambdas"][0]
-    assert (last["global_step"], schedule["horizon"], schedule["cool_from"]) == (43, 43, 39)
+    assert (last["global_step"], last["budget"]["horizon"], last["budget"]["cool_from"]) == (43, 43, 39)
     assert last["totals"]["train_seconds"] == 30 + 13 * 1.5 <= 50  # inside the budget
     assert last["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.0, abs=1e-12)
     steps = sorted(int(p.stem[4:]) for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
@@ -245,7 +237,7 @@ def test_without_a_budget_the_schedule_is_noam_exactly(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     train_in_process([f"data.path={corpus}", "trainer.max_steps=6"], tmp_path, tmp_path / "run")
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    assert last["lr_schedulers"][0]["lr_lambdas"] == [None]  # a plain function: nothing to keep
+    assert last["lr_schedulers"][0]["lr_lambdas"] == [None] and last["budget"] is None  # a function: nothing kept
     rate = last["optimizer_states"][0]["param_groups"][0]["lr"]
     assert rate == pytest.approx(noam_lr(7, 32, 4))  # TINY_RUN: d_model 32, warmup 4; update 7's rate
     assert timedelta(seconds=last["totals"]["train_seconds"]) > timedelta(0)

@@ -13,34 +13,18 @@ from transformer_mt.checkpoint import ema_state, read_checkpoint
 from transformer_mt.training.ema import ExponentialMovingAverage
 
 
-class EndedUpdates:
-    """UpdateBookkeeping's answer to "did an update end with this micro-batch" (training/update.py), for a
-    stand-in trainer: whether its global_step moved since the previous micro-batch."""
-
-    def __init__(self, trainer):
-        self.seen = trainer.global_step
-
-    def finished(self, trainer):
-        ended, self.seen = trainer.global_step != self.seen, trainer.global_step
-        return ended or None
-
-
 def test_the_moving_average_is_the_formula_once_per_update():
-    """ema_0 = the initial weights; after update t, ema_t = d ema_{t-1} + (1 - d) w_t; micro-batches inside
-    an accumulation window (no new update) change nothing."""
+    """ema_0 = the initial weights; after update t (UpdateEnd calls after_update), ema_t = d ema_{t-1} + (1 - d) w_t."""
     decay = 0.75
-    trainer = SimpleNamespace(global_step=0)
-    module = SimpleNamespace(model=nn.Linear(3, 2), updates=EndedUpdates(trainer))
+    module = SimpleNamespace(model=nn.Linear(3, 2))
     ema = ExponentialMovingAverage(decay)
-    ema.on_train_start(trainer, module)
+    ema.on_train_start(SimpleNamespace(global_step=0), module)
     expected = {k: v.detach().clone() for k, v in module.model.named_parameters()}
-    for step in range(1, 4):
+    for _ in range(3):
         with torch.no_grad():
             for p in module.model.parameters():
                 p.add_(torch.randn_like(p))
-        ema.on_train_batch_end(trainer, module, None, None, 0)  # the micro-batch before the update
-        trainer.global_step = step
-        ema.on_train_batch_end(trainer, module, None, None, 0)
+        ema.after_update(module)
         for name, p in module.model.named_parameters():
             expected[name] = decay * expected[name] + (1 - decay) * p.detach()
             torch.testing.assert_close(ema.average[name], expected[name], rtol=1e-6, atol=1e-6)

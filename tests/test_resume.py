@@ -422,7 +422,7 @@ def test_a_budgeted_run_killed_stopped_and_resumed_continues_its_schedule_bit_id
     assert "so the cool-down from update 77 ends at update 98 (planned: 96)" in proc.stdout + proc.stderr
     assert_same_run(whole, run, 98)
     a, b = load(whole / "checkpoints" / "last.ckpt"), load(run / "checkpoints" / "last.ckpt")
-    assert a["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 98
+    assert a["budget"] == b["budget"] and a["budget"]["horizon"] == 98
     assert a["totals"]["train_seconds"] == b["totals"]["train_seconds"] == 98.0  # the redone updates counted once
 
 
@@ -440,7 +440,7 @@ def test_a_budget_on_two_ddp_ranks_is_decided_on_rank_0s_clock_by_both(tmp_path)
     assert "time budget 0:01:40: ~96 updates" in output
     assert "so the cool-down from update 77 ends at update 98 (planned: 96)" in output
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    assert last["global_step"] == 98 and last["lr_schedulers"][0]["lr_lambdas"][0]["horizon"] == 98
+    assert last["global_step"] == 98 and last["budget"]["horizon"] == 98
     assert "ran out" not in output
 
 

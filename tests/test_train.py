@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import NOISE, SHARED_DATA, load, run_train, train_in_process
 from transformer_mt.tools.plot import read_metrics
-from transformer_mt.training.budget import BudgetSchedule
+from transformer_mt.training.budget import TimeBudget
 from transformer_mt.training.update import TrainingDiverged
 
 # ---------------------------------------------------------------- real runs (subprocesses)
@@ -204,11 +204,11 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     # 10.1 / 9.7; a CPU without native bf16 trains in fp32, other numbers: the bar leaves room, far above a random 0
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 6.0, bleus
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    schedule = BudgetSchedule(**last["lr_schedulers"][0]["lr_lambdas"][0])
-    rates = [schedule(done) for done in range(300)]  # updates 1-300: the peak, then near 0 at the last
+    schedule = TimeBudget.of(last)
+    rates = [schedule.lr(done) for done in range(300)]  # updates 1-300: the peak, then near 0 at the last
     assert max(rates) == pytest.approx(schedule.peak) and rates[-1] < schedule.peak / 10
     for update, rate in read_metrics(tmp_path / "run")["lr-Adam"]:  # what Adam used: the next update's rate
-        assert rate == pytest.approx(schedule(update)), update
+        assert rate == pytest.approx(schedule.lr(update)), update
     # the recipe's end: the last 5 periodic checkpoints averaged, test2016 decoded with beam 4
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert list(results["models"]) == ["average-last5"] and results["updates"] == 300

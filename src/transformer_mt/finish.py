@@ -20,6 +20,7 @@ from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, remove_stale_temporaries
 from transformer_mt.results import Results
 from transformer_mt.runtime import pick_device
+from transformer_mt.training.budget import TimeBudget
 
 
 def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) -> Results:
@@ -56,11 +57,13 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
 def stopped_early(checkpoint: dict) -> int | None:
     """The update at which a run's schedule ends (a time budget's horizon, else trainer.max_steps) where its last
     checkpoint is short of it; None where training reached it (or the checkpoint does not say)."""
-    planned = checkpoint["hyper_parameters"]["config"].get("trainer", {}).get("max_steps")
-    schedule = (checkpoint.get("lr_schedulers") or [{}])[0].get("lr_lambdas") or [None]
-    if isinstance(schedule[0], dict) and schedule[0].get("horizon"):  # a time budget's, once it fixed it
-        planned = schedule[0]["horizon"]
-    if not isinstance(planned, int) or planned <= 0 or checkpoint.get("global_step", planned) >= planned:
+    budget = TimeBudget.of(checkpoint)
+    planned = (
+        budget.horizon
+        if budget and budget.horizon
+        else checkpoint["hyper_parameters"]["config"]["trainer"]["max_steps"]
+    )
+    if not isinstance(planned, int) or planned <= 0 or checkpoint["global_step"] >= planned:
         return None
     return planned
 

@@ -21,9 +21,8 @@ log = logging.getLogger(__name__)
 
 
 class ExponentialMovingAverage(L.Callback):
-    """After every update t: ema_t = decay * ema_{t-1} + (1 - decay) * weights_t, with ema_0 the initial
-    weights, in fp32. Its state (the average and the updates it has seen) travels in every checkpoint,
-    so a resumed run continues the same average, bit for bit."""
+    """After every update t (UpdateEnd calls after_update): ema_t = decay * ema_{t-1} + (1 - decay) * weights_t, with
+    ema_0 the initial weights, in fp32. It travels in every checkpoint: a resumed run continues it bit for bit."""
 
     def __init__(self, decay: float):
         if not 0 < decay < 1:
@@ -45,12 +44,10 @@ class ExponentialMovingAverage(L.Callback):
             self.average = {name: value.to(params[name].device) for name, value in self.average.items()}
 
     @torch.no_grad()
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        if module.updates.finished(trainer) is None:  # inside an accumulation window: no update yet
-            return
-        self.updates = trainer.global_step
+    def after_update(self, module: L.LightningModule) -> None:
+        """ema + (1 - decay) * (weights - ema), every tensor in one call (one fused kernel on CUDA)."""
+        self.updates += 1
         names, weights = zip(*((name, p.detach().float()) for name, p in module.model.named_parameters()))
-        # ema + (1 - decay) * (p - ema), every tensor in one call: one fused kernel on CUDA, not one per tensor
         torch._foreach_lerp_([self.average[name] for name in names], list(weights), 1 - self.decay)
 
     def state_dict(self) -> dict:

@@ -1,5 +1,5 @@
-"""One training run from its composed config: the Trainer's arguments checked, the data, the module, the callbacks,
-the fit, then the end of the run (transformer_mt.train is the command that calls it)."""
+"""One training run from its composed config: the Trainer's arguments, the data, the module, the callbacks, the fit,
+then the end of the run (transformer_mt.train is the command that calls it)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from transformer_mt.runtime import (
 )
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
-from transformer_mt.training.budget import TimeBudget, budget_seconds
+from transformer_mt.training.budget import budget_seconds
 from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
@@ -50,6 +50,7 @@ from transformer_mt.training.resume import (
 )
 from transformer_mt.training.saving import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.sharding import LayerFSDP
+from transformer_mt.training.update import UpdateEnd
 
 log = logging.getLogger(__name__)
 
@@ -87,26 +88,20 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
 def make_callbacks(
     cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None
 ) -> list:
-    """The checkpoints (training/saving.py), optional early stopping on best.ckpt's metric, the batch size's
-    probe (a resumed run's: the choice it saved), the time budget, progress lines and bar (the learning rate and
-    training losses reach the loggers through training/update.py)."""
-    callbacks = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
-    best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
+    """UpdateEnd and the parts it runs at an update's end (the time budget is the module's), the checkpoints,
+    early stopping on best.ckpt's metric, the batch size's probe (a resumed run's: the choice it saved)."""
+    checkpoints = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
+    bar = UpdateProgressBar() if cfg.trainer.enable_progress_bar else None
+    progress = ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds, startup, bar)
+    ema = ExponentialMovingAverage(cfg.ema_decay) if cfg.ema_decay else None
+    run_end = RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled)
+    callbacks = [UpdateEnd(progress, ema, saves=checkpoints[-1]), progress, run_end, RandomState()]
     if cfg.early_stopping_patience:
+        best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
-    if cfg.ema_decay:
-        callbacks.append(ExponentialMovingAverage(cfg.ema_decay))
     if cfg.data.max_tokens == "auto":
         callbacks.append(FitBatch(saved_max_tokens))
-    if budget := budget_seconds(cfg.trainer.get("max_time")):
-        callbacks.append(TimeBudget(budget, cfg.budget.margin, cfg.budget.average_span, cfg.checkpoint.keep_last))
-    callbacks += [
-        ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds),
-        startup,
-        RandomState(),
-        RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled),
-    ]
-    return callbacks + ([UpdateProgressBar()] if cfg.trainer.enable_progress_bar else [])
+    return callbacks + [c for c in (ema, bar) if c is not None] + checkpoints
 
 
 NUMBERS = {  # keys outside the model whose wrong type would fail late or silently, and what each must be
@@ -118,6 +113,7 @@ NUMBERS = {  # keys outside the model whose wrong type would fail late or silent
     "val_bleu_sentences": int,
     "progress_every_n_updates": int,
     "progress_every_seconds": float,
+    "trainer.val_check_interval": float,  # updates or a share of an epoch; not a time (update.validation_follows)
     "budget.warmup": float,
     "budget.cooldown": float,
     "budget.average_span": float,
@@ -126,8 +122,7 @@ NUMBERS = {  # keys outside the model whose wrong type would fail late or silent
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Settings that only fail late (after the data is built, or at the first validation) are refused
-    before any work."""
+    """Settings that only fail late (after the data is built, or at the first validation) are refused first."""
     for key, kind in NUMBERS.items():
         value = OmegaConf.select(cfg, key)
         if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value < 0:
@@ -143,11 +138,9 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError(f"model.{e}") from None
     monitor = cfg.checkpoint.best_monitor
     if monitor and monitor.removeprefix("val/") in ("bleu", "chrf") and not cfg.val_bleu_sentences:
-        raise InputError(
-            f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set "
-            "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
-        )
-    budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not at the end of the setup
+        fix = "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
+        raise InputError(f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set {fix}")
+    budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not after the setup
     for key in ("warmup", "cooldown", "average_span", "margin"):
         if not cfg.budget[key] < 1:
             raise InputError(f"budget.{key}={cfg.budget[key]}: a share, below 1 (e.g. 0.2)")
@@ -165,25 +158,20 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError(
             "trainer.compile with trainer=fsdp is not supported (untested); use ddp, or trainer.compile=false"
         )
-    final = cfg.final
-    if final.enabled:
-        splits = final.splits
-        if not OmegaConf.is_list(splits) or not splits or any(s not in ("validation", "test") for s in splits):
-            raise InputError(
-                f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]"
-            )
-        average = final.average_last
-        if isinstance(average, bool) or not isinstance(average, int) or average < 0:
-            raise InputError(f"final.average_last={average!r}: must be a whole number, 0 (no averaging) or more")
+    splits, average = cfg.final.splits, cfg.final.average_last
+    if not cfg.final.enabled:
+        return
+    if not OmegaConf.is_list(splits) or not splits or any(s not in ("validation", "test") for s in splits):
+        raise InputError(f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]")
+    if isinstance(average, bool) or not isinstance(average, int) or average < 0:
+        raise InputError(f"final.average_last={average!r}: must be a whole number, 0 (no averaging) or more")
 
 
 def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = False):
-    """String strategies from trainer configs: FSDP wrapped per encoder/decoder layer (sharding.py); DDP
-    without the per-forward broadcast of buffers (the sinusoid table is the same on every rank)."""
-    launched_outside = any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
-    # Lightning's ddp and fsdp start the other ranks by re-running sys.argv, which under `-m` from a
-    # shell would re-run the whole sweep in every child.
-    shell_sweep = sweep and not launched_outside
+    """String strategies from trainer configs: FSDP per encoder/decoder layer (sharding.py); DDP without the
+    per-forward broadcast of buffers (the sinusoid table is the same on every rank)."""
+    # Lightning's ddp and fsdp start the other ranks by re-running sys.argv: under `-m` from a shell, the whole sweep
+    shell_sweep = sweep and not any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
     if name == "fsdp":
         if shell_sweep and devices != 1:
             raise InputError(
@@ -201,9 +189,8 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
 
 
 def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
-    """trainer.compile as given; auto: on where the run trains on a CUDA GPU (projected 1.5x eager's tok/s there:
-    docs/measurements.md), except with trainer=fsdp (not tested compiled); off on a CPU, where inductor's step
-    measured 0.83-0.89x eager's."""
+    """trainer.compile as given; auto: on a CUDA GPU (projected 1.5x eager's tok/s: docs/measurements.md) but not with
+    trainer=fsdp (untested); off on a CPU (inductor's step measured 0.83-0.89x eager's)."""
     if trainer.get("compile", False) != "auto":
         return bool(trainer.get("compile", False))
     on_cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
@@ -224,8 +211,7 @@ def train(cfg: DictConfig, job: Job) -> float | None:
     trainer_args = trainer_arguments(cfg.trainer, sweep=job.sweep_dir is not None)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = job.run_dir
-    # One training per run folder: a second start into it is refused (the job's first process holds it).
-    try:
+    try:  # one training per run folder: a second start into it is refused (the job's first process holds it)
         with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
             return fit(cfg, job, trainer_args, startup)
     except BaseException as e:
@@ -239,8 +225,7 @@ def train(cfg: DictConfig, job: Job) -> float | None:
 
 
 def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> float | None:
-    """The run in its folder: what to resume from, the data, the module, the Trainer, then fit; a run
-    stopped by a signal exits with 128 + its number."""
+    """The run in its folder: what to resume from, the data, the module, the Trainer, then fit."""
     run_dir = job.run_dir
     checkpoint_dir = RunFolder(run_dir).checkpoints
     # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
@@ -259,14 +244,9 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
-        model=model_cfg,
-        label_smoothing=cfg.label_smoothing,
-        **plain(cfg.optim),
-        val_bleu_sentences=cfg.val_bleu_sentences,
-        budget={k: cfg.budget[k] for k in ("warmup", "cooldown")} if cfg.trainer.get("max_time") else None,
-        config=plain(cfg),
-        tokenizer=datamodule.tokenizer,
-    )
+        model_cfg, cfg.label_smoothing, **plain(cfg.optim), val_bleu_sentences=cfg.val_bleu_sentences,
+        budget=budget_settings(cfg), config=plain(cfg), tokenizer=datamodule.tokenizer,
+    )  # fmt: skip
     if compiles_training(cfg.trainer, trainer_args.get("accelerator", "auto")):
         module.compile_training()
     if resume_path:
@@ -274,19 +254,12 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        saved_update = resumed.get("update_tokens")  # None in checkpoints written before it was kept
-        saved_max_tokens = resumed.get("max_tokens")
+        saved_update, saved_max_tokens = resumed["update_tokens"], resumed["max_tokens"]
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), job)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
-    trainer = L.Trainer(
-        **trainer_args,
-        logger=loggers,
-        callbacks=callbacks,
-        plugins=[AtomicCheckpointIO()],
-        default_root_dir=run_dir,
-        enable_model_summary=False,
-    )
+    trainer = L.Trainer(**trainer_args, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
+                        default_root_dir=run_dir, enable_model_summary=False)  # fmt: skip
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
         update_tokens = shape_updates(trainer, datamodule)
         if resume_path and saved_update:
@@ -294,13 +267,8 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
                 resume_path, saved_update, update_tokens, trainer.world_size, datamodule.tokens_per_update
             )
     if trainer.is_global_zero:
-        n_params = sum(p.numel() for p in module.parameters())
-        log.info(
-            "model: %s parameters, vocabulary %d, precision %s",
-            f"{n_params:,}",
-            model_cfg["vocab_size"],
-            trainer.precision,
-        )
+        n_params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
+        log.info(f"model: {n_params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)
     try:
@@ -308,6 +276,16 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         return after_fit(cfg, job, trainer, loggers)
     finally:
         finish_wandb(loggers)
+
+
+def budget_settings(cfg: DictConfig) -> dict | None:
+    """trainer.max_time and the `budget` block as training/budget.TimeBudget's settings; None without a budget."""
+    seconds = budget_seconds(cfg.trainer.get("max_time"))
+    if seconds is None:
+        return None
+    shares = dict(warmup_share=cfg.budget.warmup, cooldown_share=cfg.budget.cooldown)
+    return dict(seconds=seconds, margin=cfg.budget.margin, average_span=cfg.budget.average_span, **shares,
+                keep_last=cfg.checkpoint.keep_last)  # fmt: skip
 
 
 def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
@@ -322,24 +300,19 @@ def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
 
 
 def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
-    """After fit: a run stopped by a signal exits with 128 + its number; a finished one applies the paper's
-    protocol (final.enabled, on the first process alone: the other ranks leave), whose scores also reach the
-    loggers (wandb: before it closes), then the next commands. Returns the last validation BLEU (the
-    objective of hparams_search)."""
-    stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # RunEnd's (also from ddp_spawn's workers)
+    """A run stopped by a signal exits with 128 + its number; a finished one applies the paper's protocol (on the first
+    process alone: the other ranks leave), its scores to the loggers, then the next commands. Returns the last
+    validation BLEU (the objective of hparams_search)."""
+    stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # UpdateEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
             requeue_slurm_job()
         raise SystemExit(128 + int(stopped_by))
     run_end = next(c for c in trainer.callbacks if isinstance(c, RunEnd))
     if cfg.final.enabled and trainer.is_global_zero:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # The other ranks do not wait for the protocol (however long it takes): they exit once training is
-            # done, while this rank, which hosts their rendezvous store, is still there.
-            log.info(
-                "the end of the run on rank 0 alone: the other %d rank(s) exit without waiting for it",
-                trainer.world_size - 1,
-            )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # they host no rendezvous store
+            others = trainer.world_size - 1
+            log.info(f"the end of the run on rank 0 alone: the other {others} rank(s) exit without waiting for it")
         progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
         protocol = Protocol.of_run(RunFolder(job.run_dir), plain(cfg), devices=trainer.world_size)
         protocol.extra["overrides"] = list(job.overrides)

@@ -30,13 +30,8 @@ class _DropTips(logging.Filter):
 
 
 def setup_logging() -> None:
-    """Route every line through the root logger that Hydra configured (console + <run>/train.log), once.
-
-    Lightning, `datasets` and `huggingface_hub` attach console handlers of their own when they are
-    imported, so their lines never reached the run's log file, or reached the console twice (e.g.
-    the Hub's retry lines); warnings went to stderr only. Ranks other than 0 log warnings and
-    errors only, so that every line of a multi-GPU run appears once.
-    """
+    """Every line through the root logger that Hydra configured (console and <run>/train.log), once: Lightning,
+    `datasets` and `huggingface_hub` attach console handlers of their own. Ranks other than 0 log warnings only."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
@@ -69,7 +64,7 @@ def make_loggers(cfg: DictConfig | None, job: Job) -> list:
 
 def make_logger(cfg: DictConfig, job: Job):
     kwargs = {}
-    if cfg._target_.endswith("WandbLogger"):
+    if cfg["_target_"].endswith("WandbLogger"):
         if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
             (log.warning if rank_zero_only.rank == 0 else log.debug)(  # one line per run, not per rank
@@ -88,6 +83,7 @@ def make_logger(cfg: DictConfig, job: Job):
 
 def finish_wandb(loggers: list) -> None:
     """End this job's wandb run, so that the next job of a sweep starts its own (wandb.init reuses an open one)."""
-    for logger in loggers:
-        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
-            logger.experiment.finish()
+    if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
+        import wandb  # noqa: PLC0415 (only with this logger)
+
+        wandb.finish()  # the current run, if one was started

@@ -1,7 +1,5 @@
-"""The LightningModule: trains with objective.py's loss and Noam schedule (Adam, §5.3), or a time budget's
-(budget.py); validation loss,
-greedy BLEU and chrF. A split is scored with beam search in one place, scoring.evaluate_translations (the
-end-of-run protocol, make evaluate)."""
+"""The LightningModule: objective.py's loss, Adam with the Noam schedule (§5.3) or a time budget's (budget.py);
+validation loss, greedy BLEU and chrF (a split is scored with beam search by scoring.evaluate_translations)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
 from transformer_mt.tokenizer import Tokenizer
-from transformer_mt.training.budget import BudgetSchedule
+from transformer_mt.training.budget import TimeBudget
 from transformer_mt.training.sharding import full_copy, is_sharded
 from transformer_mt.training.update import UpdateBookkeeping
 
@@ -25,11 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class TranslationModule(L.LightningModule):
-    """Trains a Transformer; validation scores greedy translations of its own batches.
-
-    Everything it needs comes in through the constructor: the tokenizer decodes hypotheses
-    (and travels inside every checkpoint), validation batches carry their references.
-    """
+    """Trains a Transformer; validation scores greedy translations of its own batches (they carry their
+    references). The tokenizer decodes hypotheses and travels inside every checkpoint."""
 
     def __init__(
         self,
@@ -40,7 +35,7 @@ class TranslationModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         eps: float = 1e-9,
         val_bleu_sentences: int = 500,
-        budget: dict | None = None,  # a time budget's schedule: {warmup, cooldown} shares of its horizon; None: Noam
+        budget: dict | None = None,  # a time budget's settings (TimeBudget's fields); None: Noam's schedule
         config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
         tokenizer: Tokenizer | None = None,  # None when restored from a checkpoint: it carries its own
     ):
@@ -49,23 +44,20 @@ class TranslationModule(L.LightningModule):
         self.model = Transformer(TransformerConfig(**model))
         self.tokenizer = tokenizer
         self.updates = UpdateBookkeeping()  # tokens, FLOPs, the gradient's normalisation and norm, totals
+        self.budget = TimeBudget(**budget) if budget else None  # its schedule is this module's
         self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
         self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
         self._decoder: Transformer | None = None  # what validation decodes with (sharding.py)
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
         self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
-        self.schedule: BudgetSchedule | None = None  # a time budget's learning rate (configure_optimizers)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.model(src, tgt_in)
 
     def compile_training(self, backend="inductor") -> None:
-        """trainer.compile: the training step's forward and loss (sequence_losses) through torch.compile, with
-        dynamic shapes (token buckets vary the batch's sentences and lengths: an epoch of WMT14-like batches
-        compiles 2 graphs, not one per shape; test_module counts them); the backward follows it
-        (AOTAutograd). Validation's decoding goes through Transformer.compile_decoding. The model
-        itself is not wrapped: its parameters and checkpoint keys stay eager's (no `_orig_mod.`); validation
-        losses run eager. backend: torch.compile's (a test counts graphs with aot_eager)."""
+        """trainer.compile: the training forward and loss through torch.compile, dynamic shapes (an epoch of WMT14-like
+        batches compiles 2 graphs, not one per shape), the backward with it (AOTAutograd); decoding through
+        Transformer.compile_decoding. The model is not wrapped: its checkpoint keys stay eager's (no `_orig_mod.`)."""
         self._training_losses = torch.compile(sequence_losses, dynamic=True, backend=backend)
         self.model.compile_decoding()
 
@@ -78,21 +70,18 @@ class TranslationModule(L.LightningModule):
     def configure_callbacks(self) -> list[L.Callback]:
         return [self.updates]  # the update's bookkeeping trains with the module, whoever builds the Trainer
 
-    # Nothing here waits for the device: the update's one wait is UpdateBookkeeping's (training/update.py).
-
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         if self._training_losses is not sequence_losses and self._compile_clock is None:
             self._compile_clock = time.perf_counter()  # the first compiled micro-batch starts
         loss_sum, nll_sum, _ = self._losses(batch, self._training_losses)
         self.updates.add(self, batch, loss_sum, nll_sum)
-        # The sum, not the mean: every target token of an update weighs the same, whichever micro-batch
-        # or rank it is in (as fairseq). UpdateBookkeeping divides the gradient by the update's tokens.
+        # The sum, not the mean: UpdateBookkeeping divides the gradient by the update's tokens (nothing here waits).
         return loss_sum
 
     def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
         if self._compile_clock and self.trainer.is_global_zero:  # forward and backward compiled by now
-            log.info("trainer.compile: the first training micro-batch took %.1f s, compilation included",
-                     time.perf_counter() - self._compile_clock)  # fmt: skip
+            took = time.perf_counter() - self._compile_clock
+            log.info(f"trainer.compile: the first training micro-batch took {took:.1f} s, compilation included")
         if self._compile_clock:
             self._compile_clock = 0.0
 
@@ -103,11 +92,11 @@ class TranslationModule(L.LightningModule):
         d_model = self.model.cfg.d_model
         # LambdaLR calls this with the number of updates done so far; update n (from 1) uses noam(n).
         rate = lambda done: noam_lr(done + 1, d_model, h.warmup_steps, h.lr_factor)  # noqa: E731
-        if h.budget is not None:  # the peak of the Noam schedule at optim.warmup_steps, over the budget
-            ceiling, warmup = self.trainer.max_steps, h.budget["warmup"]
-            provisional = round(warmup * ceiling) if ceiling > 0 else h.warmup_steps
-            peak = noam_lr(h.warmup_steps, d_model, h.warmup_steps, h.lr_factor)
-            rate = self.schedule = BudgetSchedule(peak, warmup, h.budget["cooldown"], max(provisional, 1))
+        if budget := self.budget:  # Noam's peak at optim.warmup_steps, fitted to the budget
+            budget.peak = noam_lr(h.warmup_steps, d_model, h.warmup_steps, h.lr_factor)
+            budget.ceiling = ceiling = self.trainer.max_steps
+            budget.provisional = max(round(budget.warmup_share * ceiling) if ceiling > 0 else h.warmup_steps, 1)
+            rate = lambda done: budget.lr(done)  # noqa: E731 (a function: LambdaLR keeps no state of it)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
@@ -122,17 +111,21 @@ class TranslationModule(L.LightningModule):
         self._decoder = full_copy(self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        self._add_losses(batch)
+        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        self._sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             rows = batch["index"] < self.hparams.val_bleu_sentences
             if rows.any():
-                self._keep_hypotheses(batch, rows, greedy(self._decoder, batch["src"][rows]))
+                hyps = greedy(self._decoder, batch["src"][rows])
+                references = [ref for ref, keep in zip(batch["reference"], rows.tolist()) if keep]
+                self._hyps.update(zip(batch["index"][rows].tolist(), zip(hyps, references)))
 
     def on_validation_epoch_end(self) -> None:
         self._decoder = None
-        loss, nll = self._mean_losses()
-        if loss is None:
+        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._sums, reduce_op="sum")
+        if n_tokens == 0:
             raise RuntimeError("validation saw no target tokens: the validation loader yielded no batch")
+        loss, nll = loss_sum / n_tokens, nll_sum / n_tokens
         metrics = {"val/loss": loss, "val/nll": nll, "val/ppl": torch.exp(nll)}
         summary = f"validation at update {self.global_step}: loss {loss:.3f}, ppl {torch.exp(nll):.2f}"
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
@@ -148,20 +141,6 @@ class TranslationModule(L.LightningModule):
         self.log_dict(metrics, sync_dist=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
-
-    # -- validation's parts
-
-    def _add_losses(self, batch: dict) -> None:
-        loss_sum, nll_sum, n_tokens = self._losses(batch)
-        self._sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
-
-    def _mean_losses(self) -> tuple[Tensor | None, Tensor | None]:
-        loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._sums, reduce_op="sum")
-        return (None, None) if n_tokens == 0 else (loss_sum / n_tokens, nll_sum / n_tokens)
-
-    def _keep_hypotheses(self, batch: dict, rows: Tensor, hyps: list[list[int]]) -> None:
-        references = [ref for ref, keep in zip(batch["reference"], rows.tolist()) if keep]
-        self._hyps.update(zip(batch["index"][rows].tolist(), zip(hyps, references)))
 
     def _score_hypotheses(self) -> dict[str, float]:
         """Corpus scores of the hypotheses of every rank, detokenized, in split order."""
@@ -187,7 +166,10 @@ class TranslationModule(L.LightningModule):
         # the update's padded tokens per side (batch_fit.shape_updates): a resume keeps it (resume.check_update_size)
         checkpoint["update_tokens"] = getattr(self.trainer.datamodule, "update_tokens", None)
         checkpoint["max_tokens"] = getattr(self.trainer.datamodule, "max_tokens", None)  # data.max_tokens=auto's choice
+        checkpoint["budget"] = self.budget.state() if self.budget else None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if self.tokenizer is None and "sentencepiece" in checkpoint:
+        if self.tokenizer is None:
             self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
+        if self.budget and checkpoint["budget"]:
+            self.budget.resume(checkpoint["budget"])

@@ -23,9 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def random_state() -> dict:
-    """This process's generators: Python, NumPy, torch CPU and its own CUDA device's (the one it trains on; a
-    resume may see fewer GPUs, e.g. srun --gpus-per-task=1), as values that torch.load(weights_only=True)
-    accepts (NumPy's key array becomes a tensor)."""
+    """This process's generators as values torch.load(weights_only=True) accepts: Python, NumPy, torch CPU and its own
+    CUDA device's only (a resume may see fewer GPUs, e.g. srun --gpus-per-task=1)."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -40,23 +39,14 @@ def set_random_state(state: dict) -> None:
     name, keys, position, has_gauss, cached_gaussian = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
     torch.set_rng_state(state["torch"])
-    if not torch.cuda.is_available():
-        return
-    if state.get("cuda_device") is not None:
+    if torch.cuda.is_available() and state["cuda_device"] is not None:
         torch.cuda.set_rng_state(state["cuda_device"])
-    elif state.get("cuda"):  # written before: every device the process saw; its own is the current one
-        saved, device = state["cuda"], torch.cuda.current_device()
-        torch.cuda.set_rng_state(saved[device] if device < len(saved) else saved[0])
 
 
 class RandomState(L.Callback):
-    """Saves every rank's random-number generators in checkpoints and restores them on resume, so
-    that dropout draws the same masks as in the uninterrupted run.
-
-    They are restored at the first training batch after resuming, not when the checkpoint is
-    loaded: creating the data loaders' iterators (and a sanity check) draws from the generator
-    in between, which the uninterrupted run did before it saved its state.
-    """
+    """Every rank's random generators in checkpoints, so that a resumed run's dropout draws the uninterrupted run's
+    masks. Restored at the first training batch, not when the checkpoint is loaded: the data loaders' iterators (and a
+    sanity check) draw from them in between, which the uninterrupted run did before it saved its state."""
 
     def __init__(self):
         self._restore: list[dict] | None = None
@@ -78,20 +68,14 @@ class RandomState(L.Callback):
                 set_random_state(self._restore[trainer.global_rank])
             else:
                 log.warning(
-                    "resuming on %d device(s) from a checkpoint written by %d: dropout continues with "
-                    "fresh random states, so the run is not bit-identical to an uninterrupted one",
-                    trainer.world_size,
-                    len(self._restore),
+                    f"resuming on {trainer.world_size} device(s) from a checkpoint written by {len(self._restore)}: "
+                    "dropout continues with fresh random states: the run is not bit-identical to an uninterrupted one"
                 )
             self._restore = None
 
 
-# ---------------------------------------------------------------- which checkpoint to resume from
-
-
 def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
-    """The checkpoint of a run folder with the most updates that reads completely (a kill can only
-    leave a temporary file behind, but a file may still be damaged later), and its contents."""
+    """The checkpoint of a run folder with the most updates that reads completely, and its contents."""
     found = []
     for path in checkpoint_dir.glob("*.ckpt"):  # last.ckpt, step*.ckpt, time-step*.ckpt
         if path.name == RunFolder.BEST or path.name.startswith(RunFolder.AVERAGE):  # at validation / no optimizer
@@ -117,9 +101,8 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
 
 
 def refuse(path: Path, error: UserError) -> None:
-    """A checkpoint that ckpt_path=last will not continue from is renamed <name>.refused by the first process
-    (nothing deleted), so that no later glob of *.ckpt takes it: the run summary's `make average`, make average,
-    the end-of-run protocol, the next resume."""
+    """A checkpoint that ckpt_path=last will not continue from is renamed <name>.refused by the first process (nothing
+    deleted), so that no later glob of *.ckpt takes it (make average, the end-of-run protocol, the next resume)."""
     if not first_process() or not path.is_file():
         log.warning("not resuming from %s: %s", path, error)
         return
@@ -132,9 +115,7 @@ def refuse(path: Path, error: UserError) -> None:
     except OSError as e:  # a read-only folder: this resume cannot write its checkpoints either
         log.warning("not resuming from %s: %s (could not rename it aside: %s)", path, error, e)
         return
-    log.warning(
-        "not resuming from %s: %s; renamed to %s, so that no average or resume takes it", path, error, aside.name
-    )
+    log.warning(f"not resuming from {path}: {error}; renamed to {aside.name}, so that no average or resume takes it")
 
 
 def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path, dict] | None:
@@ -147,9 +128,8 @@ def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path
 
 
 def refuse_lightnings_own_resume(run_dir: Path) -> None:
-    """Under SLURM, Lightning restores <run>/hpc_ckpt_<N>.ckpt by itself when fit is given no checkpoint, past every
-    check of this project's resume (check_resume, finite weights, weights-only loading). The project never writes
-    one (a requeued job continues from checkpoints/): a start that Lightning would restore from one is refused."""
+    """Under SLURM, Lightning restores <run>/hpc_ckpt_<N>.ckpt by itself, past every check of this project's resume
+    (this project never writes one: a requeued job continues from checkpoints/): such a start is refused."""
     from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: PLC0415
 
     found = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=lambda p: int(p.stem.rpartition("_")[2] or 0))
@@ -163,9 +143,7 @@ def refuse_lightnings_own_resume(run_dir: Path) -> None:
 
 def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str) -> None:
     """A launched job restarted or requeued continues its folder by itself (fit.resume_target) only as the same
-    training: another training of the job (a second python in the batch script, another make train in an srun
-    shell) with other settings is refused in one line, instead of continuing the first one's run. A longer schedule
-    (trainer.max_steps) is the same training run on."""
+    training (a longer trainer.max_steps is): another of the job, with other settings, is refused in one line."""
     differ = {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}
     if differ:
         shown = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in list(differ.items())[:4])
@@ -186,9 +164,7 @@ def changed_settings(checkpoint: dict, config: dict) -> dict[str, tuple]:
 
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
-    saved = checkpoint["hyper_parameters"]
-    # Keys a checkpoint lacks (written before a switch existed) are the defaults it was trained with.
-    before, now = comparable_model(saved["model"]), comparable_model(model)
+    before, now = comparable_model(checkpoint["hyper_parameters"]["model"]), comparable_model(model)
     changed = {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}
     if changed:
         shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))
@@ -211,9 +187,8 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
 
 
 def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per_update: int | None) -> None:
-    """A resume keeps the recipe's update size. With data.tokens_per_update set, it holds on any number of
-    devices (up to rounding to whole micro-batches); without, the update is data.max_tokens per device, so
-    another number of devices would change it silently: refused, naming the override that keeps it."""
+    """A resume keeps the recipe's update size: data.tokens_per_update holds it on any number of devices; without it
+    the update is data.max_tokens per device, and another number of devices is refused, naming the override."""
     if tokens_per_update is None and now != saved:
         raise InputError(
             f"ckpt_path={path}: the checkpoint's updates held {saved:,} padded tokens per side, these settings "
@@ -222,18 +197,14 @@ def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per
         )
     if now != saved and rank_zero_only.rank == 0:
         log.info(
-            "the update holds %s padded tokens per side, the checkpoint's %s (whole micro-batches on %d device(s), "
-            "data.tokens_per_update=%s)",
-            f"{now:,}",
-            f"{saved:,}",
-            devices,
-            tokens_per_update,
+            f"the update holds {now:,} padded tokens per side, the checkpoint's {saved:,} (whole micro-batches on "
+            f"{devices} device(s), data.tokens_per_update={tokens_per_update})"
         )
 
 
 def comparable_model(model: dict) -> dict:
-    """A model's settings with TransformerConfig's defaults filled in; d_k / d_v null where they are
-    d_model / n_heads (so d_k=64 at base equals null, and a change of d_model is not also one of d_k)."""
+    """A model's settings, d_k / d_v null where they are d_model / n_heads (so d_k=64 at base equals null, and a
+    change of d_model is not also one of d_k)."""
     cfg = TransformerConfig(**model)
     derived = cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else None
     return {**asdict(cfg), **{k: None if size == derived else size for k, size in zip(("d_k", "d_v"), cfg.head_sizes)}}

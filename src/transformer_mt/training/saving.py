@@ -1,24 +1,21 @@
-"""Every checkpoint a training run writes, and when: the periodic ones (every N updates and/or every N
-minutes, the last `keep_last` of each kept, for averaging), best.ckpt (the best validation value of a
-metric), and last.ckpt, the run's newest state (at each periodic save, after the final update, at a stop
-signal, at the end of training). All are written atomically (temporary file + rename).
+"""Every checkpoint a training run writes, and when: the periodic ones (every N updates and/or every N minutes of
+training, the last `keep_last` of each kept, for averaging), best.ckpt (the best validation value of a metric) and
+last.ckpt, the run's newest state. All are written atomically (temporary file + rename).
 
-Two rules keep a resume exact:
-- A save happens only right after an optimizer update, never inside an accumulation window, whose partial
-  gradients a checkpoint does not hold. "An update just ended" is training/update.py's answer.
-- At an update that is also validated, the save waits for the validation's end: Lightning resumes a
-  checkpoint of that update as validated, so one written before the validation (then killed in it) would
-  lose that validation for good, from the CSV, the log and the choice of best.ckpt. Lightning calls
-  checkpoint callbacks after the others, in the order given: best.ckpt's comes first, so the saves that
-  waited hold this validation's best score.
+Two rules keep a resume exact. A save happens only right after an optimizer update (UpdateEnd calls Saves), never
+inside an accumulation window, whose partial gradients a checkpoint does not hold. At an update that is also
+validated, the save waits for the validation's end: Lightning resumes a checkpoint of that update as validated, so
+one written before the validation (then killed in it) would lose that validation, from the CSV, the log and the
+choice of best.ckpt. Lightning calls checkpoint callbacks last, in the order given: best.ckpt's first, so the saves
+that waited hold this validation's best score.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
@@ -28,18 +25,25 @@ from lightning.pytorch.utilities import rank_zero_only
 from transformer_mt.checkpoint import write_checkpoint
 from transformer_mt.evaluation.engines import ct2_folder
 from transformer_mt.files import RunFolder
-from transformer_mt.training.update import Update
+from transformer_mt.training.update import validation_follows
+
+if TYPE_CHECKING:
+    from transformer_mt.training.budget import TimeBudget
+    from transformer_mt.training.update import Update
 
 log = logging.getLogger(__name__)
 
-LAST = RunFolder.LAST
-
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, made atomic (write_checkpoint: temporary file + rename)."""
+    """Lightning's checkpoint writer, atomic (write_checkpoint); a checkpoint pruned (keep_last) takes its
+    CTranslate2 export along (engines.ct2_export's <name>.ct2/)."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         write_checkpoint(checkpoint, path)
+
+    def remove_checkpoint(self, path) -> None:
+        super().remove_checkpoint(path)
+        shutil.rmtree(ct2_folder(Path(path)), ignore_errors=True)
 
 
 def checkpoint_callbacks(
@@ -53,9 +57,7 @@ def checkpoint_callbacks(
     """conf/train.yaml's `checkpoint` block as callbacks, in the order their saves must happen."""
     # No "-v1" copies: a run resumed in place rewrites a killed attempt's file of the same name with the same content.
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False, enable_version_counter=False)
-    best = []
-    if best_monitor:
-        best.append(BestCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common))
+    best = [BestCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common)]
     periodic = [
         UpdateCheckpoint(filename=name, save_top_k=keep_last, every=every, minutes=minutes, **common)
         for name, every, minutes in (
@@ -64,25 +66,21 @@ def checkpoint_callbacks(
         )
         if every or minutes
     ]
-    return [*best, *periodic, LastCheckpoint(checkpoint_dir / LAST, periodic)]
+    return [*(best if best_monitor else []), *periodic, Saves(checkpoint_dir / RunFolder.LAST, periodic)]
 
 
 class MovedFolder:
-    """A ModelCheckpoint that keeps its files and scores when the run folder was moved or copied. Lightning's
-    own forgets them when the saved folder is not the current one: the first validation after the resume
-    would replace best.ckpt whatever its score, and keep_last would lose count of the checkpoints there.
-    Here the files are re-rooted in the new folder, those that are there."""
+    """A ModelCheckpoint that keeps its files and scores when the run folder was moved or copied. Lightning's own
+    forgets them when the saved folder is not the current one: the first validation after the resume would replace
+    best.ckpt whatever its score, and keep_last would lose count. Here the files there are re-rooted in the new one."""
 
     moved_from: str | None = None  # the folder of the checkpoint resumed from, when it was another
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("dirpath", self.dirpath) == self.dirpath:
+        if state["dirpath"] == self.dirpath:
             return super().load_state_dict(state)
-        kept = {}
-        for path, score in state.get("best_k_models", {}).items():
-            moved = Path(self.dirpath) / Path(path).name
-            if moved.is_file():
-                kept[str(moved)] = score
+        kept = {str(Path(self.dirpath) / Path(p).name): s for p, s in state["best_k_models"].items()}
+        kept = {path: score for path, score in kept.items() if Path(path).is_file()}
         restored = dict(best_k_models=kept, best_model_path="", best_model_score=None, last_model_path="")
         restored.update(kth_best_model_path=self.kth_best_model_path, kth_value=self.kth_value)  # else: as new
         if kept:  # ModelCheckpoint's own choice of the best and the k-th best (the next to go)
@@ -97,9 +95,6 @@ class MovedFolder:
 class BestCheckpoint(MovedFolder, ModelCheckpoint):
     """best.ckpt: the best validation value of `monitor` (a resume in a moved folder keeps it, and says so)."""
 
-    def _generate_state_key(self, **kwargs) -> str:
-        return f"ModelCheckpoint{kwargs!r}"  # Lightning's key for it: checkpoints written before this class resume
-
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if self.moved_from and self.best_model_score is not None and rank_zero_only.rank == 0:
@@ -109,125 +104,65 @@ class BestCheckpoint(MovedFolder, ModelCheckpoint):
             )
 
 
-def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after the current training batch: its own decision (a private
-    method of its loop, tested through the kill tests of tests/test_resume.py)."""
-    loop = trainer.fit_loop.epoch_loop
-    return not loop._skip_next_val and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
-
-
-def stop_after_this_update(trainer: L.Trainer) -> None:
-    """End the run after the update that just ended (last.ckpt is written there), with no validation that was not
-    due at it: Lightning validates whenever it is told to stop, so whether one follows is asked before telling it."""
-    due = validation_follows(trainer)
-    trainer.should_stop = True
-    if not due:
-        trainer.fit_loop.epoch_loop._skip_next_val = True
-
-
-class AfterUpdate:
-    """A save decided when an update ends (`due`), written then (`write`) or, at an update that is also
-    validated, after the validation's end."""
-
-    due_step: int | None = None  # the update of the newest save decided in this attempt
-    _waiting: tuple | None = None  # the arguments of a save waiting for the validation's end
-
-    def due(self, trainer: L.Trainer, update: Update) -> bool:
-        raise NotImplementedError
-
-    def write(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        raise NotImplementedError
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        super().on_train_start(trainer, module)
-        self.due_step, self._waiting = None, None
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        update = module.updates.finished(trainer)
-        if update is None or not self.due(trainer, update):  # inside an accumulation window, or not due
-            return
-        self.due_step = trainer.global_step
-        if validation_follows(trainer):
-            self._waiting = (outputs, batch, batch_idx)
-        else:
-            self.write(trainer, module, outputs, batch, batch_idx)
-
-    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        super().on_validation_end(trainer, module)
-        if self._waiting is not None and not trainer.sanity_checking:
-            args, self._waiting = self._waiting, None
-            self.write(trainer, module, *args)
-
-
-class UpdateCheckpoint(AfterUpdate, MovedFolder, ModelCheckpoint):
-    """Lightning's ModelCheckpoint (which keeps the newest `save_top_k` by the update count), saving every
-    `every` updates or every `minutes` of training, right after an update. A time-based save comes due on
-    the update clock (rank 0's, the same on every rank: training/update.py), not on Lightning's broadcast
-    of a Python object at every update, a wait of its own. A time budget (budget.py) realigns the saves by
-    update count once it knows where the schedule ends (`align`)."""
+class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
+    """Lightning's ModelCheckpoint (the newest `save_top_k` kept, by update count), written when Saves finds it due:
+    every `every` updates (a time budget spaces them to span its horizon's end), or every `minutes` of training on the
+    update clock (not Lightning's time check, which broadcasts a Python object at every update: a wait of its own)."""
 
     def __init__(self, every: int | None = None, minutes: float | None = None, **kwargs):
-        self.every, self.interval = every, timedelta(minutes=minutes).total_seconds() if minutes else None
-        self.offset = 0  # saved when step % every == offset
-        self._configured_every = every or 1  # names this callback's state in checkpoints (Lightning's key)
-        # Lightning saves every update this callback lets through (`due` decides); save_on_train_epoch_end: right
-        # after update N, never deferred to a later validation (which Lightning does at an epoch's last batch for a
-        # checkpoint with a monitor).
-        kwargs.update(every_n_train_steps=1, monitor="step", mode="max", save_on_train_epoch_end=True)
-        super().__init__(**kwargs)
+        self.every, self.interval, self.saved_at = every, 60 * minutes if minutes else None, 0.0
+        # every_n_train_steps=1: Lightning saves whenever write() calls it; save_on_train_epoch_end: right after the
+        # update, never deferred to a later validation (which it does at an epoch's last batch, with a monitor).
+        super().__init__(every_n_train_steps=1, monitor="step", mode="max", save_on_train_epoch_end=True, **kwargs)
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(
-            monitor=self.monitor, mode=self.mode, every_n_train_steps=self._configured_every,
-            every_n_epochs=self._every_n_epochs, train_time_interval=self._train_time_interval,
-        )  # fmt: skip
-
-    def align(self, every: int, end: int) -> None:
-        """Saves by update count every `every` updates from now on, one of them at update `end`."""
-        if self.every:
-            self.every, self.offset = every, end % every
+        return f"UpdateCheckpoint[{self.filename}]"  # by updates and by time: two of them
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         super().on_train_start(trainer, module)
-        self._saved_at = module.updates.totals["train_seconds"]  # the update clock at the last time-based save
+        self.saved_at = module.updates.totals["train_seconds"]  # the update clock at the last time-based save
 
-    def due(self, trainer: L.Trainer, update: Update) -> bool:
-        if self.every:
-            return update.step % self.every == self.offset
-        if update.clock - self._saved_at < self.interval:
-            return False
-        self._saved_at = update.clock
-        return True
+    def due(self, update: Update, budget: TimeBudget | None) -> bool:
+        if not self.every:
+            return update.clock - self.saved_at >= self.interval
+        every, end = (budget.every, budget.horizon) if budget is not None and budget.horizon else (self.every, 0)
+        return update.step % every == end % every
 
-    def write(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        ModelCheckpoint.on_train_batch_end(self, trainer, module, outputs, batch, batch_idx)
+    def on_train_batch_end(self, *args) -> None:
+        pass  # Saves decides when
 
-    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        """A checkpoint pruned (keep_last) takes its CTranslate2 export along: engines.ct2_export's <name>.ct2/."""
-        super()._remove_checkpoint(trainer, filepath)
-        export = ct2_folder(Path(filepath))
-        if trainer.is_global_zero and export.is_dir():
-            shutil.rmtree(export, ignore_errors=True)
+    def write(self, trainer: L.Trainer, update: Update) -> None:
+        self.saved_at = update.clock
+        super().on_train_batch_end(trainer, trainer.lightning_module, None, None, 0)
 
 
-class LastCheckpoint(AfterUpdate, Checkpoint):
-    """The one writer of last.ckpt, the state a run continues from (optimizer and loops included): with each
-    periodic save, right after the final update (resumed with a larger max_steps, it continues the epoch;
-    saved at on_train_end, the loops would already count the epoch as done), at the update where a stop
-    signal or a time limit ends the run (callbacks.RunEnd sets trainer.should_stop first), at the end of
-    training if not yet, and at each epoch's end when no periodic checkpoints are kept."""
+class Saves(Checkpoint):
+    """The saves at an update's end: the periodic checkpoints due, and last.ckpt (the state a run continues from,
+    optimizer and loops included) with each of them and after the final update (also a stop's). last.ckpt also at the
+    end of training if not yet, and at each epoch's end when no periodic checkpoints are kept."""
 
     def __init__(self, path: Path, periodic: list[UpdateCheckpoint]):
         self.path, self.periodic = path, periodic
         self.saved_step: int | None = None
+        self.waiting: tuple | None = None  # (update, the periodic checkpoints due) until the validation's end
 
-    def due(self, trainer: L.Trainer, update: Update) -> bool:
-        step = trainer.global_step
-        final = 0 < trainer.max_steps <= step or trainer.should_stop
-        return self.saved_step != step and (final or any(p.due_step == step for p in self.periodic))
+    def after_update(self, trainer: L.Trainer, update: Update) -> None:
+        due = [c for c in self.periodic if c.due(update, getattr(trainer.lightning_module, "budget", None))]
+        if due or trainer.should_stop or 0 < trainer.max_steps <= update.step:
+            if validation_follows(trainer):
+                self.waiting = (update, due)
+            else:
+                self.write(trainer, update, due)
 
-    def write(self, trainer: L.Trainer, *_) -> None:
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self.waiting is not None and not trainer.sanity_checking:
+            (update, due), self.waiting = self.waiting, None
+            self.write(trainer, update, due)
+
+    def write(self, trainer: L.Trainer, update: Update | None = None, due: list[UpdateCheckpoint] = ()) -> None:
+        for checkpoint in due:
+            checkpoint.write(trainer, update)
         trainer.save_checkpoint(self.path, weights_only=False)
         self.saved_step = trainer.global_step
 
@@ -236,5 +171,5 @@ class LastCheckpoint(AfterUpdate, Checkpoint):
             self.write(trainer)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping, max_time
+        if self.saved_step != trainer.global_step:  # stopped otherwise: max_epochs, early stopping
             self.write(trainer)

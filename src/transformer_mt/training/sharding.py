@@ -1,18 +1,8 @@
-"""trainer=fsdp: PyTorch's FSDP2 (`fully_shard`) with one unit per encoder/decoder layer, and the full copy
-of the weights that validation and test decode with.
-
-Under FSDP every forward of a sharded layer is a collective (an all-gather of its shards). Ranks decode
-different numbers of steps (different sentences, output lengths, early stops), so decoding through the
-sharded model would issue rank-dependent numbers of collectives: a hang. Decoding runs on a plain copy of
-the whole model instead, gathered once per validation on every rank alike.
-
-Why the project's own strategy and not Lightning 2.6's `ModelParallelStrategy` (its only road to FSDP2):
-that one is experimental, requires the LightningModule to shard itself in `configure_model` (parallelism
-code in the module), defaults to tensor parallelism across a node's devices (`data_parallel_size` would
-have to be the world size, unknown when the config is read), and writes distributed checkpoint folders
-unless told otherwise. Lightning's DDP strategy already starts the ranks, sets up the process group and
-reduces metrics; this subclass replaces only the DDP wrapper with `fully_shard` and reads and writes full
-state dicts, so every checkpoint is an ordinary .ckpt that averaging, export, evaluate and resume read.
+"""trainer=fsdp: PyTorch's FSDP2 (`fully_shard`), one unit per encoder/decoder layer, and the whole copy of the
+weights that validation decodes with: ranks decode different numbers of steps, so decoding through the sharded
+layers (a collective per forward) would hang. Lightning 2.6's road to FSDP2, the experimental ModelParallelStrategy,
+shards inside the LightningModule and writes distributed checkpoint folders: this DDPStrategy subclass replaces only
+DDP's wrapper and reads and writes full state dicts, so every checkpoint is an ordinary .ckpt for every tool.
 """
 
 from __future__ import annotations
@@ -41,11 +31,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 
 
 class LayerFSDP(DDPStrategy):
-    """FSDP2 per encoder/decoder layer, the embeddings and final norms in the root unit (the Transformer).
-    In bf16 the parameters are gathered in bf16 (the products run in bf16, under Lightning's autocast as with
-    DDP) and gradients are reduced in fp32; buffers (the sinusoid table) are never cast. Inside an accumulation
-    the gradients are not reduce-scattered until the update's last micro-batch, as DDP's no_sync. The same class
-    runs on CPU processes over gloo, which is how the slow test tier trains with it."""
+    """FSDP2 per encoder/decoder layer, the embeddings and final norms in the root unit; gradients reduce-scattered
+    once per update (as DDP's no_sync). It runs on CPU processes over gloo too: the slow test tier trains with it."""
 
     def __init__(self, precision: str | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -98,11 +85,9 @@ def shard(model: Transformer, device_type: str, world_size: int, policy: MixedPr
 
 
 def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrecisionPolicy | None:
-    """trainer=fsdp's FSDP2 policy: in bf16-mixed, weights gathered in bf16 and gradients reduced in fp32. On CUDA
-    the layers' inputs are not cast (FSDP2 casts them to bf16 by default: the residual stream and the encoder's
-    output would be rounded at every layer, where DDP keeps them fp32; CUDA's autocast runs LayerNorm in fp32
-    with its bf16 weights cast up). On a CPU they are: CPU autocast runs LayerNorm in its input's dtype and refuses
-    an fp32 input with bf16 weights, so there the stream enters each layer in bf16 (DDP's: fp32)."""
+    """In bf16-mixed: weights gathered in bf16, gradients reduced in fp32 (buffers never cast). On CUDA the layers'
+    inputs stay fp32, as under DDP (FSDP2 would round the residual stream to bf16 at every layer); CPU autocast refuses
+    an fp32 input to LayerNorm with bf16 weights, so there they are cast."""
     if precision != "bf16-mixed":
         return None
     return MixedPrecisionPolicy(
@@ -112,8 +97,7 @@ def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrec
 
 @contextmanager
 def no_gradient_sync(model: Transformer) -> Iterator[None]:
-    """Backward passes that keep their gradients unsharded on each rank, to be reduce-scattered with the next
-    synchronised one (FSDP2's set_requires_gradient_sync): one reduce-scatter per update, not per micro-batch."""
+    """Backward passes whose gradients wait, unsharded, for the next synchronised one (a reduce-scatter per update)."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -132,14 +116,12 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def full_copy(model: Transformer) -> Transformer:
-    """A plain Transformer holding all of `model`'s weights, on every rank. Every rank must call this at the
-    same point, since gathering is a collective (one all-gather per sharded parameter, in the same order)."""
+    """A plain Transformer holding all of `model`'s weights; every rank calls it at the same point (a collective)."""
     state = {
         name: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone()
         for name, p in model.named_parameters()
     }
-    # Built on the meta device: no initialisation, so no draw from the random generators, whose state
-    # (dropout's masks, checkpoints) must not depend on when validations ran.
+    # On the meta device: no initialisation draws from the random generators (dropout's masks must not depend on it)
     with torch.device("meta"):
         copy = Transformer(model.cfg)
     copy.load_state_dict(state, assign=True)  # strict: a name sharding changed would fail here

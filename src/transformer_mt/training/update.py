@@ -1,23 +1,17 @@
-"""The optimizer update's bookkeeping, in one place, with one wait for the device per update.
+"""An optimizer update, from its micro-batches to what follows its end, with one wait for the device.
 
-Each micro-batch adds its target tokens and model FLOPs (host numbers, from collate's lengths) and its
-loss sums (device tensors, never read there). Before the optimizer step the update's gradient is
-normalised by its target tokens over every micro-batch and rank, its norm computed, and a non-finite
-norm makes fused Adam skip the step on the device (optimizer.found_inf, as torch's GradScaler does), so
-no weight and no checkpoint ever holds NaN. With several ranks one all-reduce carries the tokens,
-FLOPs, loss sums, stop signals and rank 0's clock (the update clock: seconds of training over every
-attempt of the run, validations left out, which time-based checkpoints and the time budget decide on).
-After the step, the first part of the run that asks (`finished`) reads it all in one transfer: the
-update's `Update` record, which progress lines, the loggers, the stop decision and time-based
-checkpoints use, every rank alike.
-
-On a GPU every read of a device value drains the kernel queue, and so does a device tensor built from
-Python values (a pageable copy, then a synchronisation): nothing here does either inside an update.
-tests/device_waits.py counts them over whole runs.
+Each micro-batch adds its target tokens and model FLOPs (host numbers, from collate's lengths) and its loss sums
+(device tensors, never read there). Before the step the gradient is normalised by the update's target tokens over
+every micro-batch and rank and its norm computed; a non-finite norm makes fused Adam skip the step on the device
+(optimizer.found_inf, as torch's GradScaler does), so no weight and no checkpoint ever holds NaN. With several ranks
+one all-reduce carries the tokens, FLOPs, loss sums, stop signals and rank 0's update clock (seconds of training
+over every attempt, validations left out). After the step, UpdateEnd reads it all in one transfer and runs
+what follows, in one order. Nothing else here waits for the device: tests/device_waits.py counts the waits.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -31,7 +25,9 @@ from transformer_mt.errors import UserError
 from transformer_mt.model import training_flops
 from transformer_mt.training.sharding import is_sharded, local
 
-# The stop signals ranks agree on (RunEnd), highest number first: SIGTERM (15) wins over SIGUSR1 (10), over SIGINT (2).
+log = logging.getLogger(__name__)
+
+# The stop signals ranks agree on, highest number first: SIGTERM (15) wins over SIGUSR1 (10), over SIGINT (2).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 HOST_FIELDS = 3 + len(SIGNALS)  # tokens, FLOPs, rank 0's clock, a count per signal
 
@@ -42,7 +38,7 @@ def clock() -> float:
 
 
 class TrainingDiverged(UserError):
-    """A non-finite loss or gradient: the run stops with one line instead of training on NaN."""
+    """A non-finite gradient: the run stops with one line instead of training on NaN."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ class Update:
     nll_sum: float
     grad_norm: float  # of the whole normalised gradient
     signal: int  # the stop signal any rank had received by this update's reduction (0: none)
-    clock: float  # seconds of training over every attempt, validations left out, rank 0's: the same on every rank
+    clock: float  # seconds of training over every attempt, validations left out, rank 0's
     seconds: float  # this process's wall time since the previous update ended
 
     @property
@@ -69,64 +65,44 @@ class Update:
 
 
 class UpdateBookkeeping(L.Callback):
-    """Attached by TranslationModule.configure_callbacks, so whoever builds the Trainer trains correctly.
-
-    The module hands in each micro-batch (`add`); every other part asks `finished(trainer)`, which reads
-    the device once per update and returns the same Update to every caller. `totals` (tokens, FLOPs,
-    seconds over every attempt of the run: the update clock) travel in checkpoints, for results.json and the time
-    budget of a resumed run."""
+    """The module's (configure_callbacks), so that any Trainer normalises the gradient as this project does. Its
+    totals (tokens, FLOPs, the update clock) travel in checkpoints: results.json and a resumed budget read them."""
 
     def __init__(self):
         self.totals = {"target_tokens": 0, "model_flops": 0.0, "train_seconds": 0.0}
-        self.signal = 0  # a stop signal's number, noted on this rank by RunEnd
-        self.current: Update | None = None  # the update that ended with the micro-batch in progress, once read
-        self._start = 0.0  # when this attempt's training started (clock())
-        self._before = 0.0  # seconds of training of the attempts before this one (from the checkpoint)
-        self._paused = 0.0  # seconds of this attempt spent in validations
-        self._validation_began: float | None = None
+        self.signal = 0  # a stop signal's number, noted on this rank by UpdateEnd
+        self.current: Update | None = None  # the newest update read
+        self.norm: Tensor | None = None  # the update's gradient norm (device), known before its step
         self._sums: Tensor | None = None  # loss and NLL sums of this update's micro-batches (device)
         self._host = [0, 0.0]  # target tokens and FLOPs of this update's micro-batches, this rank
-        self.norm: Tensor | None = None  # the update's gradient norm (device), known before its step
         self._pending: Tensor | None = None  # [grad norm, tokens, FLOPs, clock, signals..., loss, nll] (device)
-        self._buffer: Tensor | None = None  # pinned host memory for the values that cross to the device
-
-    # -- micro-batches
+        self._start = self._before = self._paused = self._last_end = 0.0
+        self._validation_began: float | None = None
 
     def add(self, module: L.LightningModule, batch: dict, loss_sum: Tensor, nll_sum: Tensor) -> None:
         """A micro-batch's share: its loss sums stay on the device; its counts come from collate (host)."""
         sums = torch.stack([loss_sum.detach(), nll_sum.detach()]).float()
         self._sums = sums if self._sums is None else self._sums + sums
-        tokens = sum(batch["tgt_lengths"])
         flops = training_flops(module.model.cfg, batch["src_lengths"], batch["tgt_lengths"])
-        self._host = [self._host[0] + tokens, self._host[1] + flops]
+        self._host = [self._host[0] + sum(batch["tgt_lengths"]), self._host[1] + flops]
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._start = self._last_end = clock()
         self._before, self._paused = self.totals["train_seconds"], 0.0
-        device = trainer.strategy.root_device
         buffer = torch.zeros(HOST_FIELDS, dtype=torch.float64)
-        self._buffer = buffer.pin_memory() if device.type == "cuda" else buffer
-
-    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch, batch_idx: int) -> None:
-        self.current = None
-
-    # -- the update: normalised gradient and its norm before the step, one read after it
+        self._buffer = buffer.pin_memory() if trainer.strategy.root_device.type == "cuda" else buffer
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer) -> None:
-        """Gradient of the update's summed loss / its target tokens over every micro-batch and rank.
-        Lightning divided each micro-batch's loss by the accumulation factor and DDP/FSDP average the
-        ranks' gradients: undo both, then divide by the tokens (as fairseq: every target token weighs the
-        same, whichever micro-batch or rank holds it)."""
+        """Gradient of the update's summed loss / its target tokens over every micro-batch and rank (as fairseq).
+        Lightning divided each micro-batch's loss by the accumulation and DDP/FSDP average the ranks: undone here."""
         (tokens, flops), self._host = self._host, [0, 0.0]
         device = trainer.strategy.root_device
-        counts = [0.0] * len(SIGNALS)
-        if self.signal in SIGNALS:
-            counts[SIGNALS.index(self.signal)] = 1.0
+        counts = [float(self.signal == s) for s in SIGNALS]
         elapsed = self.training_clock() if trainer.global_rank == 0 else 0.0
         self._buffer.copy_(torch.tensor([tokens, flops, elapsed, *counts], dtype=torch.float64))
         sums = self._sums if self._sums is not None else torch.zeros(2, device=device)
         self._sums = None
-        # float64: token totals exact far past float32's 2^24
+        # float64: token totals exact far past float32's 2^24; a pinned copy does not wait for the device
         values = torch.cat([self._buffer.to(device, non_blocking=True), sums.double()])
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         if trainer.world_size == 1:
@@ -140,44 +116,26 @@ class UpdateBookkeeping(L.Callback):
             optimizer.found_inf = (~norm.isfinite()).float()  # fused Adam leaves weights and moments as they are
         self._pending = torch.cat([norm.reshape(1).double(), values])
 
-    def finished(self, trainer: L.Trainer) -> Update | None:
-        """The update that ended with this micro-batch, read from the device at the first call after it
-        (the one wait of the update); None inside an accumulation window. Stops a run whose gradient is
-        not finite: that update's step was skipped, so the weights and every checkpoint stay finite."""
-        if self._pending is None:  # inside an accumulation window, or read already by an earlier caller
-            return self.current
+    def end(self, trainer: L.Trainer) -> Update | None:
+        """The update that ended with this micro-batch, read from the device (the update's one wait) and added to the
+        totals; None inside an accumulation window. UpdateEnd calls it once per micro-batch."""
+        if self._pending is None:
+            return None
         norm, tokens, flops, elapsed, *rest = self._pending.tolist()
         self._pending = None
         counts, (loss_sum, nll_sum) = rest[: len(SIGNALS)], rest[len(SIGNALS) :]
         received = next((int(s) for s, n in zip(SIGNALS, counts) if n), 0)
-        now = clock()
         if trainer.world_size == 1:
             received, elapsed = self.signal, self.training_clock()
-        update = Update(
+        now = clock()
+        self.current = Update(
             trainer.global_step, int(tokens), flops, loss_sum, nll_sum, norm, received, elapsed, now - self._last_end
         )
-        self.current = update
         self._last_end = now
         self.totals["target_tokens"] += int(tokens)
         self.totals["model_flops"] += flops
         self.totals["train_seconds"] = elapsed
-        if trainer.precision != "16-mixed" and not math.isfinite(norm):
-            raise TrainingDiverged(
-                f"training diverged at update {trainer.global_step}: the gradient norm is {norm}. "
-                "Likely causes: a learning rate too high (optim.lr_factor, optim.warmup_steps), fp16 overflow "
-                "(use trainer.precision=bf16-mixed or 32-true), or corrupt data. The weights were not updated; "
-                "the checkpoints written so far are finite"
-            )
-        if logs_this_update(trainer):
-            metrics = {"train/loss": update.loss, "train/nll": update.nll, "train/grad_norm": norm}
-            metrics["train/ppl"] = math.exp(min(update.nll, 700.0))
-            log_metrics(trainer, {**metrics, **next_rate(trainer)})
-        return update
-
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.finished(trainer)  # read even when no other part asked (the divergence stop, the loggers)
-
-    # -- the update clock
+        return self.current
 
     def training_clock(self) -> float:
         """Seconds of training over every attempt of the run, this process's: validations are left out."""
@@ -192,21 +150,101 @@ class UpdateBookkeeping(L.Callback):
             self._paused += clock() - self._validation_began
             self._validation_began = None
 
-    # -- totals in checkpoints (results.json's tokens/s and MFU over every attempt; the clock of a resumed run)
-
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint["totals"] = dict(self.totals)  # as of the update that just ended: saves come right after one
 
     def on_load_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict) -> None:
-        self.totals = {**self.totals, **checkpoint.get("totals", {})}  # older checkpoints lack model_flops
+        self.totals = dict(checkpoint["totals"])
+
+
+class UpdateEnd(L.Callback):
+    """The one owner of an update's end: on_train_batch_end reads the update once, then runs what follows, in its
+    order (the parts are fit.make_callbacks'; the time budget is the module's, as its schedule is). It owns the stop
+    signals too (SIGTERM from a scheduler or `kill`, SIGINT from Ctrl+C, SLURM's SIGUSR1): one only takes note, the
+    update's reduction carries it to every rank, and the run stops after that update (one noted after the last
+    update's reduction is reduced once more at the end); train() exits with 128 + its number, through
+    callback_metrics["stopped_by_signal"] (which ddp_spawn's workers hand back). A second Ctrl+C stops at once."""
+
+    def __init__(self, progress=None, ema=None, saves=None):
+        self.progress, self.ema, self.saves = progress, ema, saves
+        self.received, self._handlers = 0, {}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.updates, self.budget = module.updates, getattr(module, "budget", None)
+        if self.budget is not None:
+            self.budget.begin(trainer, module.updates.totals["train_seconds"])
+        # Lightning's SIGTERM handler (registered as fit starts) stops inside an accumulation window and exits 0.
+        self._handlers = {signum: signal.signal(signum, self.note) for signum in SIGNALS}
+        # Stands in for a switch that turns Lightning's SIGTERM check off (there is none): under DDP a broadcast and a
+        # wait for the device before every micro-batch, for a SIGTERM that its replaced handler would have noted.
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        if trainer.received_sigterm:  # came as the run started (restoring, the sanity check): Lightning's handler
+            # Stands in for a setter of Trainer.received_sigterm: Lightning would exit 0 at the first micro-batch.
+            trainer._signal_connector.received_sigterm = False
+            self.note(signal.SIGTERM, None)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        update = module.updates.end(trainer)  # the update's one wait for the device
+        if update is None:  # inside an accumulation window
+            return
+        if trainer.precision != "16-mixed" and not math.isfinite(update.grad_norm):
+            raise TrainingDiverged(  # its step was skipped on the device: every checkpoint stays finite
+                f"training diverged at update {update.step}: the gradient norm is {update.grad_norm}. Likely causes: "
+                "a learning rate too high (optim.lr_factor, optim.warmup_steps), fp16 overflow (use trainer.precision="
+                "bf16-mixed or 32-true), or corrupt data. The weights were not updated; the checkpoints written so far "
+                "are finite"
+            )
+        out_of_time = self.budget is not None and self.budget.after_update(trainer, update)  # fixes its horizon
+        log_update(trainer, update)  # the loggers: losses, gradient norm, the next update's rate
+        if self.ema is not None:
+            self.ema.after_update(module)
+        if self.progress is not None:
+            self.progress.after_update(trainer, update)  # the run log's lines, the bar
+        if update.signal:  # any rank's
+            self.stopped(trainer, update.signal)
+        if out_of_time or update.signal:
+            stop_after_this_update(trainer)
+        if self.saves is not None:
+            self.saves.after_update(trainer, update)  # periodic and last.ckpt, after a validation that follows
+
+    def note(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:  # a second Ctrl+C: now, still 128 + SIGINT
+            log.warning("received SIGINT again: stopping now, inside the update; the newest checkpoint holds the run")
+            raise SystemExit(128 + signal.SIGINT)
+        if not self.received:
+            again = "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else ""
+            name = signal.Signals(signum).name
+            log.warning(
+                f"received {name}: stopping at the end of the update in progress (last.ckpt is written there){again}"
+            )
+        self.received = self.updates.signal = signum
+
+    def stopped(self, trainer: L.Trainer, signum: int) -> None:
+        trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(signum))  # for train(), from any process
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.teardown(trainer, module, "fit")
+        signum = self.received  # one noted after the last update's reduction: every rank's, reduced once more
+        if trainer.world_size > 1:
+            flag = torch.tensor([signum], device=module.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            signum = int(flag.item())
+        if signum and "stopped_by_signal" not in trainer.callback_metrics:
+            self.stopped(trainer, signum)
+
+    def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        for signum, handler in self._handlers.items():  # the handlers from before the run
+            signal.signal(signum, handler)
+        self._handlers = {}
+
+    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, module, "fit")  # Lightning calls no teardown hook then
 
 
 def gradient_norm(parameters, sharded: bool) -> Tensor:
-    """The L2 norm of the whole gradient. Sharded (FSDP), each rank holds a part of it: the squares are
-    summed across ranks, so that every rank logs and decides on the same norm (a NaN in one shard
-    stops every rank alike, instead of one rank while the others wait). DDP's gradients are already
-    the same on every rank."""
-    grads = [local(p.grad) for p in parameters if p.grad is not None]  # leaves: no detach to launch
+    """The L2 norm of the whole gradient. Sharded (FSDP), the squares of each rank's part are summed across ranks,
+    so that every rank logs and decides on the same norm (DDP's gradients are the same on every rank already)."""
+    grads = [local(p.grad) for p in parameters if p.grad is not None]
     grads = [g for g in grads if g.numel()]  # a rank may hold none of a small parameter
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
     if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -216,20 +254,34 @@ def gradient_norm(parameters, sharded: bool) -> Tensor:
     return norm.float()
 
 
-def logs_this_update(trainer: L.Trainer) -> bool:
-    """Whether the update that just ended is one whose metrics are logged (trainer.log_every_n_steps)."""
-    return bool(trainer.log_every_n_steps) and trainer.global_step % trainer.log_every_n_steps == 0
-
-
-def next_rate(trainer: L.Trainer) -> dict[str, float]:
-    """The rate of the next update, as Lightning's LearningRateMonitor names it (which would also put it in
-    callback_metrics as device tensors built from Python floats: a wait each)."""
+def log_update(trainer: L.Trainer, update: Update) -> None:
+    """At trainer.log_every_n_steps, host numbers to every logger (Lightning's self.log would build device tensors;
+    the rate is named as Lightning's LearningRateMonitor names it). Lightning's step: the updates before this one."""
+    every = trainer.log_every_n_steps
+    if not every or update.step % every:
+        return
     optimizer = trainer.optimizers[0]
-    return {f"lr-{type(optimizer).__name__}": optimizer.param_groups[0]["lr"]}
-
-
-def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Host numbers to every logger at the update that just ended (Lightning's step: the updates before it);
-    Lightning's self.log would build device tensors."""
+    metrics = {"train/loss": update.loss, "train/nll": update.nll, "train/ppl": math.exp(min(update.nll, 700.0))}
+    metrics |= {"train/grad_norm": update.grad_norm, f"lr-{type(optimizer).__name__}": optimizer.param_groups[0]["lr"]}
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step - 1)
+        logger.log_metrics(metrics, step=update.step - 1)
+
+
+def validation_follows(trainer: L.Trainer) -> bool:
+    """Whether Lightning validates right after this training batch: its rule (the epoch loop's _should_check_val_fx)
+    for validations counted in batches or epochs (check_config refuses a time), from public attributes."""
+    loop, every_epoch = trainer.fit_loop.epoch_loop, trainer.check_val_every_n_epoch
+    if not trainer.enable_validation or (every_epoch and (trainer.current_epoch + 1) % every_epoch):
+        return False
+    if trainer.should_stop or trainer.val_check_batch == float("inf"):
+        return trainer.should_stop or loop.batch_progress.is_last_batch
+    batches = loop.total_batch_idx if every_epoch is None else loop.batch_idx
+    return (batches + 1) % trainer.val_check_batch == 0
+
+
+def stop_after_this_update(trainer: L.Trainer) -> None:
+    """End the run after this update (last.ckpt is written there), with no validation that was not due: Lightning
+    validates whenever it is told to stop, unless validation is off."""
+    if not validation_follows(trainer):
+        trainer.limit_val_batches = 0
+    trainer.should_stop = True
