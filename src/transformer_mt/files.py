@@ -77,7 +77,7 @@ def is_stale(path: Path) -> bool:
 
 
 def decode_line(line: bytes, number: int, where: str) -> str:
-    """UTF-8 bytes as text, without "\\n" nor, on line 1, a byte-order mark; invalid UTF-8 names `where` and the line."""
+    """UTF-8 bytes as text, without "\\n" nor, on line 1, a byte-order mark; invalid UTF-8 names `where`, the line."""
     try:
         text = line.decode("utf-8-sig" if number == 1 else "utf-8")
     except UnicodeDecodeError as e:

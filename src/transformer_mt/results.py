@@ -78,7 +78,8 @@ class Results:
             + (f", {rate:,} target tok/s" if rate else "")
             + (f", {flops_text(flops)}" if flops else "")
             + (f" (MFU {mfu:.1%})" if mfu else "")
-            + f", {self.parameters:,} parameters; beam {self.decoding.get('beam_size')}, alpha {self.decoding.get('alpha')}"
+            + f", {self.parameters:,} parameters; "
+            + f"beam {self.decoding.get('beam_size')}, alpha {self.decoding.get('alpha')}"
         ]
         for name, split, s in self.scored():
             if name.endswith("/tuned"):
