@@ -1,5 +1,4 @@
-"""Checkpoint files: atomic writes, safe reads, a run's periodic checkpoints and their average (§6.1), and a model
-ready for inference."""
+"""Checkpoint files: atomic writes, safe reads, a run's checkpoints and their average (§6.1), inference's model."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
 
 
 def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -> dict:
-    """torch.load(weights_only=True), a clear error for files that are not ours; mmap: tensors read when used;
-    finite: refuse weights that hold NaN or inf."""
+    """torch.load(weights_only=True), one line for a file not ours; finite: NaN or inf weights refused."""
     if not str(path).strip():
         raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
     path = Path(path)
@@ -92,8 +90,7 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
 
 
 def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) -> tuple[Transformer, Tokenizer, dict]:
-    """Every inference command's start: the allocator and oneDNN's caches as in training, the model in eval mode on
-    `device` (auto: a GPU if there is one; TF32 there), `threads` CPU threads."""
+    """Every inference command's start: memory settings as in training, the model on `device`, `threads` threads."""
     keep_freed_memory()
     bound_onednn_cache()
     model, tokenizer, checkpoint = load_for_inference(ckpt)

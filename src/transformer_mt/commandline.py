@@ -1,5 +1,4 @@
-"""An entry point's command line checked before Hydra makes a run folder and before torch is imported (a misspelled
-key or option is one line with the closest name); then Hydra's job and the decoding settings handed down."""
+"""A command line checked before Hydra makes a folder and torch loads; Hydra's job and decoding handed down."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i
 
 
 def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | None:
-    """The config a command line composes (a sweep's first job), or one line for a misspelled key or option
-    (trainer.max_step=5, +trainer.max_step=5, experiment=bse); None where Hydra answers by itself. In a sweep each
-    value is checked with the others at their first (an interval() is the sweeper's to draw)."""
+    """The config composed (a sweep's first job; each value checked with the others at their first), one line for a
+    misspelled key or option (trainer.max_step=5, +trainer.max_step=5, experiment=bse), None where Hydra answers."""
     from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415 (Hydra's public parser)
     from hydra.errors import HydraException  # noqa: PLC0415
 
@@ -73,8 +71,7 @@ def check_job(config_name: str, overrides: list) -> DictConfig | None:
 
 
 def misspelled(given, cfg: DictConfig, added: bool = False) -> str | None:
-    """One line for an override whose key is not in cfg: the closest key beside it, else (not `added`) what there is.
-    None: an added key far from every existing one (the user's own; a Trainer argument is checked by training)."""
+    """One line naming the closest key, or what there is; None: an added key unlike any (the user's own)."""
     key, value = given.key_or_group, given.get_value_element_as_str()
     parent, _, name = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -94,8 +91,7 @@ def checked_main(config_name: str, run: Callable[[], None]) -> None:
 
 
 def run_task(fn: Callable, *args):
-    """fn(*args) as a Hydra task: on a UserError a run folder of Hydra's files only is removed; a sweep's job fails
-    after its line without a traceback (the other jobs run; the sweep ends with status 1)."""
+    """fn(*args) as a Hydra task: a UserError removes a folder of Hydra's files only and fails a sweep's job quietly."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (Hydra only where configs are composed)
     from hydra.errors import CompactHydraException  # noqa: PLC0415
     from hydra.types import RunMode  # noqa: PLC0415
@@ -125,8 +121,7 @@ def hydra_job() -> Job:
 
 
 def chosen_decoding(cfg: DictConfig, say: Callable[[str], None]) -> Decoding:
-    """conf/decoding's settings, or make tune's for this checkpoint unless tuned=false or the command line sets
-    decoding or a decoding.* key (evaluation/tuned.py)."""
+    """make tune's settings for this checkpoint, or conf/decoding's (tuned=false, decoding on the command line)."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
 
     given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []

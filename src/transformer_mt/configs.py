@@ -1,5 +1,4 @@
-"""Where the Hydra configs live (transformer_mt/conf: a link to conf/, a copy once installed), their resolvers, and
-composing them outside an entry point exactly as Hydra does."""
+"""Where the Hydra configs live (transformer_mt/conf), their resolvers, and composing them outside an entry point."""
 
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
 
 
 def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, failed: Callable | None = None):
-    """fn(*args); a UserError (or a refused write) ends the program with one `error: ...` line and status 1
-    (HYDRA_FULL_ERROR=1: the traceback) after `cleanup`; `failed`: the exception to end with instead (a sweep's job)."""
+    """fn(*args); a UserError or refused write: `cleanup`, one `error:` line, status 1 (or `failed()` raised)."""
     try:
         try:
             return fn(*args)

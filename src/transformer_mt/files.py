@@ -25,8 +25,7 @@ TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
 @contextmanager
 def atomic_write(target: str | Path) -> Iterator[Path]:
-    """A temporary path beside `target` (a file or a directory), renamed to `target` when the block succeeds and
-    removed when it fails: readers see the old content or the new, never part of it."""
+    """A temporary path beside `target` (file or folder), renamed to it when the block succeeds, else removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*"):  # of this target, by killed writers
@@ -112,8 +111,7 @@ def file_digest(path: Path) -> str:
 
 
 class RunFolderLock:
-    """<run>/.lock, an flock held for a training's lifetime (released with its process, SIGKILL too): a second training
-    into the folder is refused. Hydra writes the refused start's .hydra/ files; the holder writes its own back."""
+    """<run>/.lock, an flock held for a training's lifetime (SIGKILL releases it): a second training is refused."""
 
     def __init__(self, run_dir: Path):
         self.run = RunFolder(run_dir)
@@ -137,7 +135,7 @@ class RunFolderLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        for path, content in self.hydra.items():  # a refused start may have rewritten them
+        for path, content in self.hydra.items():  # a refused start's Hydra rewrote them before it was refused
             with contextlib.suppress(OSError):
                 if not path.is_file() or path.read_bytes() != content:
                     path.write_bytes(content)
@@ -145,8 +143,7 @@ class RunFolderLock:
 
 
 class RunFolder:
-    """A training run's folder: checkpoints/ (step<N>.ckpt, last.ckpt, best.ckpt; the end-of-run protocol's
-    average-last<N>.ckpt and ema.ckpt), results.json, and .lock (RunFolderLock)."""
+    """A run's folder: checkpoints/ (step<N>, last, best, average-last<N>, ema .ckpt), results.json, .lock."""
 
     LAST, BEST, AVERAGE = "last.ckpt", "best.ckpt", "average-"
 
@@ -165,25 +162,19 @@ class RunFolder:
 
     def in_use(self) -> bool:
         """Whether a training holds the folder's lock."""
-        try:
-            fd = os.open(self.lock_file, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        with contextlib.suppress(FileNotFoundError), open(self.lock_file) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        return False
 
     def holder(self) -> str:
         """Who holds the lock (pid, host, since when)."""
         return self.lock_file.read_text(encoding="utf-8", errors="replace").strip() or "a process"
 
     def remove_if_empty(self) -> None:
-        """Remove the folder if it holds only Hydra's files and a free .lock, and the folders above it left empty, up to
-        the working directory: a command failed on bad input leaves no folder behind."""
+        """A folder of Hydra's files and a free .lock removed, and its emptied parents below the working directory."""
         cwd, run_dir = Path.cwd().resolve(), self.path.resolve()
         if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
             return

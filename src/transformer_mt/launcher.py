@@ -1,5 +1,4 @@
-"""Where this process runs, read without importing torch: its launcher (torchrun, srun, Lightning's ddp), its job's
-name, whether a GPU can be visible."""
+"""Where this process runs, read without importing torch: its launcher and job's name, whether a GPU can be visible."""
 
 from __future__ import annotations
 
@@ -24,9 +23,7 @@ def first_process() -> bool:
 
 
 def launch_id() -> str | None:
-    """A name shared by every rank of a launched job, restarted or requeued too: torchrun-<run id>, slurm-<job>-<step>
-    for an srun step, slurm-<job> for a batch script running python itself (an array task's job: <job>_<task>);
-    None outside a launcher (an salloc shell too)."""
+    """A name every rank of a launched job shares, restarted too; None outside a launcher (an salloc shell too)."""
     env = os.environ
     if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none"):
         return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
@@ -42,8 +39,7 @@ def launch_id() -> str | None:
 
 @dataclass(frozen=True)
 class Job:
-    """What train.py tells a training of its Hydra job: run folder, overrides, the sweep folder and job number (None:
-    no sweep), and hydra.utils.instantiate for the loggers."""
+    """What train.py tells a training of its Hydra job (sweep_dir and number: None outside a sweep)."""
 
     run_dir: Path
     overrides: tuple[str, ...] = ()
@@ -62,8 +58,7 @@ def gpu_may_be_visible() -> bool:
 
 
 def check_device(accelerator: str) -> None:
-    """A GPU recipe on a machine without a GPU is refused; torch (seconds to import) is asked only where a GPU driver
-    is there or torch is loaded already."""
+    """A GPU recipe without a GPU is refused; torch (seconds to import) is asked only where a GPU may be."""
     if accelerator not in ("gpu", "cuda"):
         return
     if "torch" in sys.modules or gpu_may_be_visible():

@@ -1,6 +1,4 @@
-"""results.json, the end-of-run protocol's record of a run, as one type: read by make finish, the model card and make
-table3. `models` maps a checkpoint's name (average-last5, last, ema) to its path and each split's scores; `tuned`
-(final.tune) the same at the settings chosen on validation."""
+"""results.json, the end-of-run protocol's record of a run, as one type (make finish, the model card, make table3)."""
 
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ class Results:
     seed: int | None = None
     overrides: list[str] | None = None
     finished_by: str | None = None
-    models: dict[str, dict] = field(default_factory=dict)
-    tuned: dict[str, dict] | None = None
+    models: dict[str, dict] = field(default_factory=dict)  # average-last5/last/ema -> checkpoint path, split scores
+    tuned: dict[str, dict] | None = None  # the same at the settings make tune chose on validation (final.tune)
     evaluation_seconds: float | None = None
 
     @classmethod
@@ -97,8 +95,7 @@ class Results:
         return "\n".join(lines)
 
     def entry(self, ckpt: Path) -> dict | None:
-        """The scores of the model evaluated from `ckpt` (its tuned ones under "tuned"), or None; matched by file name,
-        so a moved or copied run folder still finds its scores."""
+        """The scores of the model from `ckpt` (by file name: a moved run finds them), tuned ones under "tuned"."""
         for name, entry in self.models.items():
             if Path(entry.get("checkpoint", "")).name == ckpt.name:
                 tuned = (self.tuned or {}).get(name)

@@ -36,15 +36,14 @@ def libc() -> ctypes.CDLL | None:
 
 
 def bound_onednn_cache() -> None:
-    """No compiled product kept per input shape (token buckets: ~15 MiB per update, docs/measurements.md); capacity 0
-    and 1 (0 crashes ideep). Call before the first product; a capacity in the environment wins."""
+    """No compiled product kept per input shape (~15 MiB per update); before the first product; the environment wins."""
+    # capacity 0 for oneDNN, 1 for ideep (0 crashes it): docs/measurements.md, host memory
     os.environ.setdefault(ONEDNN_CACHE, "0")
     os.environ.setdefault(IDEEP_CACHE, "1")
 
 
 def keep_freed_memory() -> bool:
-    """glibc serves every allocation from the heap and keeps freed memory (46,000 -> 4,000 page faults per update,
-    1.19x tokens/s); whether it took effect (not under TRANSFORMER_MT_MALLOC=system, nor without glibc)."""
+    """No mmap, freed memory kept (46,000 -> 4,000 page faults per update, 1.19x tokens/s); whether it took effect."""
     lib = libc()
     if lib is None or os.environ.get("TRANSFORMER_MT_MALLOC") == "system":
         return False
@@ -150,8 +149,7 @@ class Peak:
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> tuple[float, float]:
-    """(FLOP/s, spread) of an n^3 CPU product: the fastest of those timed for `seconds`, at least `repeats` (5 once
-    read 371 GFLOP/s of ~850), and the slowest's time over the fastest's."""
+    """(FLOP/s of the fastest, slowest / fastest) of products timed for `seconds`, at least `repeats` of them."""
     values = torch.Generator().manual_seed(0)  # not the global generator: a run's dropout is the same either way
     a, b = (torch.randn(n, n, generator=values).to(dtype) for _ in range(2))
     a @ b  # the first product allocates and wakes the threads
@@ -204,8 +202,7 @@ def flops_text(flops_per_second: float) -> str:
 
 
 def die_with_parent(worker_id: int = 0) -> None:
-    """A loader's worker_init_fn: the worker dies with the training process (SIGKILL too) and leaves the stop signals,
-    sent to the whole process group, to it."""
+    """A loader's worker_init_fn: die with the training process (SIGKILL too), leave the stop signals to it."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
@@ -213,8 +210,7 @@ def die_with_parent(worker_id: int = 0) -> None:
 
 
 def end_process_group() -> list[str]:
-    """Destroy the process group (once the Trainer's wrappers are gone); the gloo threads still running. One that
-    outlives the interpreter's finalization aborts the process (status -6, pytorch/pytorch#190489)."""
+    """Destroy the process group (after the Trainer's wrappers); the gloo threads still running (see below)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     gc.collect()
@@ -231,8 +227,8 @@ def gloo_threads() -> list[str]:
 
 
 def leave_if_gloo_remains(status: int) -> None:
-    """Exit now, past Python's finalization, if gloo's threads outlive the process group (trainer=fsdp: FSDP2's
-    per-layer states hold it through C++ hooks gc cannot collect)."""
+    """Exit past finalization if gloo's threads outlive the group: they abort it (-6, pytorch/pytorch#190489)."""
+    # trainer=fsdp: FSDP2's per-layer states hold the group through C++ hooks gc cannot collect
     if not gloo_threads():
         return
     logging.shutdown()

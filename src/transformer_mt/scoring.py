@@ -1,5 +1,4 @@
-"""Scores on detokenized text: sacreBLEU and chrF (report these), and the paper-comparable tokenized BLEU with
-compound splitting (tensor2tensor's get_ende_bleu.sh), labelled as such."""
+"""sacreBLEU and chrF on detokenized text, and the paper's tokenized, compound-split BLEU, labelled as such."""
 
 from __future__ import annotations
 
@@ -21,16 +20,14 @@ def split_compounds(line: str) -> str:
 
 
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
-    """BLEU on Moses tokens with compounds split: the paper's 27.3 / 28.4, NOT comparable with sacreBLEU (usually
-    ~0.7-1.5 lower)."""
+    """BLEU on Moses tokens, compounds split: the paper's metric (sacreBLEU reads ~0.7-1.5 lower)."""
     moses = MosesTokenizer(lang=lang)
     hyps, refs = ([split_compounds(moses.tokenize(line, return_str=True)) for line in lines] for lines in (hyps, refs))
     return BLEU(tokenize="none", force=True).corpus_score(hyps, [refs]).score
 
 
 def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) -> dict:
-    """sacreBLEU's BLEU and chrF by name; with `signatures` also "<name>_signature" and "<name>_detail". A metric added
-    here appears in validation, make evaluate and results.json."""
+    """{"bleu", "chrf"} (with `signatures`: "<name>_signature", "<name>_detail"), for validation and evaluation."""
     if len(hyps) != len(refs):
         raise InputError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if not hyps:
@@ -71,8 +68,7 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
 def evaluate_translations(
     translate: Callable[[list[str]], list], sources: Sequence[str], references: Sequence[str], tgt_lang: str
 ) -> tuple[list, list[str], dict]:
-    """The one way a split is scored (make evaluate, make tune, a run's end): the translations as `translate` gave them
-    (n_best: lists of (text, score)), the best ones, and their timed scores."""
+    """The one way a split is scored: `translate`'s outputs (n-best: lists), the best ones, their timed scores."""
     start = time.perf_counter()
     outputs = translate(list(sources))
     seconds = time.perf_counter() - start

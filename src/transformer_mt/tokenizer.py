@@ -1,11 +1,8 @@
-"""One SentencePiece BPE vocabulary shared by source and target (§5.1: ~37k shared tokens), and the layout of the
-model's inputs in ids (padded, source_batch)."""
+"""One SentencePiece BPE vocabulary shared by source and target (§5.1), and the model's inputs in ids."""
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -93,8 +90,7 @@ class Tokenizer:
 def train_tokenizer(
     sentences: Iterable[str], directory: str | Path, vocab_size: int, max_sentences: int = 10_000_000, seed: int = 0
 ) -> Tokenizer:
-    """One BPE model on both languages' sentences, written atomically. SentencePiece keeps a seeded uniform sample of
-    at most `max_sentences` of the streamed sentences: memory follows the sample, not the corpus."""
+    """One BPE model on a seeded sample of at most `max_sentences` of both languages' streamed sentences."""
     proto = io.BytesIO()
     spm.set_random_generator_seed(seed)  # reproducible sentence sampling inside the trainer
     log.info("training SentencePiece BPE (vocab %d), sampling at most %s sentences", vocab_size, f"{max_sentences:,}")
@@ -121,8 +117,3 @@ def train_tokenizer(
         ) from None
     release_freed_memory()
     return Tokenizer(Tokenizer(proto=proto.getvalue()).save(directory))
-
-
-def cache_key(**inputs) -> str:
-    """A short stable hash of JSON-serialisable inputs (file hashes, options)."""
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]

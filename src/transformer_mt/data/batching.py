@@ -1,5 +1,4 @@
-"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side (collate: the one layout of every
-model input; its source side is tokenizer.source_batch, as in decoding)."""
+"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
 
 
 class TokenizedSplit(Dataset):
-    """One split's token ids, read from the cached Arrow columns memory-mapped, never copied (WMT14's are ~1 GB); the
-    columns come in chunks, as written: an item is found by its chunk."""
+    """One split's ids in the cache's Arrow chunks, memory-mapped, never copied (WMT14's are ~1 GB)."""
 
     def __init__(self, ds: datasets.Dataset):
         self.dataset = ds
@@ -48,10 +46,8 @@ class TokenizedSplit(Dataset):
 
 
 def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: list[str] | None = None) -> dict:
-    """(source, target, index) items -> src = x + EOS, tgt_in = BOS + y, tgt_out = y + EOS (§3: the output shifted
-    right), right-padded; index: the position in the split; `references`: the split's raw targets, for BLEU.
-    Counted on the host, so that training never asks the device: src_lengths and tgt_lengths (ints with the EOS),
-    and target_positions, tgt_out's real tokens in the flat (B * T) batch (the loss projects only those)."""
+    """(x, y, index) items -> src = x + EOS, tgt_in = BOS + y, tgt_out = y + EOS (§3), right-padded, and host counts:
+    lengths with EOS, target_positions (tgt_out's real tokens in the flat B * T batch), no device read needed."""
     targets = [t for _, t, _ in items]
     tgt_out = padded(targets, suffix=[EOS_ID])
     tgt_lengths = [len(t) + 1 for t in targets]
@@ -73,12 +69,8 @@ def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: l
 
 
 class TokenBucketSampler(Sampler[list[int]]):
-    """Batches of at most `max_tokens` padded tokens per side (lengths with collate's EOS and BOS), sentences grouped
-    by length (longer side, then total), ties in a random order from seed + epoch, the batch order shuffled. With
-    several ranks the batches are dealt round-robin, the largest split until every rank gets as many.
-
-    Where batches start is planned once (the lengths never change); an epoch is one in-place sort of 64-bit keys
-    (length group | random bits | position): no array of the corpus's size allocated (docs/measurements.md)."""
+    """Batches of at most `max_tokens` padded tokens per side, by length, ties and batch order shuffled from seed +
+    epoch, dealt round-robin to ranks. Cuts planned once; an epoch sorts keys in place (docs/measurements.md)."""
 
     CHUNK = 1 << 16  # keys are written this many at a time: small temporaries, no page faults
 
@@ -187,9 +179,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
 
 def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Where each batch starts when sentences sorted by `longest` (non-decreasing) fill batches greedily: a sentence
-    joins the open batch while (batch size) x (its longest) <= max_tokens (longer than max_tokens: a batch alone).
-    Walks the distinct lengths: inside a run of length L, batches are runs of max_tokens // L sentences."""
+    """Where greedy batches of sentences sorted by `longest` start (size x longest <= max_tokens), length by length."""
     if len(longest) == 0:
         return np.zeros(0, dtype=np.int64)
     lengths, firsts = np.unique(longest, return_index=True)
@@ -206,9 +196,7 @@ def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:
 
 
 def update_shape(tokens_per_update: int | None, max_tokens: int, world_size: int) -> tuple[int, int]:
-    """(tokens per micro-batch and device, micro-batches per update) for ~tokens_per_update padded tokens per side:
-    as few micro-batches as max_tokens allows, each as large as the update needs (past tokens_per_update /
-    max_tokens devices the per-device batch shrinks; the update does not grow). None: (max_tokens, 1)."""
+    """(tokens per micro-batch and device, micro-batches per update): as few, as large as ~tokens_per_update needs."""
     if not tokens_per_update:
         return max_tokens, 1
     accumulation = math.ceil(tokens_per_update / (max_tokens * world_size))

@@ -1,5 +1,4 @@
-"""The data cache under data.cache_dir: the shared SentencePiece model and each split's token ids, keyed by a
-fingerprint of the text, the tokenizer and the cleaning rules; built by rank 0, read by every rank."""
+"""The cache under data.cache_dir: SentencePiece and each split's ids, keyed by what made them; rank 0 builds it."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, len
 from transformer_mt.errors import WRITE_FAULTS, InputError, UserError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.launcher import launched_rank
-from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
+from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 ENTRY_FILE = "entry.json"  # beside a cache entry's sentencepiece.model: its SHA-256 and the settings that made it
@@ -116,8 +115,7 @@ class TokenCache:
         return [split for split in raw.values() if not self.split_directory(split, tokenizer).exists()]
 
     def check_room(self, raw: dict[str, RawSplit]) -> None:
-        """Before anything is built: the folder takes a probe file and has room for what is missing (a complete cache
-        is only read, and may be read-only)."""
+        """Before anything is built: a probe file, and room for what is missing (a complete cache may be read-only)."""
         if not (missing := self.missing(raw)):
             return
         self.directory.mkdir(parents=True, exist_ok=True)  # an OSError here is build()'s one line
@@ -140,7 +138,7 @@ class TokenCache:
         log.warning("rank %d: reading the data caches that rank 0 builds under %s", launched_rank(), self.directory)
         raw = {split: self.corpus.load(split) for split in SPLITS}
         waited = 0.0
-        while not self.ready(raw):
+        while self.missing(raw):
             if waited >= timeout_seconds:
                 raise InputError(
                     f"waited {waited / 3600:.1f} h for rank 0 to write the data caches under {self.directory}; "
@@ -148,15 +146,6 @@ class TokenCache:
                 )
             time.sleep(poll_seconds)
             waited += poll_seconds
-
-    def ready(self, raw: dict[str, RawSplit]) -> bool:
-        try:
-            tokenizer = Tokenizer(self.tokenizer_directory(raw["train"]) / MODEL_FILE)
-            for split in raw.values():
-                open_cache(self.split_directory(split, tokenizer))
-        except (UserError, DamagedCache, FileNotFoundError):
-            return False
-        return True
 
     def tokenizer_settings(self, train: RawSplit) -> dict:
         langs = [self.corpus.src_lang, self.corpus.tgt_lang]
@@ -167,8 +156,7 @@ class TokenCache:
         return self.directory / "sentencepiece" / cache_key(**self.tokenizer_settings(train))
 
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
-        """The entry's SentencePiece model if it is the one the entry recorded (else one line naming the entry);
-        trained and recorded when missing or damaged."""
+        """The entry's model if its SHA-256 is the one recorded; trained and recorded when missing or damaged."""
         directory = self.tokenizer_directory(train)
         if (directory / MODEL_FILE).exists():
             try:
@@ -239,8 +227,7 @@ class TokenCache:
         return tokenized
 
     def write_tokenized(self, raw: RawSplit, tokenizer: Tokenizer, directory: Path) -> str:
-        """Clean, tokenize and write one split chunk by chunk; what was dropped, for the log. Each pair keeps its row
-        in the raw split (errors name the line); validation and test keep their text for BLEU."""
+        """One split cleaned, tokenized and written chunk by chunk, with each pair's raw row; what was dropped."""
         train = raw.split == "train"
         schema = pa.schema(
             [("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32())), ("row", pa.int64())]
@@ -289,6 +276,11 @@ class TokenCache:
         if not train:
             columns += [pa.array(list(itertools.compress(side, keep)), pa.string()) for side in (src, tgt)]
         return columns
+
+
+def cache_key(**inputs) -> str:
+    """A short stable hash of JSON-serialisable inputs (file hashes, options)."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class DamagedCache(Exception):

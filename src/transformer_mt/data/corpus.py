@@ -1,5 +1,4 @@
-"""Parallel text: where a corpus comes from (the Hub, a local copy of its layout, or aligned text files), reading it
-safely, and cleaning it. Splits are always named train/validation/test."""
+"""Parallel text from the Hub, a local copy of its layout or aligned text files; reading and cleaning it."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import glob
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -136,12 +134,13 @@ class Corpus:
         return []
 
     def load_from_hub(self, split: str) -> datasets.Dataset:
-        """`split` from the Hub, or from `datasets`' cache when the Hub does not answer one request (no ~25 s of
-        retries); a failure names this corpus' offline fix."""
+        """`split` from the Hub, or `datasets`' cache when one request gets no answer (no ~25 s of retries)."""
         unreachable = None if Path(self.hub_name).expanduser().is_dir() else hub_unreachable()  # a folder: no Hub
+        saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
         try:
-            with hub_offline(unreachable is not None):
-                return datasets.load_dataset(self.hub_name, self.hub_config, split=split)
+            if unreachable is not None:  # as HF_HUB_OFFLINE=1, for this load only
+                datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+            return datasets.load_dataset(self.hub_name, self.hub_config, split=split)
         except Exception as e:  # offline, unknown name, changed layout: the fix is the same
             name = f"{self.hub_name} ({self.hub_config})" if self.hub_config else self.hub_name
             cause = unreachable or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -157,6 +156,8 @@ class Corpus:
             raise MissingInputError(
                 f"data '{self.name}': could not load {name} {split} from the Hugging Face Hub ({cause}). Offline, {fix}"
             ) from e
+        finally:
+            datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
 def hub_unreachable(timeout: float = 10.0) -> str | None:
@@ -170,21 +171,9 @@ def hub_unreachable(timeout: float = 10.0) -> str | None:
     return None
 
 
-@contextmanager
-def hub_offline(offline: bool) -> Iterator[None]:
-    """`datasets` and `huggingface_hub` offline inside the block (as HF_HUB_OFFLINE=1) when `offline`."""
-    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = (True, True) if offline else saved
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
-
-
 @dataclass
 class RawSplit:
-    """One split before tokenization; its fingerprint keys the cache. Read in chunks, never whole (WMT14's 4.5M pairs
-    are ~1.3 GB as Python strings)."""
+    """One split before tokenization; its fingerprint keys the cache. Read in chunks (WMT14's: ~1.3 GB of strings)."""
 
     corpus: Corpus
     split: str

@@ -119,8 +119,7 @@ class TranslationDataModule(L.LightningDataModule):
         return update_shape(self.tokens_per_update, self.known_max_tokens(), world_size)
 
     def sampler(self, split: str, shuffle: bool) -> TokenBucketSampler:
-        """This rank's token buckets of a split: a training pair over max_tokens is left out and counted, a validation
-        or test one batched alone."""
+        """This rank's buckets: a pair over max_tokens is left out of training, batched alone in validation and test."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         data = self.splits[split]
         max_tokens = self.update_shape(world)[0] if split == "train" else self.known_max_tokens()
@@ -170,16 +169,14 @@ class TranslationDataModule(L.LightningDataModule):
 
 
 class ResumableLoader(DataLoader):
-    """The training loader, resumable inside an epoch (Lightning checkpoints its state_dict); `batches_done`: the
-    batches training processed (the sampler runs ahead, prefetching)."""
+    """The training loader, resumable inside an epoch at the batches training processed (the sampler runs ahead)."""
 
     def __init__(self, *args, batches_done: Callable[[], int], **kwargs):
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
 
     def state_dict(self) -> dict:
-        """Where the next batch comes from; after an epoch's last batch, the next epoch (workers start prefetching it
-        before Lightning calls set_epoch)."""
+        """Where the next batch comes from (after an epoch's last: the next epoch, before Lightning's set_epoch)."""
         epoch, done = self.batch_sampler.epoch, self.batches_done()
         if done >= len(self.batch_sampler):
             epoch, done = epoch + 1, 0
