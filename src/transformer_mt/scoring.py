@@ -74,8 +74,5 @@ def evaluate_translations(
     seconds = time.perf_counter() - start
     best = [out[0][0] if isinstance(out, list) else out for out in outputs]
     result = score(best, [ref.strip() for ref in references], tgt_lang)
-    return (
-        outputs,
-        best,
-        {**result, "seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)},
-    )
+    result |= {"seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)}
+    return outputs, best, result

@@ -41,11 +41,8 @@ def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Ite
 
 
 def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
-    src, tgt = [], []
-    for s, t in batches:
-        src += s
-        tgt += t
-    return src, tgt
+    chunks = list(batches)
+    return [s for src, _ in chunks for s in src], [t for _, tgt in chunks for t in tgt]
 
 
 def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:

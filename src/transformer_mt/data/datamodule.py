@@ -54,16 +54,11 @@ class TranslationDataModule(L.LightningDataModule):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
         self.cache_dir = Path(os.path.expanduser(cache_dir))
-        self.cache = TokenCache(
-            self.corpus, self.cache_dir, vocab_size, spm_max_sentences, max_len, max_len_ratio, seed
-        )
+        settings = (vocab_size, spm_max_sentences, max_len, max_len_ratio, seed)
+        self.cache = TokenCache(self.corpus, self.cache_dir, *settings)
         self.watch, self.timings = self.cache.watch, self.cache.timings  # the tools read them here
-        self.max_tokens, self.max_tokens_fallback, self.tokens_per_update = (
-            max_tokens,
-            max_tokens_fallback,
-            tokens_per_update,
-        )
-        self.num_workers, self.seed = num_workers, seed
+        self.max_tokens, self.max_tokens_fallback = max_tokens, max_tokens_fallback
+        self.tokens_per_update, self.num_workers, self.seed = tokens_per_update, num_workers, seed
         self.tokenizer: Tokenizer | None = None
         self.raw: dict[str, RawSplit] = {}
         self.splits: dict[str, TokenizedSplit] = {}
