@@ -135,7 +135,7 @@ class RunFolderLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        for path, content in self.hydra.items():  # a refused start's Hydra rewrote them before it was refused
+        for path, content in self.hydra.items():  # a refused start's Hydra may have rewritten them
             with contextlib.suppress(OSError):
                 if not path.is_file() or path.read_bytes() != content:
                     path.write_bytes(content)
