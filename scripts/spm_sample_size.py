@@ -36,7 +36,7 @@ def measure(args: argparse.Namespace, size: int) -> dict:
         train.open()  # datasets' Arrow copy of the files: made once, not part of SentencePiece's cost
         reset_peak_memory()
         start = time.perf_counter()
-        tokenizer = dm.load_or_train_tokenizer(train)
+        tokenizer = dm.cache.load_or_train_tokenizer(train)
         seconds, peak, after = time.perf_counter() - start, peak_memory_gib(), resident_memory_gib()
     figures = {"size": size, "seconds": seconds, "peak_gib": peak, "after_gib": after}
     byte_pieces = {i for i in range(len(tokenizer)) if tokenizer.sp.is_byte(i)}

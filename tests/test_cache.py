@@ -197,15 +197,15 @@ def test_scale_report_runs_the_wmt14_pipeline_on_20k_generated_pairs_cold_then_c
 def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypatch):
     builder, waiter = text_datamodule(tmp_path), text_datamodule(tmp_path)
     polled = threading.Event()  # the waiting rank has looked and found no cache
-    real_ready = waiter.cache.ready
+    real_missing = waiter.cache.missing
 
-    def ready(raw):
-        found = real_ready(raw)
-        if not found:
+    def missing(raw):
+        found = real_missing(raw)
+        if found:
             polled.set()
         return found
 
-    monkeypatch.setattr(waiter.cache, "ready", ready)
+    monkeypatch.setattr(waiter.cache, "missing", missing)
 
     def build_later():  # rank 0, arriving after the other rank has started to wait (an event, not a clock)
         polled.wait()

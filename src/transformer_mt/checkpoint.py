@@ -1,5 +1,4 @@
-"""Checkpoint files: atomic writes, safe reads, a run's periodic checkpoints and their average (§6.1), and a model
-ready for inference."""
+"""Checkpoint files: atomic writes, safe reads, a run's checkpoints and their average (§6.1), inference's model."""
 
 from __future__ import annotations
 
@@ -15,6 +14,8 @@ from transformer_mt.files import RunFolder, atomic_write
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.runtime import bound_onednn_cache, keep_freed_memory, pick_device, set_threads, use_tf32
 from transformer_mt.tokenizer import Tokenizer
+
+EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a checkpoint
 
 
 def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
@@ -35,21 +36,18 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
 
 
 def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -> dict:
-    """torch.load with weights_only=True and a clear error for files that are not ours; mmap: tensors read when used;
-    finite: refuse weights that hold NaN or inf."""
+    """torch.load(weights_only=True), one line for a file not ours; finite: NaN or inf weights refused."""
     if not str(path).strip():
         raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"checkpoint not found: {path}")
     with open(path, "rb") as f:
-        is_zip = f.read(4) == b"PK\x03\x04"
-    if not is_zip:
-        raise InputError(f"{path}: not a checkpoint (torch.save writes a zip archive; this file is not one)")
+        if f.read(4) != b"PK\x03\x04":
+            raise InputError(f"{path}: not a checkpoint (torch.save writes a zip archive; this file is not one)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError:
-        # torch's own message advises weights_only=False, which would let the file run code: not here.
+    except pickle.UnpicklingError:  # torch's own message advises weights_only=False, which lets the file run code
         raise InputError(
             f"{path}: holds Python objects besides tensors and plain values, which are not loaded (unpickling "
             "them can run code); it was not written by transformer_mt"
@@ -66,7 +64,6 @@ def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -
 
 
 def check_finite(path: str | Path, checkpoint: dict) -> None:
-    """One line naming the first weight tensor that holds NaN or inf (training never writes such weights)."""
     for key, value in checkpoint["state_dict"].items():
         if value.is_floating_point() and not torch.isfinite(value).all():
             nan, inf = int(value.isnan().sum()), int(value.isinf().sum())
@@ -89,13 +86,11 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
     if "sentencepiece" not in checkpoint:
         raise InputError(f"{path}: has no SentencePiece model inside")
     tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin=f"{path} (sentencepiece)")
-    return model.requires_grad_(False).eval(), tokenizer, checkpoint  # no gradients: decoding keeps its copies
+    return model.requires_grad_(False).eval(), tokenizer, checkpoint
 
 
 def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) -> tuple[Transformer, Tokenizer, dict]:
-    """What every inference command does first: glibc's allocator settings and oneDNN's caches bounded as in training
-    (a long translation meets a new shape per batch), the model in eval mode on `device` (auto: a GPU when there is
-    one; fp32 products in TF32 there), `threads` CPU threads."""
+    """Every inference command's start: memory settings as in training, the model on `device`, `threads` threads."""
     keep_freed_memory()
     bound_onednn_cache()
     model, tokenizer, checkpoint = load_for_inference(ckpt)
@@ -106,17 +101,13 @@ def start_inference(ckpt: str | Path, device: str = "auto", threads: int = 0) ->
     return model, tokenizer, checkpoint
 
 
-STEP = re.compile(r"step(\d+)")
-
-
 def run_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Periodic checkpoints of a run, oldest first, one per update step (last.ckpt and averages excluded)."""
-    folder = RunFolder(Path(run_dir)).checkpoints
+    """A run's periodic checkpoints, oldest first, one per update (last.ckpt and averages excluded)."""
+    folder = RunFolder(run_dir).checkpoints
     folder = folder if folder.is_dir() else Path(run_dir)
     by_step: dict[int, Path] = {}
     for path in folder.glob("*.ckpt"):
-        match = STEP.search(path.stem)
-        if match and not path.name.startswith(RunFolder.AVERAGE):
+        if (match := re.search(r"step(\d+)", path.stem)) and not path.name.startswith(RunFolder.AVERAGE):
             by_step.setdefault(int(match.group(1)), path)  # time- and step-triggered saves can coincide
     if not by_step:
         raise MissingInputError(f"no periodic checkpoints (*step<N>.ckpt) in {folder}")
@@ -124,40 +115,29 @@ def run_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def average_checkpoints(paths: list[str | Path]) -> dict:
-    """Mean of the weights; everything else (config, SentencePiece) from the newest checkpoint."""
+    """Mean of the weights (summed in float64); everything else (config, SentencePiece) from the newest checkpoint."""
     if not paths:
         raise InputError("no checkpoints to average")
-    first_path = Path(paths[0])
-    total: dict[str, torch.Tensor] = {}
-    reference: dict | None = None
-    for path in map(Path, paths):
-        checkpoint = read_checkpoint(path)
-        state = checkpoint["state_dict"]
-        if reference is None:
-            reference = checkpoint
-            total = {k: v.double() if v.is_floating_point() else v.clone() for k, v in state.items()}
-            continue
+    first = Path(paths[0])
+    reference = read_checkpoint(first)
+    total = {k: v.double() if v.is_floating_point() else v.clone() for k, v in reference["state_dict"].items()}
+    for path in map(Path, paths[1:]):
+        reference = read_checkpoint(path)  # the newest one's metadata is kept
+        state = reference["state_dict"]
         if state.keys() != total.keys():
             diff = sorted(state.keys() ^ total.keys())[:5]
-            raise InputError(
-                f"{path} and {first_path} hold different parameters (e.g. {diff}); average checkpoints of one run only"
-            )
+            raise InputError(f"{path} and {first} hold different parameters (e.g. {diff}); average checkpoints of "
+                             "one run only")  # fmt: skip
         for key, value in state.items():
             if value.shape != total[key].shape:
-                raise InputError(
-                    f"{path}: {key} has shape {tuple(value.shape)}, {first_path} has "
-                    f"{tuple(total[key].shape)}; average checkpoints of one run only"
-                )
+                raise InputError(f"{path}: {key} has shape {tuple(value.shape)}, {first} has "
+                                 f"{tuple(total[key].shape)}; average checkpoints of one run only")  # fmt: skip
             if value.is_floating_point():
                 total[key] += value.double()
-        reference = checkpoint  # the newest one's metadata
     dtypes = {k: v.dtype for k, v in reference["state_dict"].items()}
     averaged = {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in total.items()}
     keep = {k: reference[k] for k in ("hyper_parameters", "sentencepiece", "global_step", "epoch") if k in reference}
     return {**keep, "state_dict": averaged, "averaged_from": [str(p) for p in paths]}
-
-
-EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a checkpoint
 
 
 def ema_state(checkpoint: dict) -> dict[str, torch.Tensor]:

@@ -1,5 +1,4 @@
-"""An entry point's command line checked before Hydra makes a run folder and before torch is imported: a misspelled
-key or group option is one line with the closest name; then Hydra's job and the decoding settings handed down."""
+"""A command line checked before Hydra makes a folder and torch loads; Hydra's job and decoding handed down."""
 
 from __future__ import annotations
 
@@ -23,12 +22,8 @@ HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i
 
 
 def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | None:
-    """The config a command line composes, or one line for a misspelled key or option (trainer.max_step=5,
-    +trainer.max_step=5, experiment=bse) where Hydra answers in several lines, its `+key=` hint turning a typo into a
-    new key. In a sweep (-m) each value of each override is checked with the others at their first (an Optuna
-    interval() is left to the sweeper); the first job's config is returned. None where Hydra answers by itself (a
-    flag of HYDRA_ANSWERS, a syntax error). A new `+key` far from every existing name is the user's own: a Trainer
-    argument is checked once Lightning is imported (training/fit.py's trainer_arguments)."""
+    """The config composed (a sweep's first job; each value checked with the others at their first), one line for a
+    misspelled key or option (trainer.max_step=5, +trainer.max_step=5, experiment=bse), None where Hydra answers."""
     from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415 (Hydra's public parser)
     from hydra.errors import HydraException  # noqa: PLC0415
 
@@ -40,10 +35,10 @@ def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | No
             parser = OverridesParser.create(config_loader=config_loader)
             for o in parser.parse_overrides([arg for arg in argv if not arg.startswith("-")]):
                 if o.key_or_group.startswith("hydra") or (o.is_sweep_override() and not o.is_discrete_sweep()):
-                    continue  # hydra.* is Hydra's own; an interval() is the sweeper's to draw
+                    continue
                 key, sweep = o.get_key_element(), o.is_sweep_override()
                 values.append([f"{key}={v}" for v in o.sweep_string_iterator()] if sweep else [o.input_line])
-    except HydraException:
+    except HydraException:  # a syntax error: Hydra's own answer
         return None
     first = [v[0] for v in values]
     jobs = [first] + [first[:i] + [other] + first[i + 1 :] for i, v in enumerate(values) for other in v[1:]]
@@ -52,7 +47,6 @@ def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | No
 
 
 def check_job(config_name: str, overrides: list) -> DictConfig | None:
-    """One job's overrides (no sweep, no hydra.*) composed, or refused in one line (check_command_line)."""
     from hydra.errors import ConfigCompositionException, MissingConfigException  # noqa: PLC0415
 
     try:
@@ -77,8 +71,7 @@ def check_job(config_name: str, overrides: list) -> DictConfig | None:
 
 
 def misspelled(given, cfg: DictConfig, added: bool = False) -> str | None:
-    """One line for an override whose key is not in cfg: the closest key beside it, else (a new key, not `added`)
-    what there is. None: an added key far from every existing one (the user's own)."""
+    """One line naming the closest key, or what there is; None: an added key unlike any (the user's own)."""
     key, value = given.key_or_group, given.get_value_element_as_str()
     parent, _, name = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -93,15 +86,12 @@ def misspelled(given, cfg: DictConfig, added: bool = False) -> str | None:
 
 
 def checked_main(config_name: str, run: Callable[[], None]) -> None:
-    """An entry point whose command line is checked (check_command_line) before Hydra runs it."""
     exit_on_user_error(check_command_line, config_name, sys.argv[1:])
     run()
 
 
 def run_task(fn: Callable, *args):
-    """fn(*args) as a Hydra task: on a UserError the run folder is removed if it holds only Hydra's own files, and in
-    a sweep the job fails after its line with an exception Hydra reports without a traceback (the other jobs run; the
-    sweep ends with Hydra's one-line summary and status 1)."""
+    """fn(*args) as a Hydra task: a UserError removes a folder of Hydra's files only and fails a sweep's job quietly."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415 (Hydra only where configs are composed)
     from hydra.errors import CompactHydraException  # noqa: PLC0415
     from hydra.types import RunMode  # noqa: PLC0415
@@ -110,12 +100,11 @@ def run_task(fn: Callable, *args):
         return exit_on_user_error(fn, *args)
     hydra = HydraConfig.get()
     failed = (lambda: CompactHydraException("")) if hydra.mode == RunMode.MULTIRUN else None
-    cleanup = RunFolder(Path(hydra.runtime.output_dir)).remove_if_empty
+    cleanup = RunFolder(hydra.runtime.output_dir).remove_if_empty
     return exit_on_user_error(fn, *args, cleanup=cleanup, failed=failed)
 
 
 def hydra_job() -> Job:
-    """The running Hydra job as launcher.Job, what a training needs to know of Hydra."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
     from hydra.types import RunMode  # noqa: PLC0415
     from hydra.utils import instantiate  # noqa: PLC0415
@@ -132,8 +121,7 @@ def hydra_job() -> Job:
 
 
 def chosen_decoding(cfg: DictConfig, say: Callable[[str], None]) -> Decoding:
-    """conf/decoding's settings, or make tune's for this checkpoint unless tuned=false or the command line sets
-    decoding or a decoding.* key (evaluation/tuned.py)."""
+    """make tune's settings for this checkpoint, or conf/decoding's (tuned=false, decoding on the command line)."""
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
 
     given = HydraConfig.get().overrides.task if HydraConfig.initialized() else []

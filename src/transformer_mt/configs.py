@@ -1,5 +1,4 @@
-"""Where the Hydra configs live (transformer_mt/conf: a link to the checkout's conf/, a copy once installed), their
-resolvers, and composing them outside an entry point (scripts, tests) exactly as Hydra does."""
+"""Where the Hydra configs live (transformer_mt/conf), their resolvers, and composing them outside an entry point."""
 
 from __future__ import annotations
 
@@ -22,23 +21,15 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
 
 def run_folder() -> str:
-    """${run_folder:} in train.yaml's hydra.run.dir: <date>/<time>, or under torchrun/srun the job's name (one folder
-    for every rank, and for the job restarted)."""
+    """${run_folder:} (train.yaml's run dir): <date>/<time>, or the launched job's name, one folder for every rank."""
     return launch_id() or datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
 
 
-def own_folder() -> str:
-    """${own_folder:} in evaluate's and tune's hydra.run.dir: <date>_<time>-<pid> (two commands in one second)."""
-    return f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}"
-
-
 OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
-OmegaConf.register_new_resolver("own_folder", own_folder, replace=True)
-# ${tune_grid:alphas} in conf/tune.yaml and conf/train.yaml's final block: make tune's grid, decoding.TUNE_GRID
-OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)
-
-# decoding=beam, the group's default: §6.1's search as decoding.PAPER writes it once (conf/decoding/greedy.yaml builds
-# on it), stored as plain values (overridable: decoding.alpha=1.0).
+# evaluate's and tune's run dir: <date>_<time>-<pid> (two commands in one second)
+OmegaConf.register_new_resolver("own_folder", lambda: f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}", replace=True)
+OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)  # make tune's grid
+# decoding=beam, the group's default: §6.1's search as decoding.PAPER, stored as plain (overridable) values
 ConfigStore.instance().store(group="decoding", name="beam", node=PAPER.settings())
 
 
@@ -53,11 +44,10 @@ def hydra_on_conf() -> Iterator:
 
 
 def compose(config_name: str = "train", overrides: Sequence[str] = ()) -> DictConfig:
-    """A primary config (train, evaluate, translate) with command-line style overrides."""
     with hydra_on_conf():
         return hydra_compose(config_name, overrides=list(overrides))
 
 
 def model_preset(name: str) -> dict:
-    """conf/model/<name>.yaml (small, base, big) as TransformerConfig's keyword arguments (no vocabulary)."""
+    """conf/model/<name>.yaml as TransformerConfig's keyword arguments (no vocabulary)."""
     return OmegaConf.to_container(compose("train", [f"model={name}"]).model, resolve=True)

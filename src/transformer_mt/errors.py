@@ -23,16 +23,23 @@ class MissingInputError(UserError, FileNotFoundError):
     """A file or directory that is not where the configuration says."""
 
 
+# A write the machine refused: a full disk or quota, a file-size limit, a read-only or forbidden folder.
+WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
 def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, failed: Callable | None = None):
-    """fn(*args); a UserError ends the program with one `error: ...` line and status 1 (HYDRA_FULL_ERROR=1: the
-    traceback). cleanup runs first; failed: the exception to end with instead (a sweep's job: commandline.run_task)."""
+    """fn(*args); a UserError or refused write: `cleanup`, one `error:` line, status 1 (or `failed()` raised)."""
     try:
         try:
             return fn(*args)
         except OSError as e:
-            if (fault := write_fault(e)) is None:
+            if e.errno not in WRITE_FAULTS:
                 raise
-            raise fault from None
+            where = f" ({e.filename})" if e.filename else ""
+            raise InputError(
+                f"a write was refused{where}: {e.strerror} (a full disk or quota, a file-size limit, or a folder that "
+                "cannot be written); free space there or write elsewhere, then run the command again"
+            ) from None
     except UserError as e:
         if cleanup is not None:
             cleanup()
@@ -42,21 +49,6 @@ def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, fai
         if failed is not None:
             raise failed() from None
         raise SystemExit(1) from None
-
-
-# A write the machine refused: a full disk or quota, a file-size limit, a read-only or forbidden folder.
-WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-def write_fault(e: OSError) -> InputError | None:
-    """An OSError of WRITE_FAULTS as one line a user can act on (None: another fault)."""
-    if e.errno not in WRITE_FAULTS:
-        return None
-    where = f" ({e.filename})" if e.filename else ""
-    return InputError(
-        f"a write was refused{where}: {e.strerror} (a full disk or quota, a file-size limit, or a folder that cannot "
-        "be written); free space there or write elsewhere, then run the command again"
-    )
 
 
 def required(cfg, key: str):
@@ -70,13 +62,11 @@ def required(cfg, key: str):
 
 def closest(name: str, options: Iterable[str]) -> str | None:
     """The option closest to a misspelled name, if one is close (difflib's ratio >= 0.6)."""
-    match = get_close_matches(name, list(options), n=1)
-    return match[0] if match else None
+    return next(iter(get_close_matches(name, list(options), n=1)), None)
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse for the commands that take options (make finish, average, export, attention, plot, table3): a wrong
-    option is one `error:` line with the closest option and status 1, as a misspelled Hydra key is."""
+    """argparse for the commands that take options: a wrong option is one `error:` line with the closest option."""
 
     def __init__(self, doc: str | None):
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

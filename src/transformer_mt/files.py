@@ -25,8 +25,7 @@ TMP_MARK = ".tmp-"  # .<name>.tmp-<host>-<pid>-<random>
 
 @contextmanager
 def atomic_write(target: str | Path) -> Iterator[Path]:
-    """A temporary path beside `target` (a file or a directory), renamed to `target` when the block succeeds
-    (readers see the old content or the new, never part of it) and removed when it fails."""
+    """A temporary path beside `target` (file or folder), renamed to it when the block succeeds, else removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*"):  # of this target, by killed writers
@@ -64,7 +63,6 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
 
 
 def is_stale(path: Path) -> bool:
-    """A temporary of atomic_write whose writer, a process of this host, is gone."""
     owner = path.name.rsplit(TMP_MARK, 1)[1].rsplit("-", 2)  # host, pid, a random part
     if len(owner) != 3 or owner[0] != socket.gethostname() or not owner[1].isdigit():
         return False
@@ -78,8 +76,7 @@ def is_stale(path: Path) -> bool:
 
 
 def decode_line(line: bytes, number: int, where: str) -> str:
-    """One line of UTF-8 bytes as text, without its "\\n" nor, on line 1, a byte-order mark (it would stick to the
-    first sentence); invalid UTF-8 is one line naming `where` and the line."""
+    """UTF-8 bytes as text, without "\\n" nor, on line 1, a byte-order mark; invalid UTF-8 names `where`, the line."""
     try:
         text = line.decode("utf-8-sig" if number == 1 else "utf-8")
     except UnicodeDecodeError as e:
@@ -91,7 +88,7 @@ def decode_line(line: bytes, number: int, where: str) -> str:
 
 
 def iter_lines(path: str | Path) -> Iterator[str]:
-    """Lines of a UTF-8 file, one at a time, split on "\\n" only (splitlines() splits on U+0085, in WMT sentences)."""
+    """Lines of a UTF-8 file, split on "\\n" only (splitlines() splits on U+0085, in WMT sentences)."""
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"no such file: {path}")
@@ -104,45 +101,6 @@ def read_lines(path: str | Path) -> list[str]:
     return list(iter_lines(path))
 
 
-class RunFolderLock:
-    """<run>/.lock, an flock held for a training's lifetime (it goes with its process, SIGKILL included): a second
-    training into the folder is refused in one line naming the holder. Hydra writes the refused start's .hydra/
-    files before it runs; the holder writes its own back when it ends."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.path = RunFolder(run_dir).lock_file
-        self.fd: int | None = None
-        self.hydra: dict[Path, bytes] = {}
-
-    def __enter__(self) -> RunFolderLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "a process"
-            os.close(fd)
-            raise InputError(
-                f"{self.run_dir} is in use by another training ({holder}); two trainings in one folder "
-                "overwrite each other's checkpoints and log. Wait for it to end, or start this one in another "
-                "folder (hydra.run.dir=...)"
-            ) from None
-        os.ftruncate(fd, 0)
-        since = time.strftime("%Y-%m-%d %H:%M:%S")
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
-        self.fd = fd
-        self.hydra = {p: p.read_bytes() for p in (self.run_dir / ".hydra").glob("*.yaml")}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for path, content in self.hydra.items():  # a refused start may have rewritten them
-            with contextlib.suppress(OSError):
-                if not path.is_file() or path.read_bytes() != content:
-                    path.write_bytes(content)
-        os.close(self.fd)  # releases the lock; the file stays, free for the next start
-
-
 def file_digest(path: Path) -> str:
     """A file's SHA-256 (which checkpoint an export or make tune's record was made from)."""
     digest = hashlib.sha256()
@@ -152,9 +110,40 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+class RunFolderLock:
+    """<run>/.lock, an flock held for a training's lifetime (SIGKILL releases it): a second training is refused."""
+
+    def __init__(self, run_dir: Path):
+        self.run = RunFolder(run_dir)
+
+    def __enter__(self) -> RunFolderLock:
+        self.run.path.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise InputError(
+                f"{self.run.path} is in use by another training ({self.run.holder()}); two trainings in one folder "
+                "overwrite each other's checkpoints and log. Wait for it to end, or start this one in another "
+                "folder (hydra.run.dir=...)"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
+        self.hydra = {p: p.read_bytes() for p in (self.run.path / ".hydra").glob("*.yaml")}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for path, content in self.hydra.items():  # a refused start's Hydra may have rewritten them
+            with contextlib.suppress(OSError):
+                if not path.is_file() or path.read_bytes() != content:
+                    path.write_bytes(content)
+        os.close(self.fd)  # releases the lock; the file stays, free for the next start
+
+
 class RunFolder:
-    """A training run's folder: checkpoints/ (step<N>.ckpt, last.ckpt, best.ckpt; the end-of-run protocol's
-    average-last<N>.ckpt and ema.ckpt), results.json, and .lock (RunFolderLock)."""
+    """A run's folder: checkpoints/ (step<N>, last, best, average-last<N>, ema .ckpt), results.json, .lock."""
 
     LAST, BEST, AVERAGE = "last.ckpt", "best.ckpt", "average-"
 
@@ -173,21 +162,19 @@ class RunFolder:
 
     def in_use(self) -> bool:
         """Whether a training holds the folder's lock."""
-        try:
-            fd = os.open(self.lock_file, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        with contextlib.suppress(FileNotFoundError), open(self.lock_file) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+        return False
+
+    def holder(self) -> str:
+        """Who holds the lock (pid, host, since when)."""
+        return self.lock_file.read_text(encoding="utf-8", errors="replace").strip() or "a process"
 
     def remove_if_empty(self) -> None:
-        """Remove the folder if it holds only Hydra's files (.hydra/, <job>.log) and a free .lock, and the folders
-        above it left empty, up to the working directory: a command failed on bad input leaves no folder behind."""
+        """A folder of Hydra's files and a free .lock removed, and its emptied parents below the working directory."""
         cwd, run_dir = Path.cwd().resolve(), self.path.resolve()
         if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
             return
@@ -204,10 +191,6 @@ class RunFolder:
                 parent.rmdir()
             except OSError:
                 break
-
-    def holder(self) -> str:
-        """Who holds the lock (pid, host, since when)."""
-        return self.lock_file.read_text(encoding="utf-8", errors="replace").strip() or "a process"
 
     def keep_earlier_results(self) -> Path | None:
         """An earlier results.json (a run finished again) is kept as results.<n>.json, the first free n, and said."""

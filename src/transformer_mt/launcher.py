@@ -1,5 +1,4 @@
-"""Where this process runs, read without importing torch: which launcher started it (torchrun, srun, Lightning's ddp),
-its job's name, whether a GPU can be visible (the command line's check and the run folder's name read these)."""
+"""Where this process runs, read without importing torch: its launcher and job's name, whether a GPU can be visible."""
 
 from __future__ import annotations
 
@@ -24,13 +23,10 @@ def first_process() -> bool:
 
 
 def launch_id() -> str | None:
-    """A name shared by every rank of one launched job and by the job restarted or requeued: torchrun's run id;
-    slurm-<job>-<step> for an srun step, slurm-<job> for a batch script that runs python itself (sbatch sets
-    ENVIRONMENT=BATCH); an array task's job is <array job>_<task>. None outside a launcher (an salloc shell too)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id and run_id != "none":
-        return f"torchrun-{run_id}"
+    """A name every rank of a launched job shares, restarted too; None outside a launcher (an salloc shell too)."""
     env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none"):
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
     if "SLURM_JOB_ID" not in env:
         return None
     job = env["SLURM_JOB_ID"]
@@ -38,13 +34,12 @@ def launch_id() -> str | None:
         job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
         return f"slurm-{job}-{env['SLURM_STEP_ID']}"
-    return f"slurm-{job}" if env.get("ENVIRONMENT") == "BATCH" else None
+    return f"slurm-{job}" if env.get("ENVIRONMENT") == "BATCH" else None  # sbatch sets ENVIRONMENT=BATCH
 
 
 @dataclass(frozen=True)
 class Job:
-    """What the entry point (Hydra, in train.py) tells a training about its job: its run folder, its overrides, the
-    sweep it is one job of (folder and number; None: no sweep), and hydra.utils.instantiate for the loggers."""
+    """What train.py tells a training of its Hydra job (sweep_dir and number: None outside a sweep)."""
 
     run_dir: Path
     overrides: tuple[str, ...] = ()
@@ -53,8 +48,7 @@ class Job:
     instantiate: Callable | None = None
 
 
-# Without one of these a CUDA GPU cannot be reached (NVIDIA's driver, or ROCm's for a ROCm build of torch).
-GPU_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")  # NVIDIA's driver, or ROCm's
 
 
 def gpu_may_be_visible() -> bool:
@@ -64,8 +58,7 @@ def gpu_may_be_visible() -> bool:
 
 
 def check_device(accelerator: str) -> None:
-    """A GPU recipe on a machine without a GPU is refused, pointing at the CPU recipe; torch is asked only where a GPU
-    driver is there or torch is loaded already (its import takes seconds on a slow machine)."""
+    """A GPU recipe without a GPU is refused; torch (seconds to import) is asked only where a GPU may be."""
     if accelerator not in ("gpu", "cuda"):
         return
     if "torch" in sys.modules or gpu_may_be_visible():

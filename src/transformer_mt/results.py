@@ -1,6 +1,4 @@
-"""results.json, the end-of-run protocol's record of a run (evaluation/protocol.py), as one type: read by make
-finish, the model card and make table3, nowhere else by key. Each of `models` maps a checkpoint's name (average-last5,
-last, ema) to its path and each split's scores; `tuned` (final.tune) the same at the settings chosen on validation."""
+"""results.json, the end-of-run protocol's record of a run, as one type (make finish, the model card, make table3)."""
 
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ class Results:
     seed: int | None = None
     overrides: list[str] | None = None
     finished_by: str | None = None
-    models: dict[str, dict] = field(default_factory=dict)
-    tuned: dict[str, dict] | None = None
+    models: dict[str, dict] = field(default_factory=dict)  # average-last5/last/ema -> checkpoint path, split scores
+    tuned: dict[str, dict] | None = None  # the same at the settings make tune chose on validation (final.tune)
     evaluation_seconds: float | None = None
 
     @classmethod
@@ -46,9 +44,8 @@ class Results:
                 raise TypeError(f"it holds a {type(data).__name__}, not an object")
             return cls(**data)
         except (ValueError, TypeError) as e:
-            raise InputError(
-                f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it again"
-            ) from None
+            raise InputError(f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it "
+                             "again") from None  # fmt: skip
 
     def write(self, path: Path) -> None:
         with atomic_write(path) as tmp:
@@ -63,8 +60,7 @@ class Results:
         return [(name, split, s) for name, split, s in found if isinstance(s, dict) and "bleu" in s]
 
     def metrics(self) -> dict[str, float]:
-        """The scores as logger metrics: final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl> (no ppl for a tuned
-        split: the teacher-forced loss does not depend on the decoding settings)."""
+        """final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>, for the loggers (a tuned split has no ppl)."""
         return {
             f"final/{name}/{split}/{short}": scores[key]
             for name, split, scores in self.scored()
@@ -85,27 +81,21 @@ class Results:
         ]
         for name, split, s in self.scored():
             if name.endswith("/tuned"):
+                chosen, paper = Decoding.of(self.tuned[name[:-6]]["decoding"]), self.models[name[:-6]][split]["bleu"]
+                lines.append(
+                    f"  {name[:-6]} on {split} at the settings chosen on the validation split ({chosen.text()}): "
+                    f"sacreBLEU {s['bleu']:.2f} ({s['bleu'] - paper:+.2f} over the paper's), chrF {s['chrf']:.2f}"
+                )
                 continue
             lines.append(
                 f"  {name} on {split} ({s['sentences']:,} sentences): sacreBLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}, "
                 f"tokenized compound-split BLEU {s['tokenized_bleu_compound_split']:.2f} (the paper's metric), "
-                f"ppl {s['ppl']:.2f}"
+                f"ppl {s['ppl']:.2f}\n    {s['bleu_signature']}"
             )
-            lines.append(f"    {s['bleu_signature']}")
-        for name, tuned in (self.tuned or {}).items():
-            chosen = Decoding.of(tuned["decoding"])
-            for split, s in tuned.items():
-                if isinstance(s, dict) and "bleu" in s:
-                    paper = self.models[name][split]["bleu"]
-                    lines.append(
-                        f"  {name} on {split} at the settings chosen on the validation split ({chosen.text()}): "
-                        f"sacreBLEU {s['bleu']:.2f} ({s['bleu'] - paper:+.2f} over the paper's), chrF {s['chrf']:.2f}"
-                    )
         return "\n".join(lines)
 
     def entry(self, ckpt: Path) -> dict | None:
-        """The scores of the model evaluated from `ckpt` (its tuned ones under "tuned"), or None; matched by file
-        name, so a moved or copied run folder still finds its scores."""
+        """The scores of the model from `ckpt` (by file name: a moved run finds them), tuned ones under "tuned"."""
         for name, entry in self.models.items():
             if Path(entry.get("checkpoint", "")).name == ckpt.name:
                 tuned = (self.tuned or {}).get(name)

@@ -23,7 +23,8 @@ import torch
 from transformer_mt.errors import InputError
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
-TRIM_THRESHOLD = 2**30  # free memory at the heap's top beyond this goes back to the system
+ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+IDEEP_CACHE = "LRU_CACHE_CAPACITY"  # ideep, PyTorch's layer over oneDNN: its own cache, 1,024 by default
 
 
 def libc() -> ctypes.CDLL | None:
@@ -34,37 +35,29 @@ def libc() -> ctypes.CDLL | None:
     return None
 
 
-ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-IDEEP_CACHE = "LRU_CACHE_CAPACITY"  # ideep, PyTorch's layer over oneDNN: its own cache, 1,024 by default
-
-
 def bound_onednn_cache() -> None:
-    """oneDNN and ideep keep a compiled product per input shape, and token buckets give almost every batch a new
-    one (~15 MiB per update: docs/measurements.md, host memory): capacity 0 and 1 (0 crashes ideep) keep none.
-    Set before the first product; a capacity in the environment wins."""
+    """No compiled product kept per input shape (~15 MiB per update); before the first product; the environment wins."""
+    # capacity 0 for oneDNN, 1 for ideep (0 crashes it): docs/measurements.md, host memory
     os.environ.setdefault(ONEDNN_CACHE, "0")
     os.environ.setdefault(IDEEP_CACHE, "1")
 
 
 def keep_freed_memory() -> bool:
-    """glibc serves every allocation from the heap (no mmap) and keeps freed memory for reuse: no page faults for
-    each step's activations (46,000 -> 4,000 per update, 1.19x tokens/s: docs/measurements.md). Whether it took
-    effect (not under TRANSFORMER_MT_MALLOC=system, nor without glibc)."""
+    """No mmap, freed memory kept (46,000 -> 4,000 page faults per update, 1.19x tokens/s); whether it took effect."""
     lib = libc()
     if lib is None or os.environ.get("TRANSFORMER_MT_MALLOC") == "system":
         return False
-    return bool(lib.mallopt(M_MMAP_MAX, 0)) and bool(lib.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(lib.mallopt(M_MMAP_MAX, 0)) and bool(lib.mallopt(M_TRIM_THRESHOLD, 2**30))
 
 
 def release_freed_memory() -> None:
-    """Hand freed heap memory back to the system (SentencePiece's trainer left 4.8 GB resident at WMT14 scale)."""
-    lib = libc()
-    if lib is not None:
+    """Freed heap memory back to the system (SentencePiece's trainer left 4.8 GB resident at WMT14 scale)."""
+    if (lib := libc()) is not None:
         lib.malloc_trim(0)
 
 
 def pick_device(name: str) -> torch.device:
-    """`auto` = the first CUDA GPU when there is one, else the CPU; otherwise a torch device name."""
+    """`auto`: the first CUDA GPU when there is one, else the CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -73,31 +66,28 @@ def pick_device(name: str) -> torch.device:
 
 
 def set_threads(threads: int) -> None:
-    """CPU threads for torch (0: torch's default, every core; fewer pay off beside busy processes: docs/inference)."""
+    """CPU threads for torch (0: torch's default, every core)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
         raise InputError(f"threads={threads!r}: must be a whole number >= 0 (0 = every core)")
     if threads:
         torch.set_num_threads(threads)
 
 
-def cpuinfo() -> str | None:
-    try:
+def cpuinfo() -> str:
+    with contextlib.suppress(OSError):
         return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
+    return ""
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: without either, bf16 matrix products are emulated (~20x slower than fp32)."""
+    """AVX512-BF16 or AMX: without either, bf16 products are emulated (~20x slower than fp32); not Linux: True."""
     text = cpuinfo()
-    if text is None:
-        return True  # not Linux: trust the configuration
-    return "avx512_bf16" in text or "amx_bf16" in text
+    return not text or "avx512_bf16" in text or "amx_bf16" in text
 
 
 def describe_machine() -> str:
     """CPU model and vector extensions, torch threads and version: what every speed figure is stated with."""
-    lines = (cpuinfo() or "").split("\n")
+    lines = cpuinfo().split("\n")
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
     flags = next((line for line in lines if line.startswith("flags")), "")
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
@@ -108,21 +98,18 @@ def describe_machine() -> str:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (SLURM's cpus_per_task, taskset, cgroups), not the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """The cores this process may run on (SLURM, taskset, cgroups), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def use_tf32() -> None:
-    """fp32 products on CUDA tensor cores in TF32 (10-bit mantissa inputs, fp32 sums; off in PyTorch by default)."""
+    """fp32 products on CUDA tensor cores in TF32 (off in PyTorch by default)."""
     torch.set_float32_matmul_precision("high")
     torch.backends.cudnn.allow_tf32 = True
 
 
-# Dense (no sparsity) peaks in TFLOP/s from NVIDIA's data sheets, by the format of training's matrix products,
-# for the device names they match (re.search). H100/H200 are the SXM parts; NVL parts are left unknown, not guessed.
+# Dense peaks in TFLOP/s from NVIDIA's data sheets, by format, for the device names they match (re.search).
+# H100/H200 are the SXM parts; NVL parts are left unknown, not guessed.
 PEAK_TFLOPS = [
     (r"H[12]00(?!.*(PCIe|NVL))", {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),
     (r"H100 PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
@@ -137,7 +124,7 @@ PEAK_TFLOPS = [
 
 @dataclass(frozen=True)
 class Peak:
-    """What model FLOP/s are measured against: FLOP/s per device (None when unknown) and where it comes from."""
+    """The FLOP/s per device that MFU is measured against (None: unknown), and where it comes from."""
 
     flops: float | None
     source: str
@@ -149,7 +136,6 @@ class Peak:
         return self.spread > 2.0
 
     def utilisation(self, flops_per_second: float) -> float | None:
-        """The share of the peak, never above 1."""
         return min(flops_per_second / self.flops, 1.0) if self.flops else None
 
     def raised(self, flops_per_second: float) -> Peak:
@@ -163,9 +149,7 @@ class Peak:
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> tuple[float, float]:
-    """(FLOP/s, spread) of a square product on the CPU: the fastest of those timed for `seconds` (at least `repeats`),
-    which other work on the cores slows less than the rest (5 products once read 371 GFLOP/s of ~850), and the
-    slowest's time over the fastest's (Peak.disturbed)."""
+    """(FLOP/s of the fastest, slowest / fastest) of products timed for `seconds`, at least `repeats` of them."""
     values = torch.Generator().manual_seed(0)  # not the global generator: a run's dropout is the same either way
     a, b = (torch.randn(n, n, generator=values).to(dtype) for _ in range(2))
     a @ b  # the first product allocates and wakes the threads
@@ -181,7 +165,6 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: fl
 
 def device_peak(device: torch.device, precision: str) -> Peak:
     """A GPU's peak from PEAK_TFLOPS; a CPU's measured (matmul_peak): CPUs differ too much for a table."""
-    # the format training's matrix products compute in: bf16, fp16, tf32 (fp32 after use_tf32, on CUDA) or fp32
     tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
     fmt = {"bf16": "bf16", "16": "fp16"}.get(str(precision).split("-")[0], "tf32" if tf32 else "fp32")
     if device.type == "cuda":
@@ -206,34 +189,28 @@ def cpu_peak(fmt: str) -> tuple[float, float]:
 
 
 def duration(seconds: float) -> str:
-    """Seconds for a person, H:MM:SS (past a time limit, an ETA is 0:00:00, not "-1 day")."""
+    """H:MM:SS (past a time limit, an ETA is 0:00:00, not "-1 day")."""
     return str(timedelta(seconds=int(max(seconds, 0))))
 
 
 def flops_text(flops_per_second: float) -> str:
-    """FLOP/s for a person, at least 3 significant digits: 412 GFLOP/s, 0.0512 GFLOP/s, 1.34 TFLOP/s, 412.3 TFLOP/s."""
+    """At least 3 significant digits: 412 GFLOP/s, 0.0512 GFLOP/s, 1.34 TFLOP/s, 412.3 TFLOP/s."""
     if flops_per_second >= 1e12:
         tera = flops_per_second / 1e12
         return f"{tera:,.{2 if tera < 10 else 1}f} TFLOP/s"
     return f"{flops_per_second / 1e9:.3g} GFLOP/s"
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def die_with_parent(worker_id: int = 0) -> None:
-    """A loader's worker_init_fn: the kernel kills the worker when the training process dies (SIGKILL included);
-    the stop signals, sent to the whole process group, are the training process's to handle (the update ends)."""
+    """A loader's worker_init_fn: die with the training process (SIGKILL too), leave the stop signals to it."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG, <linux/prctl.h>
 
 
 def end_process_group() -> list[str]:
-    """Destroy the process group and collect its holders (once the Trainer's wrappers are gone); the gloo threads
-    still running ([] once it is gone). One that outlives the interpreter's finalization aborts the process
-    (status -6, pytorch/pytorch#190489)."""
+    """Destroy the process group (after the Trainer's wrappers); the gloo threads still running (see below)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     gc.collect()
@@ -241,18 +218,16 @@ def end_process_group() -> list[str]:
 
 
 def gloo_threads() -> list[str]:
-    """gloo's threads in this process (Linux; [] elsewhere)."""
     names = []
-    with contextlib.suppress(OSError):
-        for task in Path("/proc/self/task").iterdir():
-            with contextlib.suppress(OSError):
-                names.append((task / "comm").read_text().strip())
+    for comm in Path("/proc/self/task").glob("*/comm"):  # nothing outside Linux
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            names.append(comm.read_text().strip())
     return [name for name in names if name.startswith(("pt_gloo", "gloo"))]
 
 
 def leave_if_gloo_remains(status: int) -> None:
-    """Exit with `status` now, past Python's finalization, if gloo's threads outlive the process group (trainer=fsdp:
-    FSDP2's per-layer states hold it through C++ hooks gc cannot collect); logs and output flushed first."""
+    """Exit past finalization if gloo's threads outlive the group: they abort it (-6, pytorch/pytorch#190489)."""
+    # trainer=fsdp: FSDP2's per-layer states hold the group through C++ hooks gc cannot collect
     if not gloo_threads():
         return
     logging.shutdown()

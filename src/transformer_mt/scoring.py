@@ -1,5 +1,4 @@
-"""Scores on detokenized text: sacreBLEU and chrF (report these), and the paper-comparable
-tokenized BLEU with compound splitting (tensor2tensor's get_ende_bleu.sh), labelled as such."""
+"""sacreBLEU and chrF on detokenized text, and the paper's tokenized, compound-split BLEU, labelled as such."""
 
 from __future__ import annotations
 
@@ -14,28 +13,21 @@ from sacremoses import MosesTokenizer
 
 from transformer_mt.errors import InputError
 
-COMPOUND = re.compile(r"(\S)-(\S)")
-
 
 def split_compounds(line: str) -> str:
     """get_ende_bleu.sh: perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'."""
-    return COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+    return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", line)
 
 
 def tokenized_bleu(hyps: list[str], refs: list[str], lang: str = "de") -> float:
-    """Moses-tokenize, split hyphenated compounds, then BLEU on the tokens: the paper's 27.3 / 28.4, NOT comparable
-    with sacreBLEU (detokenized text, its own 13a tokenization: usually ~0.7-1.5 lower)."""
+    """BLEU on Moses tokens, compounds split: the paper's metric (sacreBLEU reads ~0.7-1.5 lower)."""
     moses = MosesTokenizer(lang=lang)
-
-    def prepare(lines: list[str]) -> list[str]:
-        return [split_compounds(moses.tokenize(line, return_str=True)) for line in lines]
-
-    return BLEU(tokenize="none", force=True).corpus_score(prepare(hyps), [prepare(refs)]).score
+    hyps, refs = ([split_compounds(moses.tokenize(line, return_str=True)) for line in lines] for lines in (hyps, refs))
+    return BLEU(tokenize="none", force=True).corpus_score(hyps, [refs]).score
 
 
 def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) -> dict:
-    """sacreBLEU's BLEU and chrF of detokenized hypotheses, by name; with `signatures` also "<name>_signature" and
-    "<name>_detail". A metric added here appears in validation, make evaluate and results.json."""
+    """{"bleu", "chrf"} (with `signatures`: "<name>_signature", "<name>_detail"), for validation and evaluation."""
     if len(hyps) != len(refs):
         raise InputError(f"{len(hyps)} hypotheses but {len(refs)} references")
     if not hyps:
@@ -45,8 +37,7 @@ def corpus_scores(hyps: list[str], refs: list[str], signatures: bool = False) ->
         corpus = metric.corpus_score(hyps, [refs])
         result[name] = corpus.score
         if signatures:
-            result[f"{name}_signature"] = str(metric.get_signature())
-            result[f"{name}_detail"] = str(corpus)
+            result[f"{name}_signature"], result[f"{name}_detail"] = str(metric.get_signature()), str(corpus)
     return result
 
 
@@ -57,10 +48,9 @@ def paired_bootstrap_p(baseline: list[str], system: list[str], refs: list[str]) 
     sacrebleu_log.setLevel(logging.WARNING)
     try:
         test = PairedTest([("baseline", baseline), ("system", system)], {"BLEU": BLEU()}, [refs], test_type="bs")
-        _, results = test()
+        return test()[1]["BLEU"][1].p_value
     finally:
         sacrebleu_log.setLevel(level)
-    return results["BLEU"][1].p_value
 
 
 def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
@@ -78,15 +68,11 @@ def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
 def evaluate_translations(
     translate: Callable[[list[str]], list], sources: Sequence[str], references: Sequence[str], tgt_lang: str
 ) -> tuple[list, list[str], dict]:
-    """The one way a split is scored (make evaluate, make tune, the end of a run): the translations as `translate`
-    gave them (n_best: each line's list of (text, score)), the scored (best) ones, and the timed scores."""
+    """The one way a split is scored: `translate`'s outputs (n-best: lists), the best ones, their timed scores."""
     start = time.perf_counter()
     outputs = translate(list(sources))
     seconds = time.perf_counter() - start
-    best = [out[0][0] if isinstance(out, list) else out for out in outputs]  # n-best lists: their best
+    best = [out[0][0] if isinstance(out, list) else out for out in outputs]
     result = score(best, [ref.strip() for ref in references], tgt_lang)
-    return (
-        outputs,
-        best,
-        {**result, "seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)},
-    )
+    result |= {"seconds": round(seconds, 1), "sentences_per_second": round(len(best) / seconds, 2)}
+    return outputs, best, result

@@ -1,5 +1,4 @@
-"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side, in the one layout
-every model input has (collate; its source side is tokenizer.source_batch, as in decoding)."""
+"""Token ids of a split -> padded batches of at most `max_tokens` tokens per side."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
 
 
 class TokenizedSplit(Dataset):
-    """Token ids of one split, read straight from the cached Arrow columns: memory-mapped, never copied
-    (WMT14's ids are ~1 GB). The columns come in chunks (as written); an item is found by its chunk."""
+    """One split's ids in the cache's Arrow chunks, memory-mapped, never copied (WMT14's are ~1 GB)."""
 
     def __init__(self, ds: datasets.Dataset):
         self.dataset = ds
@@ -48,14 +46,8 @@ class TokenizedSplit(Dataset):
 
 
 def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: list[str] | None = None) -> dict:
-    """The one layout of a training batch: (source, target, index) items -> src = x + EOS;
-    tgt_in = BOS + y; tgt_out = y + EOS (§3: the decoder input is the output shifted right),
-    right-padded; index = position in the split. With `references` (the split's raw target text),
-    batches carry theirs for BLEU.
-
-    Counted here, on the host, so that training never asks the device: src_lengths and tgt_lengths (Python
-    ints with the EOS: the tokens/s and model FLOPs), and target_positions, where tgt_out's real tokens are
-    in the flattened (B * T) batch (the loss projects only those, without a boolean mask's device sync)."""
+    """(x, y, index) items -> src = x + EOS, tgt_in = BOS + y, tgt_out = y + EOS (§3), right-padded, and host counts:
+    lengths with EOS, target_positions (tgt_out's real tokens in the flat B * T batch), no device read needed."""
     targets = [t for _, t, _ in items]
     tgt_out = padded(targets, suffix=[EOS_ID])
     tgt_lengths = [len(t) + 1 for t in targets]
@@ -77,17 +69,8 @@ def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: l
 
 
 class TokenBucketSampler(Sampler[list[int]]):
-    """Batches of at most `max_tokens` padded tokens per side, sentences grouped by length.
-
-    Each epoch: sort by length (longer side, then total) with ties in a random order drawn from seed + epoch,
-    fill batches greedily, shuffle the batch order. With several ranks, the batches are dealt
-    round-robin, after splitting the largest ones until every rank gets the same number.
-    Lengths count the EOS (source) and BOS/EOS (target) token that collate() adds.
-
-    The lengths are the same every epoch, so where batches start is planned once; an epoch only orders
-    the sentences inside each group of equal (longer side, total): one in-place sort of 64-bit keys
-    (group | random bits | position), with no array of the corpus's size allocated (4.5M pairs: ~0.2 s).
-    """
+    """Batches of at most `max_tokens` padded tokens per side, by length, ties and batch order shuffled from seed +
+    epoch, dealt round-robin to ranks. Cuts planned once; an epoch sorts keys in place (docs/measurements.md)."""
 
     CHUNK = 1 << 16  # keys are written this many at a time: small temporaries, no page faults
 
@@ -100,14 +83,11 @@ class TokenBucketSampler(Sampler[list[int]]):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        indices: np.ndarray | None = None,
+        indices: np.ndarray | None = None,  # the items to batch (default: all)
     ):
-        """indices: the items to batch (default: all)."""
         count = len(src_lens) if indices is None else len(indices)
         if count == 0:
             raise InputError("cannot batch an empty split")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
         index_type = np.int32 if len(src_lens) < 2**31 else np.int64
         self.indices = (np.arange(count) if indices is None else np.asarray(indices)).astype(index_type)
         self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1
@@ -125,7 +105,6 @@ class TokenBucketSampler(Sampler[list[int]]):
         self._group = group.astype(np.uint16 if len(pairs) <= 1 << 16 else np.int64)
         sorted_longest = np.repeat(pairs // (int(total.max()) + 1), np.bincount(group, minlength=len(pairs)))
         self._starts = batch_starts(sorted_longest, max_tokens)
-        # key = group | random | position, from the high bits down: its sort orders by length, ties at random
         self._position_bits = max(count - 1, 1).bit_length()
         self._random_bits = 64 - self._position_bits - max(len(pairs) - 1, 1).bit_length()
         if self._random_bits < 16:
@@ -137,8 +116,7 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     @property
     def sampler(self) -> TokenBucketSampler:
-        """Lightning calls `dataloader.batch_sampler.sampler.set_epoch(epoch)` at every epoch (as for a
-        DistributedSampler inside a BatchSampler), never `batch_sampler.set_epoch`: this is how it reaches ours."""
+        """Lightning calls `batch_sampler.sampler.set_epoch(epoch)` every epoch, never `batch_sampler.set_epoch`."""
         return self
 
     def set_epoch(self, epoch: int) -> None:
@@ -166,16 +144,14 @@ class TokenBucketSampler(Sampler[list[int]]):
         return batches
 
     def _order(self, rng: np.random.Generator) -> np.ndarray:
-        """The items sorted by (longer side, total), ties in a random order: one in-place sort of the keys."""
         group_shift = np.uint64(self._position_bits + self._random_bits)
         for start in range(0, len(self._keys), self.CHUNK):
             end = min(start + self.CHUNK, len(self._keys))
             key = self._group[start:end].astype(np.uint64) << group_shift
             key |= np.arange(start, end, dtype=np.uint64)
             if self.shuffle:
-                key |= rng.integers(0, 1 << self._random_bits, end - start, dtype=np.uint64) << np.uint64(
-                    self._position_bits
-                )
+                random = rng.integers(0, 1 << self._random_bits, end - start, dtype=np.uint64)
+                key |= random << np.uint64(self._position_bits)
             self._keys[start:end] = key
         self._keys.sort()
         self._keys &= np.uint64((1 << self._position_bits) - 1)  # the positions, in the epoch's order
@@ -191,24 +167,19 @@ class TokenBucketSampler(Sampler[list[int]]):
 
     def __iter__(self):
         batches = self.rank_batches()
-        # A restored position applies to the next pass only; any other pass is whole, also after one
-        # that was abandoned (Lightning's sanity check stops the validation loader after 2 batches).
-        # The epoch only changes through set_epoch() (Lightning calls it every epoch).
+        # A restored position applies to the next pass only; any other pass is whole, also after an abandoned one
+        # (Lightning's sanity check stops the validation loader after 2 batches).
         start, self._resume_at = (self._resume_at if self._resume_at < len(batches) else 0), 0
         for i in range(start, len(batches)):
             yield batches[i].tolist()
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at batch `position` of `epoch` (ResumableLoader saves how many batches training processed:
-        the sampler itself runs ahead of training)."""
+        """Resume at batch `position` of `epoch` (ResumableLoader's: the batches training processed)."""
         self.epoch, self._resume_at = state["epoch"], state["position"]
 
 
 def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Where each batch starts when sentences sorted by `longest` (their longer side, non-decreasing) fill
-    batches greedily: a sentence joins the open batch while (batch size) x (its longest) <= max_tokens; a
-    sentence longer than max_tokens makes a batch alone. Walks the distinct lengths, not the sentences: inside
-    a run of one length L the batches are runs of max_tokens // L sentences."""
+    """Where greedy batches of sentences sorted by `longest` start (size x longest <= max_tokens), length by length."""
     if len(longest) == 0:
         return np.zeros(0, dtype=np.int64)
     lengths, firsts = np.unique(longest, return_index=True)
@@ -225,11 +196,7 @@ def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:
 
 
 def update_shape(tokens_per_update: int | None, max_tokens: int, world_size: int) -> tuple[int, int]:
-    """(tokens per micro-batch and device, micro-batches per update) for an update of ~tokens_per_update
-    padded tokens per side on `world_size` devices: as few micro-batches as max_tokens allows, each
-    as large as the update needs. The update then holds tokens_per_update plus less than one token per
-    micro-batch and device, on 1 device as on 64 (past tokens_per_update / max_tokens devices the
-    per-device batch shrinks; the update does not grow). Without tokens_per_update: (max_tokens, 1)."""
+    """(tokens per micro-batch and device, micro-batches per update): as few, as large as ~tokens_per_update needs."""
     if not tokens_per_update:
         return max_tokens, 1
     accumulation = math.ceil(tokens_per_update / (max_tokens * world_size))

@@ -1,5 +1,4 @@
-"""The data cache under data.cache_dir: the shared SentencePiece model and each split's token ids, keyed by a
-fingerprint of the text, the tokenizer and the cleaning rules; built by rank 0, read by every rank."""
+"""The cache under data.cache_dir: SentencePiece and each split's ids, keyed by what made them; rank 0 builds it."""
 
 from __future__ import annotations
 
@@ -27,13 +26,13 @@ from transformer_mt.data.corpus import SPLITS, Corpus, RawSplit, drop_empty, len
 from transformer_mt.errors import WRITE_FAULTS, InputError, UserError
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.launcher import launched_rank
-from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, cache_key, train_tokenizer
+from transformer_mt.tokenizer import MODEL_FILE, Tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 ENTRY_FILE = "entry.json"  # beside a cache entry's sentencepiece.model: its SHA-256 and the settings that made it
 CACHE_FILE = "pairs.arrow"  # one tokenized split: Arrow IPC stream, read memory-mapped by datasets
 SIZE_FILE = "pairs.size"  # pairs.arrow's size as written: a cut-short file is noticed when opened
-CACHE_BYTES_PER_RAW_BYTE = 1.5  # the cache's size per raw byte, an estimate (measured 1.19-1.26: docs/data.md)
+CACHE_BYTES_PER_RAW_BYTE = 1.5  # an estimate (measured 1.19-1.26: docs/data.md)
 
 Stage = Callable[[str], AbstractContextManager]  # build()'s hook around each step, given the step's name
 
@@ -87,11 +86,10 @@ class TokenCache:
         )
 
     def _build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
-        # Every split is opened before SentencePiece trains: a bad validation or test file fails before the long step.
         for folder in ("sentencepiece", "corpus"):
             for path in remove_stale_temporaries(self.directory / folder):
                 log.info("removed %s (an unfinished cache write of a killed run)", path)
-        with stage("hash the raw files, open the splits"):
+        with stage("hash the raw files, open the splits"):  # a bad validation or test file fails before SentencePiece
             raw = {split: self.corpus.load(split) for split in SPLITS}
         self.check_room(raw)
         tokenizer_cached = (self.tokenizer_directory(raw["train"]) / MODEL_FILE).exists()
@@ -108,15 +106,17 @@ class TokenCache:
                 splits[split] = self.load_or_tokenize(raw[split], tokenizer)
         return raw, tokenizer, splits
 
-    def check_room(self, raw: dict[str, RawSplit]) -> None:
-        """Before anything is built: the folder takes a probe file and has room for what is missing (a complete
-        cache is only read, and may be read-only)."""
+    def missing(self, raw: dict[str, RawSplit]) -> list[RawSplit]:
+        """The splits whose cache is not there (all of them without the tokenizer: every split's key needs it)."""
         try:
             tokenizer = Tokenizer(self.tokenizer_directory(raw["train"]) / MODEL_FILE)
-            missing = [split for split in raw.values() if not self.split_directory(split, tokenizer).exists()]
-        except UserError:  # no tokenizer yet: every split's key needs it
-            missing = list(raw.values())
-        if not missing:
+        except UserError:
+            return list(raw.values())
+        return [split for split in raw.values() if not self.split_directory(split, tokenizer).exists()]
+
+    def check_room(self, raw: dict[str, RawSplit]) -> None:
+        """Before anything is built: a probe file, and room for what is missing (a complete cache may be read-only)."""
+        if not (missing := self.missing(raw)):
             return
         self.directory.mkdir(parents=True, exist_ok=True)  # an OSError here is build()'s one line
         with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-probe-") as probe:
@@ -132,15 +132,13 @@ class TokenCache:
             raise self.unwritable(f"needs {estimate}")
         log.info("data cache: %s to write under %s, %s MiB free", estimate, self.directory, f"{free / 2**20:,.0f}")
 
-    # -- launched jobs: rank 0 builds, the other ranks wait
-
     def wait_for_rank_0(self, poll_seconds: float, timeout_seconds: float) -> None:
         """Return once another process (rank 0 of a launched job) has written every cache."""
         # A warning: ranks other than 0 log nothing below (training.logs), and this is where a rank's start goes.
         log.warning("rank %d: reading the data caches that rank 0 builds under %s", launched_rank(), self.directory)
         raw = {split: self.corpus.load(split) for split in SPLITS}
         waited = 0.0
-        while not self.ready(raw):
+        while self.missing(raw):
             if waited >= timeout_seconds:
                 raise InputError(
                     f"waited {waited / 3600:.1f} h for rank 0 to write the data caches under {self.directory}; "
@@ -149,32 +147,16 @@ class TokenCache:
             time.sleep(poll_seconds)
             waited += poll_seconds
 
-    def ready(self, raw: dict[str, RawSplit]) -> bool:
-        try:
-            tokenizer = Tokenizer(self.tokenizer_directory(raw["train"]) / MODEL_FILE)
-            for split in raw.values():
-                open_cache(self.split_directory(split, tokenizer))
-        except (UserError, DamagedCache, FileNotFoundError):
-            return False
-        return True
-
-    # -- the tokenizer
-
     def tokenizer_settings(self, train: RawSplit) -> dict:
-        return {
-            "data": train.fingerprint,
-            "langs": [self.corpus.src_lang, self.corpus.tgt_lang],
-            "vocab": self.vocab_size,
-            "max_sentences": self.spm_max_sentences,
-            "seed": self.seed,
-        }
+        langs = [self.corpus.src_lang, self.corpus.tgt_lang]
+        return {"data": train.fingerprint, "langs": langs, "vocab": self.vocab_size,
+                "max_sentences": self.spm_max_sentences, "seed": self.seed}  # fmt: skip
 
     def tokenizer_directory(self, train: RawSplit) -> Path:
         return self.directory / "sentencepiece" / cache_key(**self.tokenizer_settings(train))
 
     def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:
-        """The entry's SentencePiece model if it is the one the entry recorded (else one line naming the entry);
-        trained and recorded when missing or damaged."""
+        """The entry's model if its SHA-256 is the one recorded; trained and recorded when missing or damaged."""
         directory = self.tokenizer_directory(train)
         if (directory / MODEL_FILE).exists():
             try:
@@ -193,8 +175,7 @@ class TokenCache:
                     )
                 return tokenizer
         sentences = self.sentences(train)
-        first = next(sentences, None)
-        if first is None:
+        if (first := next(sentences, None)) is None:
             raise InputError(
                 f"{train.describe()}: no training pair with text on both sides; check data.path (and data.text_files)"
             )
@@ -208,15 +189,13 @@ class TokenCache:
 
     def sentences(self, train: RawSplit) -> Iterator[str]:
         """Both sides of every training pair with text on both sides, stripped, read in chunks."""
-        bar = tqdm(desc=f"SentencePiece sample from {self.corpus.name} train", unit=" pairs", disable=None, leave=False)
-        with bar:
+        with tqdm(desc=f"SentencePiece sample from {self.corpus.name} train", unit=" pairs", disable=None,
+                  leave=False) as bar:  # fmt: skip
             for src, tgt in train.batches(self.chunk_size):
                 src, tgt, _ = drop_empty(src, tgt)
                 for pair in zip(src, tgt):
                     yield from pair
                 bar.update(len(src))
-
-    # -- the tokenized splits
 
     def split_directory(self, raw: RawSplit, tokenizer: Tokenizer) -> Path:
         filtered = raw.split == "train"  # validation and test sets are kept whole, as published
@@ -248,8 +227,7 @@ class TokenCache:
         return tokenized
 
     def write_tokenized(self, raw: RawSplit, tokenizer: Tokenizer, directory: Path) -> str:
-        """Clean, tokenize and write one split chunk by chunk; returns what was dropped, for the log. Each pair keeps
-        its row in the raw split (errors name the line); validation and test keep their text for BLEU."""
+        """One split cleaned, tokenized and written chunk by chunk, with each pair's raw row; what was dropped."""
         train = raw.split == "train"
         schema = pa.schema(
             [("src", pa.list_(pa.int32())), ("tgt", pa.list_(pa.int32())), ("row", pa.int64())]
@@ -298,6 +276,11 @@ class TokenCache:
         if not train:
             columns += [pa.array(list(itertools.compress(side, keep)), pa.string()) for side in (src, tgt)]
         return columns
+
+
+def cache_key(**inputs) -> str:
+    """A short stable hash of JSON-serialisable inputs (file hashes, options)."""
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class DamagedCache(Exception):

@@ -1,5 +1,4 @@
-"""Parallel text: where a corpus comes from (the Hub, a local copy of its layout, or aligned text files), reading
-it safely, and cleaning it. Splits are always named train/validation/test."""
+"""Parallel text from the Hub, a local copy of its layout or aligned text files; reading and cleaning it."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import glob
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -43,19 +41,12 @@ def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Ite
 
 
 def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
-    src, tgt = [], []
-    for s, t in batches:
-        src += s
-        tgt += t
-    return src, tgt
+    chunks = list(batches)
+    return [s for src, _ in chunks for s in src], [t for _, tgt in chunks for t in tgt]
 
 
 def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
     return gather(iter_text_pair(src_path, tgt_path, size=1 << 20))
-
-
-def bytes_of(paths) -> int:
-    return sum(Path(p).stat().st_size for p in paths)
 
 
 def hash_files(paths: list[Path]) -> str:
@@ -87,50 +78,8 @@ class Corpus:
         picked["text_files"] = dict(picked.get("text_files") or {})  # null in conf/data/default.yaml
         return cls(**picked)
 
-    def text_paths(self, split: str) -> tuple[Path, Path] | None:
-        if self.path is None or split not in self.text_files:
-            return None
-        prefix = Path(self.path).expanduser() / self.text_files[split]
-        return Path(f"{prefix}.{self.src_lang}"), Path(f"{prefix}.{self.tgt_lang}")
-
-    def local_files(self, split: str) -> list[Path]:
-        """Parquet/JSON Lines files of `split` in the Hub's layout: [<config>/]<split>[-*].<ext>."""
-        root = Path(self.path).expanduser()
-        for folder in [root / self.hub_config, root] if self.hub_config else [root]:
-            for ext in ("parquet", "jsonl", "json"):
-                found = sorted(glob.glob(str(folder / f"{split}-*.{ext}")) + glob.glob(str(folder / f"{split}.{ext}")))
-                if found:
-                    return [Path(f) for f in found]
-        return []
-
-    def load_from_hub(self, split: str) -> datasets.Dataset:
-        """`split` from the Hub, or `datasets`' cache of it when the Hub does not answer (asked once, not retried
-        for ~25 s); a failure names this corpus' offline fix."""
-        unreachable = None if Path(self.hub_name).expanduser().is_dir() else hub_unreachable()  # a folder: no Hub
-        try:
-            with hub_offline(unreachable is not None):
-                return datasets.load_dataset(self.hub_name, self.hub_config, split=split)
-        except Exception as e:  # offline, unknown name, changed layout: the fix is the same
-            name = f"{self.hub_name} ({self.hub_config})" if self.hub_config else self.hub_name
-            cause = unreachable or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            raise MissingInputError(
-                f"data '{self.name}': could not load {name} {split} from the Hugging Face Hub ({cause}). "
-                f"Offline, {self.offline_fix()}"
-            ) from e
-
-    def offline_fix(self) -> str:
-        if self.text_files:
-            files = ", ".join(
-                f"{prefix}.{lang}" for prefix in self.text_files.values() for lang in (self.src_lang, self.tgt_lang)
-            )
-            return f"point data.path at a folder with its text files: data.path=<folder with {files}>"
-        return (
-            "point data.path at a local copy in the Hub's layout: data.path=<folder> "
-            "(scripts/make_wmt14_layout.py builds it from aligned text files)"
-        )
-
     def texts(self, split: str) -> tuple[list[str], list[str]]:
-        """A split's (sources, references) as the end of a run, make evaluate and make tune score them (drop_empty)."""
+        """A split's (sources, references) as a run's end, make evaluate and make tune score them (drop_empty)."""
         raw = self.load(split)
         sources, references, _ = drop_empty(*raw.pairs())
         if not sources:
@@ -146,33 +95,66 @@ class Corpus:
         root = Path(self.path).expanduser()
         if not root.exists():
             raise MissingInputError(f"data '{self.name}': data.path={root} does not exist")
-        pair = self.text_paths(split)
-        if pair and (pair[0].exists() or pair[1].exists()):
+        prefix = self.text_files.get(split)
+        pair = tuple(root / f"{prefix}.{lang}" for lang in (self.src_lang, self.tgt_lang)) if prefix else ()
+        if any(p.exists() for p in pair):
             for p in pair:
                 if not p.is_file():
                     raise MissingInputError(f"data '{self.name}', split {split}: missing {p} (its pair is {pair})")
-            return RawSplit(self, split, hash_files(list(pair)), text_pair=pair, raw_bytes=bytes_of(pair))
+            return RawSplit(
+                self, split, hash_files(pair), text_pair=pair, raw_bytes=sum(p.stat().st_size for p in pair)
+            )
         if (root / "dataset_dict.json").exists():  # DatasetDict.save_to_disk
             ds = datasets.load_from_disk(str(root))[split]
             return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
-        files = self.local_files(split)
+        files = self.local_files(root, split)
         if not files:
-            looked = [str(p) for p in self.text_paths(split) or ()]
             raise MissingInputError(
                 f"data '{self.name}': no {split} split under {root}; looked for "
-                f"{' and '.join(looked) + ', ' if looked else ''}{split}-*.parquet / {split}.jsonl "
+                f"{' and '.join(map(str, pair)) + ', ' if pair else ''}{split}-*.parquet / {split}.jsonl "
                 f"(optionally under {self.hub_config}/) and a save_to_disk dataset_dict.json. "
                 "scripts/make_wmt14_layout.py builds this layout from aligned text files."
             )
         builder = "parquet" if files[0].suffix == ".parquet" else "json"
-        # Opened when read: a start whose caches are present only hashes the files.
-        return RawSplit(
-            self,
-            split,
-            hash_files(files),
+        return RawSplit(  # opened when read: a start whose caches are present only hashes the files
+            self, split, hash_files(files), raw_bytes=sum(f.stat().st_size for f in files),
             open_dataset=lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
-            raw_bytes=bytes_of(files),
-        )
+        )  # fmt: skip
+
+    def local_files(self, root: Path, split: str) -> list[Path]:
+        """Parquet/JSON Lines files of `split` in the Hub's layout: [<config>/]<split>[-*].<ext>."""
+        for folder in [root / self.hub_config, root] if self.hub_config else [root]:
+            for ext in ("parquet", "jsonl", "json"):
+                found = sorted(glob.glob(str(folder / f"{split}-*.{ext}")) + glob.glob(str(folder / f"{split}.{ext}")))
+                if found:
+                    return [Path(f) for f in found]
+        return []
+
+    def load_from_hub(self, split: str) -> datasets.Dataset:
+        """`split` from the Hub, or `datasets`' cache when one request gets no answer (no ~25 s of retries)."""
+        unreachable = None if Path(self.hub_name).expanduser().is_dir() else hub_unreachable()  # a folder: no Hub
+        saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+        try:
+            if unreachable is not None:  # as HF_HUB_OFFLINE=1, for this load only
+                datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+            return datasets.load_dataset(self.hub_name, self.hub_config, split=split)
+        except Exception as e:  # offline, unknown name, changed layout: the fix is the same
+            name = f"{self.hub_name} ({self.hub_config})" if self.hub_config else self.hub_name
+            cause = unreachable or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            files = ", ".join(
+                f"{prefix}.{lang}" for prefix in self.text_files.values() for lang in (self.src_lang, self.tgt_lang)
+            )
+            fix = (
+                f"point data.path at a folder with its text files: data.path=<folder with {files}>"
+                if self.text_files
+                else "point data.path at a local copy in the Hub's layout: data.path=<folder> "
+                "(scripts/make_wmt14_layout.py builds it from aligned text files)"
+            )
+            raise MissingInputError(
+                f"data '{self.name}': could not load {name} {split} from the Hugging Face Hub ({cause}). Offline, {fix}"
+            ) from e
+        finally:
+            datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
 def hub_unreachable(timeout: float = 10.0) -> str | None:
@@ -186,21 +168,9 @@ def hub_unreachable(timeout: float = 10.0) -> str | None:
     return None
 
 
-@contextmanager
-def hub_offline(offline: bool) -> Iterator[None]:
-    """`datasets` and `huggingface_hub` offline inside the block (as HF_HUB_OFFLINE=1) when `offline`."""
-    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = (True, True) if offline else saved
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
-
-
 @dataclass
 class RawSplit:
-    """One split before tokenization; its fingerprint keys the cache. Read in chunks (`batches`), never whole:
-    WMT14's 4.5M pairs are ~1.3 GB as Python strings."""
+    """One split before tokenization; its fingerprint keys the cache. Read in chunks (WMT14's: ~1.3 GB of strings)."""
 
     corpus: Corpus
     split: str
@@ -208,7 +178,7 @@ class RawSplit:
     dataset: datasets.Dataset | None = None
     text_pair: tuple[Path, Path] | None = None
     open_dataset: Callable[[], datasets.Dataset] | None = None
-    raw_bytes: int = 0  # its files' size on disk (text, Parquet, JSON), or its Arrow table's: the cache's estimate
+    raw_bytes: int = 0  # its files' size on disk, or its Arrow table's: the cache's estimate
 
     def describe(self, row: int | None = None) -> str:
         """Where the split (or its row, from 0) comes from, as an error message names it."""
@@ -232,8 +202,7 @@ class RawSplit:
         langs, names = (self.corpus.src_lang, self.corpus.tgt_lang), self.dataset.column_names
         nested = "translation" in names  # the Hub's wmt14 schema: {"translation": {"de": ..., "en": ...}}
         present = [f.name for f in self.dataset.data.schema.field("translation").type] if nested else names
-        missing = [lang for lang in langs if lang not in present]
-        if missing:
+        if missing := [lang for lang in langs if lang not in present]:
             raise InputError(
                 f"{self.describe()}: no {' or '.join(missing)} text: its columns are {names}"
                 + (f", with languages {present} in 'translation'" if nested else "")

@@ -54,27 +54,22 @@ class TranslationDataModule(L.LightningDataModule):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
         self.cache_dir = Path(os.path.expanduser(cache_dir))
-        self.cache = TokenCache(
-            self.corpus, self.cache_dir, vocab_size, spm_max_sentences, max_len, max_len_ratio, seed
-        )
+        settings = (vocab_size, spm_max_sentences, max_len, max_len_ratio, seed)
+        self.cache = TokenCache(self.corpus, self.cache_dir, *settings)
         self.watch, self.timings = self.cache.watch, self.cache.timings  # the tools read them here
-        self.max_tokens, self.tokens_per_update = max_tokens, tokens_per_update
-        self.max_tokens_fallback = max_tokens_fallback
-        self.num_workers, self.seed = num_workers, seed
+        self.max_tokens, self.max_tokens_fallback = max_tokens, max_tokens_fallback
+        self.tokens_per_update, self.num_workers, self.seed = tokens_per_update, num_workers, seed
         self.tokenizer: Tokenizer | None = None
         self.raw: dict[str, RawSplit] = {}
         self.splits: dict[str, TokenizedSplit] = {}
         self.train_sampler: TokenBucketSampler | None = None
-        self._shape: tuple[tuple, tuple[int, int]] | None = None  # (its inputs, the shape): update_shape()
         self.update_tokens: int | None = None  # padded tokens per side of an update (training/batch_fit.shape_updates)
 
-    def prepare_data(self) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if not self.splits:  # train.py builds before the Trainer exists (the vocabulary size sizes the model)
             self.build()
 
-    def setup(self, stage: str | None = None) -> None:
-        if not self.splits:
-            self.build()
+    prepare_data = setup
 
     def build(self, stage: Stage = lambda name: nullcontext()) -> None:
         """Tokenizer and tokenized splits, cached (cache.py); each step inside `with stage(<its name>)`."""
@@ -84,9 +79,6 @@ class TranslationDataModule(L.LightningDataModule):
         """build() once rank 0 of a launched job has written every cache."""
         self.cache.wait_for_rank_0(poll_seconds, timeout_seconds)
         self.build()
-
-    def load_or_train_tokenizer(self, train: RawSplit) -> Tokenizer:  # scripts/spm_sample_size.py
-        return self.cache.load_or_train_tokenizer(train)
 
     def check_lengths(self, max_positions: int) -> None:
         """Every pair fits the model's position table with EOS (BOS): found now, not at the first validation."""
@@ -118,22 +110,15 @@ class TranslationDataModule(L.LightningDataModule):
         return self.max_tokens_fallback if self.max_tokens == "auto" else self.max_tokens
 
     def update_shape(self, world_size: int) -> tuple[int, int]:
-        """(training tokens per micro-batch and device, micro-batches per update), kept until its inputs change
-        (auto's probe sets max_tokens after setup()); the Trainer's accumulation and the sampler read it."""
-        inputs = (self.tokens_per_update, self.known_max_tokens(), world_size)
-        if self._shape is None or self._shape[0] != inputs:
-            self._shape = (inputs, update_shape(*inputs))
-        return self._shape[1]
+        """(training tokens per micro-batch and device, micro-batches per update)."""
+        return update_shape(self.tokens_per_update, self.known_max_tokens(), world_size)
 
     def sampler(self, split: str, shuffle: bool) -> TokenBucketSampler:
-        """Token buckets of this rank's share of a split. A training pair over max_tokens is left out and counted;
-        a validation or test one is kept, in a batch of its own."""
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        """This rank's buckets: a pair over max_tokens is left out of training, batched alone in validation and test."""
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         data = self.splits[split]
         max_tokens = self.update_shape(world)[0] if split == "train" else self.known_max_tokens()
         fits = np.maximum(data.src_lens, data.tgt_lens) + 1 <= max_tokens
-        indices = np.flatnonzero(fits) if split == "train" else None
         if not fits.all():
             if split == "train" and not fits.any():
                 raise InputError(
@@ -142,23 +127,19 @@ class TranslationDataModule(L.LightningDataModule):
                     f"{int(np.maximum(data.src_lens, data.tgt_lens).min()) + 1}); raise data.max_tokens"
                 )
             (log.info if split == "train" else log.warning)(
-                "%s: %s pairs are longer than a batch's %d tokens: %s",
-                split,
-                f"{int((~fits).sum()):,}",
-                max_tokens,
+                "%s: %s pairs are longer than a batch's %d tokens: %s", split, f"{int((~fits).sum()):,}", max_tokens,
                 "left out of training" if split == "train" else "each is batched alone, over the limit",
-            )
-        return TokenBucketSampler(
-            data.src_lens, data.tgt_lens, max_tokens, shuffle, self.seed, rank, world, indices=indices
-        )
+            )  # fmt: skip
+        indices = np.flatnonzero(fits) if split == "train" else None
+        return TokenBucketSampler(data.src_lens, data.tgt_lens, max_tokens, shuffle, self.seed, rank, world, indices)
 
-    def _loader(self, split: str, sampler: TokenBucketSampler) -> DataLoader:
+    def loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        sampler = self.sampler(split, shuffle)
         data = self.splits[split]
         # Validation and test batches carry their raw references: the module scores BLEU from batches alone.
-        collate_fn = collate if split == "train" else partial(collate, references=data.texts("tgt_text"))
         kwargs = dict(
             batch_sampler=sampler,
-            collate_fn=collate_fn,
+            collate_fn=collate if split == "train" else partial(collate, references=data.texts("tgt_text")),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             # the workers' seed, drawn at each iter(), not from the global generator: a resumed run's dropout matches
@@ -166,35 +147,31 @@ class TranslationDataModule(L.LightningDataModule):
             worker_init_fn=die_with_parent,
             pin_memory=self.trainer is not None and self.trainer.strategy.root_device.type == "cuda",  # GPU copies
         )
-        if split == "train":
-            return ResumableLoader(data, batches_done=self._batches_done, **kwargs)
-        return DataLoader(data, **kwargs)
-
-    def _batches_done(self) -> int:
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if split != "train":
+            return DataLoader(data, **kwargs)
+        self.train_sampler = sampler
+        done = lambda: self.trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
+        return ResumableLoader(data, batches_done=done, **kwargs)
 
     def train_dataloader(self) -> DataLoader:
-        self.train_sampler = self.sampler("train", shuffle=True)
-        return self._loader("train", self.train_sampler)
+        return self.loader("train", shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("validation", self.sampler("validation", shuffle=False))
+        return self.loader("validation")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.sampler("test", shuffle=False))
+        return self.loader("test")
 
 
 class ResumableLoader(DataLoader):
-    """The training loader, resumable inside an epoch (Lightning checkpoints its state_dict): the epoch and the
-    batches training processed (`batches_done`, from the trainer: the sampler runs ahead, prefetching)."""
+    """The training loader, resumable inside an epoch at the batches training processed (the sampler runs ahead)."""
 
     def __init__(self, *args, batches_done: Callable[[], int], **kwargs):
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
 
     def state_dict(self) -> dict:
-        """Where the next batch comes from; after an epoch's last batch, the next epoch (workers start prefetching
-        it before Lightning calls set_epoch)."""
+        """Where the next batch comes from (after an epoch's last: the next epoch, before Lightning's set_epoch)."""
         epoch, done = self.batch_sampler.epoch, self.batches_done()
         if done >= len(self.batch_sampler):
             epoch, done = epoch + 1, 0
