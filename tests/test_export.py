@@ -13,7 +13,6 @@ import sys
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
 from transformer_mt.tools.plot import find, read_metrics
-from transformer_mt.training.saving import UpdateCheckpoint
+from transformer_mt.training.saving import AtomicCheckpointIO
 
 SENTENCES = [
     "the cat sees a dog .",
@@ -498,9 +497,7 @@ def test_a_pruned_checkpoint_takes_its_ct2_export_along(tmp_path):
         (tmp_path / f"{name}.ckpt").write_bytes(b"weights")
         (tmp_path / f"{name}.ct2").mkdir()
         (tmp_path / f"{name}.ct2" / "model.bin").write_bytes(b"export")
-    strategy = SimpleNamespace(remove_checkpoint=lambda path: Path(path).unlink())
-    trainer = SimpleNamespace(strategy=strategy, is_global_zero=True)
-    UpdateCheckpoint(every=40, dirpath=tmp_path)._remove_checkpoint(trainer, str(tmp_path / "step0000040.ckpt"))
+    AtomicCheckpointIO().remove_checkpoint(tmp_path / "step0000040.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step0000080.ckpt", "step0000080.ct2"]
 
 

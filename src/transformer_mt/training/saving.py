@@ -55,8 +55,7 @@ def checkpoint_callbacks(
     best_mode: str,
 ) -> list[Checkpoint]:
     """conf/train.yaml's `checkpoint` block as callbacks, in the order their saves must happen."""
-    # No "-v1" copies: a run resumed in place rewrites a killed attempt's file of the same name with the same content.
-    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False, enable_version_counter=False)
+    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
     best = [BestCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common)]
     periodic = [
         UpdateCheckpoint(filename=name, save_top_k=keep_last, every=every, minutes=minutes, **common)
@@ -75,6 +74,10 @@ class MovedFolder:
     best.ckpt whatever its score, and keep_last would lose count. Here the files there are re-rooted in the new one."""
 
     moved_from: str | None = None  # the folder of the checkpoint resumed from, when it was another
+
+    def file_exists(self, filepath, trainer) -> bool:
+        """Asked only to version a name ("-v1"): never, a run resumed in place rewrites a killed attempt's file."""
+        return False
 
     def load_state_dict(self, state: dict) -> None:
         if state["dirpath"] == self.dirpath:
