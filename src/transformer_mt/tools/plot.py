@@ -1,6 +1,5 @@
-"""Learning curves of a training run as one PNG: `make plot RUN=<run dir>`, from the CSV metrics every run writes
-whatever its logger (<run>/csv/version_*/metrics.csv): training loss (each progress line's mean) and learning rate
-per update, validation loss, perplexity and BLEU."""
+"""Learning curves of a run as one PNG, from the CSV metrics every run writes (<run>/csv/version_*/metrics.csv):
+make plot RUN=<run dir>. Training loss and learning rate per update; validation loss, perplexity and BLEU."""
 
 from __future__ import annotations
 
@@ -23,21 +22,17 @@ PANELS = [  # (title, [(metric, label)])
 ]
 
 
-def metrics_files(run: Path) -> list[Path]:
+def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(update, value)] from every metrics.csv of the run (a resumed run adds versions); Lightning's
+    `step` counts the updates finished before the one logged: update = step + 1."""
     files = sorted(run.glob("csv/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
     if not files:
         raise MissingInputError(
             f"no CSV metrics under {run} (looked for {run}/csv/version_*/metrics.csv): give a training run's "
             "folder (outputs/<date>/<time>, or multirun/<date>/<time>/<job>)"
         )
-    return files
-
-
-def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """metric -> [(update, value)] from every metrics.csv of the run (a resumed run adds versions); Lightning's
-    `step` counts the updates finished before the one logged: update = step + 1."""
     series: dict[str, dict[int, float]] = {}
-    for path in metrics_files(run):
+    for path in files:
         with open(path, newline="", encoding="utf-8") as f:
             for row in csv.DictReader(f):
                 step = row.get("step")
