@@ -16,7 +16,7 @@ from transformer_mt.commandline import checked_main, chosen_decoding, run_task
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
 from transformer_mt.errors import InputError
-from transformer_mt.evaluation.engines import engine_name, open_engine
+from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.translate import nbest_lines
@@ -71,8 +71,8 @@ def evaluate(cfg: DictConfig) -> dict:
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding.settings())
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
-    result = dict(checkpoint=str(cfg.ckpt), test_set=name, decoding=decoding.settings(), engine=engine_name(cfg))
-    result |= scores
+    engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
+    result = dict(checkpoint=str(cfg.ckpt), test_set=name, decoding=decoding.settings(), engine=engine) | scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -23,7 +23,7 @@ def load(request: dict):
     options = dict(compute_type=request["compute_type"], intra_threads=request["threads"])
     translator = ctranslate2.Translator(request["model"], device=kind, device_index=int(index or 0), **options)
     sp = sentencepiece.SentencePieceProcessor(model_file=f"{request['model']}/sentencepiece.model")
-    return translator, sp, device
+    return translator, sp, {"ready": True, "device": device, "torch_imported": "torch" in sys.modules}
 
 
 def translate(translator, sp, request: dict) -> dict:
@@ -61,10 +61,9 @@ def main() -> None:
         request = json.loads(line)
         try:
             if state is None:
-                state = load(request)
-                answer = {"ready": True, "device": state[2], "torch_imported": "torch" in sys.modules}
+                *state, answer = load(request)
             else:
-                answer = translate(state[0], state[1], request)
+                answer = translate(*state, request)
         except Exception as e:  # noqa: BLE001 (the parent reports it; this process only answers)
             answer = {"error": f"{type(e).__name__}: {e}"}
         answers.write(json.dumps(answer, ensure_ascii=False) + "\n")

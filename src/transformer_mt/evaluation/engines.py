@@ -1,9 +1,6 @@
-"""The decoder behind make translate / evaluate / tune (`engine=`): ours (search.py) or CTranslate2 (engine=ct2).
-
-engine=ct2 exports the checkpoint into <checkpoint without .ckpt>.ct2/ beside it, again when its bytes change, and
-decodes in a process of its own (ct2_worker.py) without torch: two OpenMP runtimes in one process slow both.
-CTranslate2 divides by |Y|^a, not GNMT's penalty, so alpha becomes a = 0.75 alpha (docs/inference.md).
-"""
+"""The decoder behind make translate / evaluate / tune (`engine=`): ours (search.py), or CTranslate2 in a process of
+its own without torch (ct2_worker.py; two OpenMP runtimes in one process slow both) from an export beside the
+checkpoint, <name>.ct2/, made again when the checkpoint's bytes change."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from transformer_mt.decoding import PAPER
-from transformer_mt.errors import InputError, UserError
+from transformer_mt.errors import InputError, UserError, required
 from transformer_mt.files import atomic_write, file_digest
 
 SOURCE_FILE = "checkpoint.json"  # in the export folder, written last: which checkpoint bytes it was made from
@@ -33,8 +30,7 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     from transformer_mt.tools.export import export  # noqa: PLC0415
 
     ckpt = Path(ckpt)
-    if not ckpt.is_file():
-        read_checkpoint(ckpt)  # the one "checkpoint not found" message
+    max_positions = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"]["model"]["max_positions"]
     folder, digest = ct2_folder(ckpt), file_digest(ckpt)
     try:
         if json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))["sha256"] == digest:
@@ -47,7 +43,6 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
         shutil.rmtree(folder)
     else:
         log(f"engine=ct2: exporting {ckpt} for CTranslate2 into {folder} (once; again when the checkpoint changes)")
-    max_positions = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"]["model"]["max_positions"]
     try:
         with contextlib.redirect_stdout(sys.stderr):  # make translate's stdout is the translation
             export(str(ckpt), "ct2", str(folder))
@@ -86,18 +81,10 @@ class CT2Process:
         return answer
 
     def translate_lines(
-        self,
-        lines: list[str],
-        warn=None,
-        first_line: int = 1,
-        beam_size: int = PAPER.beam_size,
-        alpha: float = PAPER.alpha,
-        max_len_a: float = PAPER.max_len_a,
-        max_len_b: int = PAPER.max_len_b,
-        tokens_per_batch: int = 16384,
-        n_best: int = 0,
-        progress: bool = False,
-    ) -> list[str]:
+        self, lines: list[str], warn=None, first_line: int = 1, beam_size: int = PAPER.beam_size,
+        alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b,
+        tokens_per_batch: int = 16384, n_best: int = 0, progress: bool = False,
+    ) -> list[str]:  # fmt: skip
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
         from tqdm import tqdm  # noqa: PLC0415
 
@@ -132,16 +119,10 @@ class CT2Process:
             self.process.wait()
 
 
-def engine_name(cfg) -> str:
-    """As scores.json names the engine: torch, torch compiled, or ct2 <compute type>."""
-    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
-
-
 @contextlib.contextmanager
 def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
     """For conf/inference.yaml's keys: (search.translate_lines less its model and tokenizer, the training config)."""
     from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
-    from transformer_mt.errors import required  # noqa: PLC0415
 
     ckpt = required(cfg, "ckpt")
     if cfg.engine not in ("torch", "ct2"):

@@ -1,11 +1,11 @@
-"""Decoding settings chosen on the development set (§6.1), for make tune and final.tune: the length penalty, then the
-beam at the best alpha, then whether the length limit binds; each step keeps its choice unless a row wins clearly."""
+"""Decoding settings chosen on the development set (§6.1), for make tune and final.tune: alpha, beam, length limit."""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.scoring import evaluate_translations, paired_bootstrap_p
@@ -47,30 +47,25 @@ class Grid:
         self.rows: list[dict] = []
         self.outputs: list[list[str] | None] = []  # rows[i]'s translations (None: abandoned)
 
-    def checked(self, settings: dict) -> Callable[[list[str]], list]:
-        """translate at `settings`, in CHUNKS parts after the first row, raising RunAway when the output runs away."""
+    def checked(self, settings: dict, lines: list[str]) -> list:
+        """translate at `settings`; after the first row in CHUNKS parts, raising RunAway if the output runs away."""
         if not self.outputs:
-            return lambda lines: self.translate(lines, **settings)
+            return self.translate(lines, **settings)
         usual = [max(len(r.split()), len(h.split())) for r, h in zip(self.references, self.outputs[0])]
-
-        def run(lines: list[str]) -> list:
-            size, done = max(1, -(-len(lines) // CHUNKS)), []
-            for start in range(0, len(lines), size):
-                done += self.translate(lines[start : start + size], **settings)
-                words, expected = sum(len(h.split()) for h in done), max(sum(usual[: len(done)]), 1)
-                if len(done) < len(lines) and words > RUNAWAY * expected:
-                    raise RunAway(f"abandoned: {words / expected:.2f}x the usual length after {len(done):,} of "
-                                  f"{len(lines):,} sentences")  # fmt: skip
-            return done
-
-        return run
+        size, done = max(1, -(-len(lines) // CHUNKS)), []
+        for start in range(0, len(lines), size):
+            done += self.translate(lines[start : start + size], **settings)
+            words, expected = sum(len(h.split()) for h in done), max(sum(usual[: len(done)]), 1)
+            if len(done) < len(lines) and words > RUNAWAY * expected:
+                raise RunAway(f"abandoned: {words / expected:.2f}x the usual length after {len(done):,} of "
+                              f"{len(lines):,} sentences")  # fmt: skip
+        return done
 
     def run(self, decoding: Decoding) -> dict:
         start, settings = time.perf_counter(), decoding.settings()
         try:
-            _, best, scores = evaluate_translations(
-                self.checked(settings), self.sources, self.references, self.tgt_lang
-            )
+            translate = partial(self.checked, settings)
+            _, best, scores = evaluate_translations(translate, self.sources, self.references, self.tgt_lang)
         except RunAway as e:
             row, best = {**settings, "bleu": None, "abandoned": str(e)}, None
         else:

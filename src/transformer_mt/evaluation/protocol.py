@@ -61,19 +61,13 @@ class Protocol:
     def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
         final, devices = cfg["final"], cfg["trainer"]["devices"]
         settings = dict(
-            run=run,
-            decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
-            corpus=Corpus.from_config(cfg["data"]),
-            splits=list(final["splits"]),
-            average_last=final["average_last"],
-            tune=final["tune"],
-            alphas=list(final["tune_alphas"]),
-            beams=list(final["tune_beams"]),
-            label_smoothing=cfg["label_smoothing"],
-            ema=bool(cfg["ema_decay"]),
+            run=run, decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
+            corpus=Corpus.from_config(cfg["data"]), splits=list(final["splits"]), average_last=final["average_last"],
+            tune=final["tune"], alphas=list(final["tune_alphas"]), beams=list(final["tune_beams"]),
+            label_smoothing=cfg["label_smoothing"], ema=bool(cfg["ema_decay"]),
             extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"]},
             devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
-        )
+        )  # fmt: skip
         return cls(**{**settings, **changes})
 
     def split(self, name: str) -> tuple[list[str], list[str]]:
@@ -147,19 +141,14 @@ class Protocol:
         seconds, tokens, flops = (last["totals"][k] for k in ("train_seconds", "target_tokens", "model_flops"))
         flops_per_second = flops / seconds if flops and seconds else None
         mfu = peak.utilisation(flops_per_second / self.devices) if peak and flops_per_second else None
+        significant = lambda x: float(f"{x:.4g}") if x else None  # noqa: E731
         return Results(
-            updates=last["global_step"],
-            train_seconds=round(seconds, 1),
-            target_tokens=tokens,
+            updates=last["global_step"], train_seconds=round(seconds, 1), target_tokens=tokens,
             target_tokens_per_second=round(tokens / seconds) if seconds else None,
-            model_flops_per_second=float(f"{flops_per_second:.4g}") if flops_per_second else None,
-            devices=self.devices,
-            mfu=float(f"{mfu:.4g}") if mfu else None,
-            peak=peak.source if peak else None,
-            peak_flops_per_second=float(f"{peak.flops:.4g}") if peak and peak.flops else None,
-            decoding=self.decoding.settings(),
-            **self.extra,
-        )
+            model_flops_per_second=significant(flops_per_second), devices=self.devices, mfu=significant(mfu),
+            peak=peak.source if peak else None, peak_flops_per_second=significant(peak and peak.flops),
+            decoding=self.decoding.settings(), **self.extra,
+        )  # fmt: skip
 
     def scores(self, model: Transformer, tokenizer: Tokenizer, split: str, decoding: Decoding) -> dict:
         translate = partial(translate_lines, model, tokenizer, **decoding.settings())

@@ -21,7 +21,7 @@ from transformer_mt.errors import CommandParser, InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
 from transformer_mt.search import translate_ids
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer, padded, source_batch
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, padded, source_batch
 
 
 @torch.no_grad()
@@ -35,10 +35,6 @@ def attention_weights(model: Transformer, src_ids: list[int], tgt_ids: list[int]
         return {
             kind: torch.stack([a.weights[0] for a in layers]).float().cpu().numpy() for kind, layers in kinds.items()
         }
-
-
-def pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.sp.id_to_piece(i) for i in ids]
 
 
 def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: str, path: Path) -> None:
@@ -56,10 +52,8 @@ def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: s
             x, y = (columns if layer == n_layers - 1 else []), (rows if head == 0 else [])
             ax.set_xticks(range(len(x)), x, rotation=90, fontsize=6)
             ax.set_yticks(range(len(y)), y, fontsize=6)
-            if layer == 0:
-                ax.set_title(f"head {head + 1}", fontsize=8)
-            if head == 0:
-                ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
+            ax.set_title(f"head {head + 1}" if layer == 0 else "", fontsize=8)
+            ax.set_ylabel(f"layer {layer + 1}" if head == 0 else "", fontsize=8)
     width_chars = int(fig.get_figwidth() * 11)  # characters of 9-point text per line, roughly
     fig.suptitle("\n".join(textwrap.wrap(title, width_chars)), fontsize=9)
     fig.savefig(path, dpi=80)
@@ -71,8 +65,7 @@ def plot_alignment(weights: np.ndarray, rows: list[str], columns: list[str], tit
     image = ax.imshow(weights, cmap="Greys", vmin=0.0, vmax=1.0)
     ax.set_xticks(range(len(columns)), columns, rotation=90)
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel("source")
-    ax.set_ylabel("output")
+    ax.set(xlabel="source", ylabel="output")
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.03)
     fig.savefig(path, dpi=100)
@@ -111,8 +104,8 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
 
     out_dir = Path(out or f"outputs/attention/{datetime.now():%Y-%m-%d_%H-%M-%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    src_tokens = pieces(tokenizer, [*src_ids, EOS_ID])
-    tgt_in, tgt_out = pieces(tokenizer, [BOS_ID, *tgt_ids]), pieces(tokenizer, [*tgt_ids, EOS_ID])
+    src_tokens, tgt_in, tgt_out = ([tokenizer.sp.id_to_piece(i) for i in ids]
+                                   for ids in ([*src_ids, EOS_ID], [BOS_ID, *tgt_ids], [*tgt_ids, EOS_ID]))  # fmt: skip
     translation = tokenizer.decode([tgt_ids])[0]
     pictures = {  # file: (kind, title, rows, columns)
         "encoder_self_attention.png": ("encoder", "encoder self-attention", src_tokens, src_tokens),

@@ -1,9 +1,6 @@
-"""A checkpoint as transformers' MarianMTModel or CTranslate2, checked against ours after writing:
-make export CKPT=... FORMAT=hf|ct2 OUT=<new folder> (needs the `export` extra).
-
-Marian's positions are all sines, then all cosines, where ours interleave them (§3.5): the residual (d_model)
-dimension is reordered in every weight that reads or writes it; the rest of the architecture is ours.
-"""
+"""make export CKPT=... FORMAT=hf|ct2 OUT=<new folder>: a checkpoint as transformers' MarianMTModel or CTranslate2
+(the `export` extra), checked against ours. Marian's positions are all sines, then all cosines, where ours interleave
+them (§3.5): every weight that reads or writes the residual (d_model) dimension is reordered."""
 
 from __future__ import annotations
 
@@ -26,12 +23,10 @@ from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_mt.tools.model_card import LICENSE_NAME, model_card
 
-EXTRA = 'pip install -e ".[export]"'
 PROBE = [  # sentences the export is checked on (any vocabulary covers them: unseen characters become bytes)
-    "A man in a blue shirt is standing on a ladder.",
-    "The European Parliament adopted the resolution on Tuesday.",
+    "A man in a blue shirt is standing on a ladder.", "The European Parliament adopted the resolution on Tuesday.",
     "Zwei Hunde spielen im Schnee - 42 Grad, ça va?",
-]
+]  # fmt: skip
 EXACT = 1e-6  # max abs logit difference in float64 (rounding alone: ~1e-10)
 
 
@@ -39,7 +34,9 @@ def optional(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(f"exporting needs the Python package {module!r}: install the extra with {EXTRA}") from None
+        raise UserError(
+            f'exporting needs the Python package {module!r}: install the extra with pip install -e ".[export]"'
+        ) from None
 
 
 def marian_order(d_model: int) -> Tensor:
@@ -85,8 +82,6 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
             weights = {"weight": module.weight[:, order], "bias": module.bias}
         elif isinstance(module, nn.Linear) and module_name.endswith(WRITES_RESIDUAL):
             weights = {"weight": module.weight[order], "bias": module.bias[order]}
-        elif isinstance(module, nn.Linear):
-            raise AssertionError(f"{module_name}: a linear layer the export does not know")
         else:
             continue
         for kind, tensor in weights.items():
@@ -152,9 +147,9 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
     spm_file.unlink()  # the tokenizer saved it as source.spm and target.spm
 
 
-def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple[float, float]:
-    """The export loaded as a user would, against ours: its tokenizer's ids, and its logits' max abs difference in
-    float32 and float64 (returned; float64 shows the mapping exact)."""
+def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
+    """The export loaded as a user would, against ours: its tokenizer's ids, its logits in float32 and float64 (which
+    shows the mapping exact); says what it checked."""
     transformers = optional("transformers")
     hf_tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
     batch = hf_tokenizer(PROBE, return_tensors="pt", padding=True)
@@ -171,7 +166,8 @@ def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple
             diffs.append((expected - hf(**batch, decoder_input_ids=tgt_in).logits).abs().max().item())
     if not diffs[1] <= EXACT:
         raise AssertionError(f"{directory}: exported logits differ from ours by {diffs[1]:.2e} in float64 (> {EXACT})")
-    return diffs[0], diffs[1]
+    return (f"checked: the exported tokenizer gives our ids and the model our logits (max abs difference "
+            f"{diffs[0]:.1e} in float32, {diffs[1]:.1e} in float64)")  # fmt: skip
 
 
 def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> None:
@@ -204,7 +200,7 @@ def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> 
     (directory / "sentencepiece.model").write_bytes((hf_directory / "source.spm").read_bytes())
 
 
-def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> None:
+def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
     ctranslate2 = optional("ctranslate2")
     from transformer_mt.search import translate_ids  # noqa: PLC0415
 
@@ -216,6 +212,7 @@ def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> None
     ours = translate_ids(model, tokenizer.encode(PROBE), beam_size=1, max_len_a=0, max_len_b=n)
     if theirs != ours:
         raise AssertionError(f"{directory}: CTranslate2's greedy tokens differ from ours: {theirs} vs {ours}")
+    return "checked: CTranslate2's greedy translations of the probe sentences are ours, token for token"
 
 
 def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Path:
@@ -224,7 +221,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if quantization and fmt != "ct2":
         raise InputError("--quantization applies to FORMAT=ct2 only")
     out_dir = Path(out)
-    for stale in remove_stale_temporaries(out_dir.parent if str(out_dir.parent) else Path(".")):
+    for stale in remove_stale_temporaries(out_dir.parent):
         print(f"removed {stale} (the unfinished write of a killed command)")
     if out_dir.exists():
         raise InputError(f"OUT={out_dir} exists; remove it or choose another folder (nothing was written)")
@@ -243,16 +240,13 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
         tmp.mkdir()
         if fmt == "hf":
             write_hf(model, tokenizer, tmp, languages)
-            fp32, fp64 = check_hf(model, tokenizer, tmp)
-            checked = (f"checked: the exported tokenizer gives our ids and the model our logits (max abs difference "
-                       f"{fp32:.1e} in float32, {fp64:.1e} in float64)")  # fmt: skip
+            checked = check_hf(model, tokenizer, tmp)
         else:
             with tempfile.TemporaryDirectory() as hf_dir:
                 write_hf(model, tokenizer, Path(hf_dir), languages)
                 write_ct2(Path(hf_dir), tmp, quantization)
             if not quantization or quantization == "float32":
-                check_ct2(model, tokenizer, tmp)
-                checked = "checked: CTranslate2's greedy translations of the probe sentences are ours, token for token"
+                checked = check_ct2(model, tokenizer, tmp)
             else:
                 checked = f"not checked against ours: {quantization} weights change the outputs a little"
         print(checked)

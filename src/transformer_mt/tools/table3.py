@@ -1,9 +1,7 @@
-"""A Table 3 sweep's runs as one table beside the paper's: make table3 RUNS=<sweep dir> (or RUNS="<dir> <dir>").
-
-Per run (its results.json's first model: the average, else the final weights), parameters, perplexity and BLEU
-on the validation split (tokenized, compounds split: the paper's "dev"), sacreBLEU, and the difference from base,
-marked * beyond the base seeds' spread. Printed and written to <RUNS>/table3.md.
-"""
+"""make table3 RUNS=<sweep dir> (or RUNS="<dir> <dir>"): a Table 3 sweep's runs in one table beside the paper's, also
+written to <RUNS>/table3.md. Per run (its first model: the average, else the final weights): parameters; perplexity,
+BLEU (tokenized, compounds split: the paper's "dev") and sacreBLEU on the validation split; the difference from
+base, marked * beyond the base seeds' spread."""
 
 from __future__ import annotations
 
@@ -96,15 +94,12 @@ def table(entries: list[dict]) -> str:
             cells += [number(e["test_sacrebleu"], 1), difference(e, "test_sacrebleu", mean, spread)]
         cells += [f"{e['updates']:,}", f"{e['train_seconds'] / 60:.1f} min"]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = []
-    if any(v is not None for v in spread.values()):
-        shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
-        notes.append(f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it.")
-    else:
-        notes.append("One base run only: no run-to-run spread, so no difference is marked (run base with 2 seeds).")
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
+    note = f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it."
+    if not shown:
+        note = "One base run only: no run-to-run spread, so no difference is marked (run base with 2 seeds)."
     minutes = sum(e["train_seconds"] for e in entries) / 60
-    notes.append(f"{len(entries)} runs, {minutes:.0f} minutes of training in all.")
-    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    return "\n".join(lines) + f"\n\n{note}\n{len(entries)} runs, {minutes:.0f} minutes of training in all.\n"
 
 
 def collect(*folders: str | Path) -> str:
