@@ -45,10 +45,8 @@ def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
 
     if name not in DATASETS:
         raise InputError(f"testset={name}: not a sacreBLEU test set (e.g. wmt14/full; `sacrebleu --list` lists them)")
-    if langpair not in DATASETS[name].langpairs:
-        raise InputError(
-            f"langpair={langpair}: not in testset={name}, whose pairs are {', '.join(DATASETS[name].langpairs)}"
-        )
+    if langpair not in (pairs := DATASETS[name].langpairs):
+        raise InputError(f"langpair={langpair}: not in testset={name}, whose pairs are {', '.join(pairs)}")
     try:
         return read_lines(get_source_file(name, langpair)), read_lines(get_reference_files(name, langpair)[0])
     except (URLError, TimeoutError) as e:  # URLError: no network, no name resolution, an HTTP error

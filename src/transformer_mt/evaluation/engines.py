@@ -92,19 +92,15 @@ class CT2Process:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
         penalty = PAPER.but(alpha=alpha).ct2_length_penalty  # 0.45 for 0.6
         outputs, size = [], self.CHUNK if progress else max(len(lines), 1)
-        bar = tqdm(
-            total=len(lines), desc="translating (CTranslate2)", unit="sentence", disable=not progress, leave=False
-        )
-        for start in range(0, len(lines), size):
-            chunk = lines[start : start + size]
+        bar = tqdm(total=len(lines), desc="translating", unit="sentence", disable=not progress, leave=False)
+        for at in range(0, len(lines), size):
+            chunk = lines[at : at + size]
             answer = self.ask(
                 dict(lines=chunk, beam_size=beam_size, length_penalty=penalty, max_len_a=max_len_a,
                      max_len_b=max_len_b, max_source_tokens=self.limit, tokens_per_batch=tokens_per_batch)
             )  # fmt: skip
-            for i, tokens in answer["truncated"]:
-                if warn:
-                    warn(f"line {first_line + start + i}: {tokens} tokens, truncated to the model's maximum of "
-                         f"{self.limit}")  # fmt: skip
+            for i, tokens in answer["truncated"] if warn else []:
+                warn(f"line {first_line + at + i}: {tokens} tokens, truncated to the model's maximum of {self.limit}")
             outputs += answer["outputs"]
             bar.update(len(chunk))
         bar.close()
@@ -138,9 +134,7 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
         yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
         return
     if cfg.compile:
-        raise InputError(
-            "compile=true compiles our decoder (engine=torch); CTranslate2 (engine=ct2) is compiled already"
-        )
+        raise InputError("compile=true compiles our decoder (engine=torch); engine=ct2 is compiled already")
     folder = ct2_export(ckpt, log=lambda message: print(message, file=sys.stderr, flush=True))
     config = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"].get("config", {})
     with CT2Process(folder, cfg.device, cfg.threads, cfg.ct2_compute_type) as process:
