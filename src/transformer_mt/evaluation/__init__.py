@@ -1,1 +1,2 @@
-"""A trained checkpoint, without Lightning: decoders (engines, ct2_worker), make tune (grid, tuned), a run's end."""
+"""A trained checkpoint, without Lightning: engines.py and ct2_worker.py decode it, grid.py and tuned.py are make tune,
+protocol.py is the end of a run."""

@@ -1,1 +1,1 @@
-"""Looking at and shipping a model: export (+ model_card), attention_maps, plot, table3."""
+"""Looking at and shipping a model: export.py (with model_card.py), attention_maps.py, plot.py, table3.py."""
