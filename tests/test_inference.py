@@ -32,10 +32,10 @@ from transformer_mt.checkpoint import (
     write_checkpoint,
 )
 from transformer_mt.data.corpus import Corpus
-from transformer_mt.decoding import Decoding
+from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
-from transformer_mt.evaluation.tuned import read_tuned, save_tuned, tuned_path
+from transformer_mt.evaluation.tuned import decoding_for, save_tuned, tuned_path
 from transformer_mt.files import file_digest
 from transformer_mt.runtime import IDEEP_CACHE, ONEDNN_CACHE, set_threads
 from transformer_mt.scoring import score, split_compounds, tokenized_bleu
@@ -471,7 +471,8 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     other = tmp_path / "other.ckpt"
     other.write_bytes((trained_run / "out" / "checkpoints" / "step0000003.ckpt").read_bytes())
     tuned_path(other).write_text(tuned_path(ckpt).read_text())
-    assert read_tuned(other)[0] is None and "another version" in read_tuned(other)[1]
+    said = []
+    assert decoding_for(other, PAPER, True, False, said.append) == PAPER and "another version" in said[0]
     with pytest.raises(InputError, match="never on the test split"):
         tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))
 
@@ -497,7 +498,7 @@ def test_a_hand_edited_tune_record_is_refused_in_one_line_naming_the_setting(edi
     record = {"decoding": chosen, "chosen_on": "text validation", "checkpoint_sha256": file_digest(ckpt), "grid": []}
     tuned_path(ckpt).write_text(json.dumps(record))
     with pytest.raises(InputError) as error:
-        read_tuned(ckpt)
+        decoding_for(ckpt, PAPER, True, False, print)
     assert str(error.value).startswith(f"{tuned_path(ckpt)}: {message}") and "\n" not in str(error.value)
     save_tuned(ckpt, Decoding(beam_size=4, alpha=1, max_len_a=1, max_len_b=50), [], "text validation")
-    assert read_tuned(ckpt)[0].alpha == 1  # whole numbers are numbers too
+    assert decoding_for(ckpt, PAPER, True, False, print).alpha == 1  # whole numbers are numbers too

@@ -1,8 +1,4 @@
-"""Checkpoint averaging (§6.1: the last 5 checkpoints for base, 20 for big), as a command; the averaging
-itself is checkpoint.average_checkpoints, which the end of a run uses too.
-
-python -m transformer_mt.averaging outputs/<run> -n 5     (make average RUN=outputs/<run> N=5)
-"""
+"""Average a run's last N checkpoints (§6.1: 5 for base, 20 for big): make average RUN=outputs/<run> N=5."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from transformer_mt.commandline import checked_main, chosen_decoding, run_task
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.corpus import Corpus, read_text_pair
 from transformer_mt.errors import InputError
-from transformer_mt.evaluation.engines import engine_name, open_engine
+from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import read_lines
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.translate import nbest_lines
@@ -25,8 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]]:
-    """(name, sources, references) from files, a sacreBLEU test set, or the data config's split (Corpus.texts: as
-    the end of a run and make tune read it)."""
+    """(name, sources, references) from files, a sacreBLEU test set, or the data config's split."""
     if cfg.src or cfg.ref:
         if not (cfg.src and cfg.ref):
             raise InputError("give both src and ref (SRC=... REF=...), or neither")
@@ -40,20 +39,18 @@ def test_set(cfg: DictConfig, data_cfg: dict) -> tuple[str, list[str], list[str]
 
 
 def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
-    """(sources, references) of a sacreBLEU test set, downloaded on first use; offline, one line naming the fix."""
+    """(sources, references), downloaded on first use; offline, one line naming the fix."""
     from sacrebleu.dataset import DATASETS  # noqa: PLC0415 (downloads)
     from sacrebleu.utils import get_reference_files, get_source_file  # noqa: PLC0415
 
     if name not in DATASETS:
         raise InputError(f"testset={name}: not a sacreBLEU test set (e.g. wmt14/full; `sacrebleu --list` lists them)")
-    if langpair not in DATASETS[name].langpairs:
-        raise InputError(
-            f"langpair={langpair}: not in testset={name}, whose pairs are {', '.join(DATASETS[name].langpairs)}"
-        )
+    if langpair not in (pairs := DATASETS[name].langpairs):
+        raise InputError(f"langpair={langpair}: not in testset={name}, whose pairs are {', '.join(pairs)}")
     try:
         return read_lines(get_source_file(name, langpair)), read_lines(get_reference_files(name, langpair)[0])
     except (URLError, TimeoutError) as e:  # URLError: no network, no name resolution, an HTTP error
-        dataset = DATASETS[name]
+        dataset = DATASETS[name]  # sacreBLEU has no public name for where its download goes
         where = ", ".join(
             f"{url} at {Path(dataset._rawdir) / dataset._get_tarball_filename(url)}" for url in dataset.data
         )
@@ -69,31 +66,22 @@ def evaluate(cfg: DictConfig) -> dict:
         data_cfg = config.get("data", {})
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
-        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch)
-        translate = partial(translate_lines, warn=log.warning, progress=True, **options, **decoding.settings())
+        options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding.settings())
+        translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
-    result = {
-        "checkpoint": str(cfg.ckpt),
-        "test_set": name,
-        "decoding": decoding.settings(),
-        "engine": engine_name(cfg),
-    }
-    result |= scores
+    engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
+    result = dict(checkpoint=str(cfg.ckpt), test_set=name, decoding=decoding.settings(), engine=engine) | scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     if cfg.n_best:
         (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(outputs)), outputs)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    print(f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}")
-    print(f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}")
-    print(f"           {result['bleu_detail']}")
-    print(f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}")
-    print(
-        f"tokenized BLEU with compound splitting (the paper's metric, NOT comparable with sacreBLEU): "
-        f"{result['tokenized_bleu_compound_split']:.2f}"
-    )
-    print(f"wrote {out / 'hypotheses.txt'} and {out / 'scores.json'}")
+    print(f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}\n"
+          f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}\n           {result['bleu_detail']}\n"
+          f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}\ntokenized BLEU with compound splitting (the "
+          f"paper's metric, NOT comparable with sacreBLEU): {result['tokenized_bleu_compound_split']:.2f}\n"
+          f"wrote {out / 'hypotheses.txt'} and {out / 'scores.json'}")  # fmt: skip
     return result
 
 
@@ -103,7 +91,7 @@ def run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """`make evaluate`, `transformer-mt-evaluate`: a misspelled key is one line before Hydra makes a folder."""
+    """`make evaluate`, `transformer-mt-evaluate`."""
     checked_main("evaluate", run)
 
 

@@ -20,60 +20,40 @@ def stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def warn_about_input(message: str) -> None:
-    stderr(f"warning: input {message}")
-
-
-def decode_lines(raw: list[bytes], first_line: int) -> tuple[list[str], str | None]:
-    """UTF-8 lines up to the first invalid one, and the error that names it (None if all are valid)."""
-    lines = []
-    for number, line in enumerate(raw, first_line):
-        try:
-            lines.append(decode_line(line, number, "standard input"))
-        except InputError as e:
-            return lines, str(e)
-    return lines, None
-
-
-def translate(cfg: DictConfig) -> None:
-    with open_engine(cfg) as (translate_lines, _):
-        translate_stdin(cfg, translate_lines)
-
-
 def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:
     """One sentence's n-best list in Moses' format: "<sentence number, from 0> ||| <translation> ||| <score>" lines."""
     return "".join(f"{number} ||| {text} ||| {score:.4f}\n" for text, score in hyps)
 
 
-def translate_stdin(cfg: DictConfig, translate_lines) -> None:
-    decoding = chosen_decoding(cfg, say=stderr)
-    # At a terminal, each line is answered as it is typed; from a file or pipe, lines are read in chunks.
-    batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines
-    lines_done, start = 0, time.perf_counter()
-    # Bytes, split on "\n" only (U+0085 and friends inside a line are text), decoded line by line: an
-    # invalid line ends the run with its number, after the lines before it are translated and written.
-    while raw := list(itertools.islice(sys.stdin.buffer, batch_lines)):
-        chunk, error = decode_lines(raw, first_line=lines_done + 1)
-        results = translate_lines(
-            chunk,
-            warn=warn_about_input,
-            first_line=lines_done + 1,
-            progress=sys.stderr.isatty() and batch_lines > 1,
-            n_best=cfg.n_best,
-            tokens_per_batch=cfg.tokens_per_batch,
-            **decoding.settings(),
-        )
-        for number, result in enumerate(results, lines_done):
-            sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
-        sys.stdout.flush()
-        lines_done += len(chunk)
-        if error:
-            raise InputError(f"{error}; the {lines_done} lines before it were translated and written")
+def translate(cfg: DictConfig) -> None:
+    with open_engine(cfg) as (translate_lines, _):
+        decoding = chosen_decoding(cfg, say=stderr)
+        batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines  # at a terminal, each line as it is typed
+        lines_done, start = 0, time.perf_counter()
+        # Bytes split on "\n" only (U+0085 and friends inside a line are text), decoded line by line: an invalid
+        # line ends the run with its number, after the lines before it are translated and written.
+        while raw := list(itertools.islice(sys.stdin.buffer, batch_lines)):
+            chunk, error = [], None
+            for number, line in enumerate(raw, lines_done + 1):
+                try:
+                    chunk.append(decode_line(line, number, "standard input"))
+                except InputError as e:
+                    error = e
+                    break
+            results = translate_lines(
+                chunk, warn=lambda message: stderr(f"warning: input {message}"), first_line=lines_done + 1,
+                progress=sys.stderr.isatty() and batch_lines > 1, n_best=cfg.n_best,
+                tokens_per_batch=cfg.tokens_per_batch, **decoding.settings(),
+            )  # fmt: skip
+            for number, result in enumerate(results, lines_done):
+                sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
+            sys.stdout.flush()
+            lines_done += len(chunk)
+            if error:
+                raise InputError(f"{error}; the {lines_done} lines before it were translated and written")
     seconds = time.perf_counter() - start
-    stderr(
-        f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
-        f"beam {decoding.beam_size}, engine {cfg.engine})"
-    )
+    stderr(f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
+           f"beam {decoding.beam_size}, engine {cfg.engine})")  # fmt: skip
 
 
 @hydra.main(config_path=CONF_DIR, config_name="translate", version_base="1.3")
@@ -82,7 +62,7 @@ def run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """`make translate`, `transformer-mt-translate`: a misspelled key is one line before Hydra makes a folder."""
+    """`make translate`, `transformer-mt-translate`."""
     checked_main("translate", run)
 
 

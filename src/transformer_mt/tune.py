@@ -1,4 +1,4 @@
-"""Decoding settings chosen on the development set (§6.1): `make tune CKPT=<checkpoint>` (evaluation/grid.py)."""
+"""Decoding settings chosen on the development set (§6.1): `make tune CKPT=<checkpoint>`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, required
 from transformer_mt.evaluation.engines import open_engine
-from transformer_mt.evaluation.grid import grid_for_a_person
+from transformer_mt.evaluation.grid import search_grid
 from transformer_mt.evaluation.tuned import save_tuned
 
 
@@ -31,26 +31,19 @@ def tune(cfg: DictConfig) -> Decoding:
         alphas, beams = list(cfg.alphas), list(cfg.beams)
         decoding = Decoding.of(OmegaConf.to_container(cfg.decoding, resolve=True))
         decodes = len(alphas) + len([b for b in beams if b != decoding.beam_size]) + 1
-        print(
-            f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
-            f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
-            f"up to {decodes} rows",
-            flush=True,
-        )
-        translate = partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch)
-        chosen, rows = grid_for_a_person(
-            translate, sources, references, data_cfg.get("tgt_lang", "de"), decoding, alphas, beams,
-            say=lambda line: print(line, flush=True), significance=cfg.significance,
+        print(f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
+              f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
+              f"up to {decodes} rows", flush=True)  # fmt: skip
+        chosen, rows = search_grid(
+            partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch), sources, references,
+            data_cfg.get("tgt_lang", "de"), decoding, alphas, beams, partial(print, flush=True), cfg.significance,
         )  # fmt: skip
     best = next(r for r in rows if Decoding.of(r) == chosen)
     paper = [r for r in rows if Decoding.of(r) == decoding.but(beam_size=PAPER.beam_size, alpha=PAPER.alpha)]
-    scored = [r for r in rows if r["bleu"] is not None]
-    signature = f"signature: {scored[0]['bleu_signature']}; " if scored else "every setting ran away; "
-    print(f"{signature}{time.perf_counter() - start:.0f} s for {len(rows)} rows of the grid")
-    print(
-        f"chosen: {chosen.text()}: sacreBLEU {best['bleu'] or 0:.2f}"
-        + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu'] or 0:.2f})" if paper else "")
-    )
+    seconds = time.perf_counter() - start
+    print(f"signature: {rows[0]['bleu_signature']}; {seconds:.0f} s for {len(rows)} rows of the grid")  # row 0: scored
+    print(f"chosen: {chosen.text()}: sacreBLEU {best['bleu']:.2f}"
+          + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu'] or 0:.2f})" if paper else ""))  # fmt: skip
     path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}")
     print(f"wrote {path}: make translate and make evaluate use these settings for this checkpoint (tuned=false: not)")
     return chosen
@@ -62,7 +55,7 @@ def run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    """`make tune`, `transformer-mt-tune`: a misspelled key is one line before Hydra makes a folder."""
+    """`make tune`, `transformer-mt-tune`."""
     checked_main("tune", run)
 
 

@@ -1,14 +1,6 @@
-"""The decoder behind make translate and make evaluate (`engine=`): ours (torch, search.py) or CTranslate2.
-
-engine=ct2 exports the checkpoint once, into <checkpoint without .ckpt>.ct2/ beside it (tools/export.py, checked
-token for token against ours), and exports it again when the checkpoint's bytes change (their SHA-256 is kept in
-the folder). It decodes in a process of its own (ct2_worker.py), which never imports torch: two OpenMP runtimes
-in one process slowed both.
-
-What differs from ours: CTranslate2 divides a hypothesis' log-probability by |Y|^a, not GNMT's
-((5 + |Y|) / 6)^alpha, so it gets a = 0.75 alpha (0.45 for alpha 0.6 picked our translation most often:
-docs/inference.md); its length limit is per batch of similar lengths, ours per sentence.
-"""
+"""The decoder behind make translate / evaluate / tune (`engine=`): ours (search.py), or CTranslate2 in a process of
+its own without torch (ct2_worker.py; two OpenMP runtimes in one process slow both) from an export beside the
+checkpoint, <name>.ct2/, made again when the checkpoint's bytes change."""
 
 from __future__ import annotations
 
@@ -22,15 +14,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from transformer_mt.decoding import PAPER
-from transformer_mt.errors import InputError, UserError
+from transformer_mt.errors import InputError, UserError, required
 from transformer_mt.files import atomic_write, file_digest
 
-ENGINES = ("torch", "ct2")
-SOURCE_FILE = "checkpoint.json"  # in the export folder: which checkpoint bytes it was made from
+SOURCE_FILE = "checkpoint.json"  # in the export folder, written last: which checkpoint bytes it was made from
 
 
 def ct2_folder(ckpt: Path) -> Path:
-    """Where engine=ct2 keeps a checkpoint's CTranslate2 export: <checkpoint without .ckpt>.ct2/, beside it."""
     return ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".ct2")
 
 
@@ -40,37 +30,28 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     from transformer_mt.tools.export import export  # noqa: PLC0415
 
     ckpt = Path(ckpt)
-    if not ckpt.is_file():
-        read_checkpoint(ckpt)  # the one "checkpoint not found" message
-    folder = ct2_folder(ckpt)
-    digest = file_digest(ckpt)
-    source = folder / SOURCE_FILE
-    if exported_from(source) == digest:
-        return folder
+    max_positions = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"]["model"]["max_positions"]
+    folder, digest = ct2_folder(ckpt), file_digest(ckpt)
+    try:
+        if json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))["sha256"] == digest:
+            return folder
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, or an export cut short
     if folder.exists():
         log(f"engine=ct2: {folder} is not an export of {ckpt} as it is now (it changed, or an export was cut short): "
             "exporting again")  # fmt: skip
         shutil.rmtree(folder)
     else:
         log(f"engine=ct2: exporting {ckpt} for CTranslate2 into {folder} (once; again when the checkpoint changes)")
-    max_positions = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"]["model"]["max_positions"]
     try:
         with contextlib.redirect_stdout(sys.stderr):  # make translate's stdout is the translation
             export(str(ckpt), "ct2", str(folder))
     except PermissionError as e:
         raise InputError(f"engine=ct2 exports beside the checkpoint, and {folder} cannot be written ({e})") from None
     info = {"checkpoint": str(ckpt), "sha256": digest, "max_source_tokens": max_positions - 1}
-    with atomic_write(source) as tmp:  # written last: a folder without it (an export cut short) is made again
+    with atomic_write(folder / SOURCE_FILE) as tmp:
         tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return folder
-
-
-def exported_from(source: Path) -> str | None:
-    """The SHA-256 of the checkpoint an export folder was made from (None: not a finished export)."""
-    try:
-        return json.loads(source.read_text(encoding="utf-8"))["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 class CT2Process:
@@ -81,14 +62,9 @@ class CT2Process:
     def __init__(self, folder: Path, device: str = "auto", threads: int = 0, compute_type: str = "float32"):
         from transformer_mt.runtime import usable_cores  # noqa: PLC0415
 
-        self.info = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "transformer_mt.evaluation.ct2_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-        )
+        self.limit = json.loads((folder / SOURCE_FILE).read_text(encoding="utf-8"))["max_source_tokens"]
+        command = [sys.executable, "-m", "transformer_mt.evaluation.ct2_worker"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, encoding="utf-8")
         threads = threads or usable_cores()
         ready = self.ask(dict(model=str(folder), device=device, threads=threads, compute_type=compute_type))
         self.device, self.torch_imported = ready["device"], ready["torch_imported"]
@@ -105,92 +81,60 @@ class CT2Process:
         return answer
 
     def translate_lines(
-        self,
-        lines: list[str],
-        warn=None,
-        first_line: int = 1,
-        beam_size: int = PAPER.beam_size,
-        alpha: float = PAPER.alpha,
-        max_len_a: float = PAPER.max_len_a,
-        max_len_b: int = PAPER.max_len_b,
-        tokens_per_batch: int = 16384,
-        n_best: int = 0,
-        progress: bool = False,
-    ) -> list[str]:
+        self, lines: list[str], warn=None, first_line: int = 1, beam_size: int = PAPER.beam_size,
+        alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b,
+        tokens_per_batch: int = 16384, n_best: int = 0, progress: bool = False,
+    ) -> list[str]:  # fmt: skip
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
+        from tqdm import tqdm  # noqa: PLC0415
+
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
-        if progress and len(lines) > self.CHUNK:  # chunks, for the bar
-            from tqdm import tqdm  # noqa: PLC0415
-
-            outputs = []
-            with tqdm(total=len(lines), desc="translating (CTranslate2)", unit="sentence", leave=False) as bar:
-                for start in range(0, len(lines), self.CHUNK):
-                    chunk = lines[start : start + self.CHUNK]
-                    options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b)
-                    outputs += self.translate_lines(
-                        chunk, warn, first_line + start, **options, tokens_per_batch=tokens_per_batch
-                    )
-                    bar.update(len(chunk))
-            return outputs
-        answer = self.ask(
-            dict(
-                lines=lines,
-                beam_size=beam_size,
-                length_penalty=PAPER.but(alpha=alpha).ct2_length_penalty,  # 0.45 for 0.6
-                max_len_a=max_len_a,
-                max_len_b=max_len_b,
-                max_source_tokens=self.info["max_source_tokens"],
-                tokens_per_batch=tokens_per_batch,
-            )
-        )
-        limit = self.info["max_source_tokens"]
-        for i, tokens in answer["truncated"]:
-            if warn:
-                warn(f"line {first_line + i}: {tokens} tokens, truncated to the model's maximum of {limit}")
-        return answer["outputs"]
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()
-            self.process.wait()
+        penalty = PAPER.but(alpha=alpha).ct2_length_penalty  # 0.45 for 0.6
+        outputs, size = [], self.CHUNK if progress else max(len(lines), 1)
+        bar = tqdm(total=len(lines), desc="translating", unit="sentence", disable=not progress, leave=False)
+        for at in range(0, len(lines), size):
+            chunk = lines[at : at + size]
+            answer = self.ask(
+                dict(lines=chunk, beam_size=beam_size, length_penalty=penalty, max_len_a=max_len_a,
+                     max_len_b=max_len_b, max_source_tokens=self.limit, tokens_per_batch=tokens_per_batch)
+            )  # fmt: skip
+            for i, tokens in answer["truncated"] if warn else []:
+                warn(f"line {first_line + at + i}: {tokens} tokens, truncated to the model's maximum of {self.limit}")
+            outputs += answer["outputs"]
+            bar.update(len(chunk))
+        bar.close()
+        return outputs
 
     def __enter__(self) -> CT2Process:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def engine_name(cfg) -> str:
-    """The engine of conf/inference.yaml's keys as scores.json names it: torch (compiled), or ct2 <compute type>."""
-    return f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            self.process.wait()
 
 
 @contextlib.contextmanager
 def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
-    """For conf/inference.yaml's keys (ckpt, engine, compile, device, threads, ct2_compute_type): a function with
-    search.translate_lines' contract less its model and tokenizer, and the checkpoint's training config."""
+    """For conf/inference.yaml's keys: (search.translate_lines less its model and tokenizer, the training config)."""
     from transformer_mt.checkpoint import read_checkpoint, start_inference  # noqa: PLC0415 (torch)
-    from transformer_mt.errors import required  # noqa: PLC0415
 
     ckpt = required(cfg, "ckpt")
-    if cfg.engine not in ENGINES:
+    if cfg.engine not in ("torch", "ct2"):
         raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
+    if not isinstance(cfg.compile, bool):
+        raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
     if cfg.engine == "torch":
         from transformer_mt.search import translate_lines  # noqa: PLC0415
 
         model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
-        if not isinstance(cfg.compile, bool):
-            raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
         if cfg.compile:
             model.compile_decoding()
         yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
         return
     if cfg.compile:
-        raise InputError(
-            "compile=true compiles our decoder (engine=torch); CTranslate2 (engine=ct2) is compiled already"
-        )
+        raise InputError("compile=true compiles our decoder (engine=torch); engine=ct2 is compiled already")
     folder = ct2_export(ckpt, log=lambda message: print(message, file=sys.stderr, flush=True))
     config = read_checkpoint(ckpt, mmap=True, finite=False)["hyper_parameters"].get("config", {})
     with CT2Process(folder, cfg.device, cfg.threads, cfg.ct2_compute_type) as process:

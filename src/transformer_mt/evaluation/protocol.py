@@ -1,7 +1,5 @@
-"""The paper's protocol when a run ends (§6.1): average the last N periodic checkpoints (5 for base, 20 for big),
-decode each split of final.splits with beam search, score it; results.json and a block in the run's log. The end of
-training and `make finish` build it the same way (Protocol.of_run); a split's text is read as make evaluate and make
-tune read it (Corpus.texts), never from training's DataModule: no Lightning here."""
+"""The end of a run (§6.1): average the last N periodic checkpoints, decode and score each of final.splits, write
+results.json and a block in the log; the end of training and make finish build it alike (Protocol.of_run)."""
 
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import MissingInputError
-from transformer_mt.evaluation.grid import grid_for_a_person
+from transformer_mt.evaluation.grid import search_grid
 from transformer_mt.evaluation.tuned import save_tuned
 from transformer_mt.files import RunFolder
 from transformer_mt.model import Transformer
@@ -45,8 +43,6 @@ PERPLEXITY_TOKENS = 4096  # a teacher-forced batch's padded tokens per side
 
 @dataclass
 class Protocol:
-    """The end-of-run protocol of one run folder, from its config (of_run)."""
-
     run: RunFolder
     decoding: Decoding
     corpus: Corpus
@@ -63,32 +59,24 @@ class Protocol:
 
     @classmethod
     def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
-        """From a run's resolved config (conf/train.yaml's keys; last.ckpt carries it)."""
         final, devices = cfg["final"], cfg["trainer"]["devices"]
         settings = dict(
-            run=run,
-            decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
-            corpus=Corpus.from_config(cfg["data"]),
-            splits=list(final["splits"]),
-            average_last=final["average_last"],
-            tune=final["tune"],
-            alphas=list(final["tune_alphas"]),
-            beams=list(final["tune_beams"]),
-            label_smoothing=cfg["label_smoothing"],
-            ema=bool(cfg["ema_decay"]),
+            run=run, decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
+            corpus=Corpus.from_config(cfg["data"]), splits=list(final["splits"]), average_last=final["average_last"],
+            tune=final["tune"], alphas=list(final["tune_alphas"]), beams=list(final["tune_beams"]),
+            label_smoothing=cfg["label_smoothing"], ema=bool(cfg["ema_decay"]),
             extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"]},
             devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
-        )
+        )  # fmt: skip
         return cls(**{**settings, **changes})
 
     def split(self, name: str) -> tuple[list[str], list[str]]:
-        """(sources, references) as every scorer reads them (Corpus.texts)."""
         if name not in self.texts:
             self.texts[name] = self.corpus.texts(name)
         return self.texts[name]
 
     def run_on(self, device: torch.device, peak: Peak | None = None) -> Results:
-        """The protocol in one process; peak: one training device's (for the MFU)."""
+        """peak: one training device's, for the MFU."""
         start = time.monotonic()
         log.info("the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
                  "with: make finish RUN=%s", ", ".join(self.splits), self.run.path)  # fmt: skip
@@ -102,10 +90,7 @@ class Protocol:
             results.parameters = sum(p.numel() for p in model.parameters())
             results.models[name] = {"checkpoint": str(path)}
             for split in self.splits:
-                scores = {
-                    **self.scores(model, tokenizer, split, self.decoding),
-                    **self.perplexity(model, tokenizer, split),
-                }
+                scores = self.scores(model, tokenizer, split, self.decoding) | self.perplexity(model, tokenizer, split)
                 results.models[name][split] = scores
                 log.info("%s on %s: %s sentences decoded (beam %s, alpha %s) and scored in %.1f s: sacreBLEU %.2f",
                          name, split, f"{scores['sentences']:,}", self.decoding.beam_size, self.decoding.alpha,
@@ -126,9 +111,7 @@ class Protocol:
         return results
 
     def checkpoints(self) -> dict[str, Path]:
-        """What the protocol evaluates, by name: the average of the last `average_last` periodic checkpoints
-        (written as average-last<N>.ckpt), or last.ckpt when averaging is off or there is nothing to average;
-        with `ema`, also the exponential moving average of the weights (ema.ckpt)."""
+        """By name: average-last<N>.ckpt, written now (else last.ckpt), and with `ema` ema.ckpt."""
         chosen, periodic = {}, []
         if self.average_last:
             try:
@@ -154,33 +137,26 @@ class Protocol:
         return chosen
 
     def training_figures(self, peak: Peak | None) -> Results:
-        """Results with last.ckpt's training totals, before any model is scored."""
         last = read_checkpoint(self.run.last, mmap=True, finite=False)
         seconds, tokens, flops = (last["totals"][k] for k in ("train_seconds", "target_tokens", "model_flops"))
         flops_per_second = flops / seconds if flops and seconds else None
         mfu = peak.utilisation(flops_per_second / self.devices) if peak and flops_per_second else None
+        significant = lambda x: float(f"{x:.4g}") if x else None  # noqa: E731
         return Results(
-            updates=last["global_step"],
-            train_seconds=round(seconds, 1),
-            target_tokens=tokens,
+            updates=last["global_step"], train_seconds=round(seconds, 1), target_tokens=tokens,
             target_tokens_per_second=round(tokens / seconds) if seconds else None,
-            model_flops_per_second=float(f"{flops_per_second:.4g}") if flops_per_second else None,
-            devices=self.devices,
-            mfu=float(f"{mfu:.4g}") if mfu else None,
-            peak=peak.source if peak else None,
-            peak_flops_per_second=float(f"{peak.flops:.4g}") if peak and peak.flops else None,
-            decoding=self.decoding.settings(),
-            **self.extra,
-        )
+            model_flops_per_second=significant(flops_per_second), devices=self.devices, mfu=significant(mfu),
+            peak=peak.source if peak else None, peak_flops_per_second=significant(peak and peak.flops),
+            decoding=self.decoding.settings(), **self.extra,
+        )  # fmt: skip
 
     def scores(self, model: Transformer, tokenizer: Tokenizer, split: str, decoding: Decoding) -> dict:
-        """A split translated and scored as `make evaluate` scores it (scoring.evaluate_translations)."""
         translate = partial(translate_lines, model, tokenizer, **decoding.settings())
         return evaluate_translations(translate, *self.split(split), self.corpus.tgt_lang)[2]
 
     @torch.no_grad()
     def perplexity(self, model: Transformer, tokenizer: Tokenizer, split: str) -> dict:
-        """Teacher-forced loss and perplexity per target token (EOS included), in length-sorted batches."""
+        """Teacher-forced loss and perplexity per target token (EOS included)."""
         sources, targets = (tokenizer.encode(side) for side in self.split(split))
         device = next(model.parameters()).device
         lengths = [np.array([len(ids) for ids in side]) for side in (sources, targets)]
@@ -195,13 +171,12 @@ class Protocol:
         return {"loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
 
     def tune_and_score(self, model: Transformer, tokenizer: Tokenizer, path: Path) -> dict:
-        """final.tune: make tune's grid on the validation split, its choice stored beside the checkpoint (make
-        translate / evaluate use it), then the splits at that choice."""
+        """final.tune: make tune's grid on the validation split, its choice stored beside `path`, the splits at it."""
         log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
         start = time.monotonic()
-        chosen, rows = grid_for_a_person(
+        chosen, rows = search_grid(
             partial(translate_lines, model, tokenizer), *self.split("validation"), self.corpus.tgt_lang, self.decoding,
-            self.alphas, self.beams, say=lambda line: log.info("%s", line),
+            self.alphas, self.beams, lambda line: log.info("%s", line),
         )  # fmt: skip
         save_tuned(path, chosen, rows, f"{self.corpus.name} validation")
         scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}

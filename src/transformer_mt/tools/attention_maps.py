@@ -1,13 +1,7 @@
-"""Pictures of what the model attends to: `make attention CKPT=... TEXT="..."` (or SRC=<file> LINE=<n>).
-
-For one sentence and the model's own translation of it (or a given reference), writes
-  encoder_self_attention.png    layers x heads, source tokens on both axes
-  decoder_self_attention.png    layers x heads, decoder inputs (<s> y1 .. yn) on both axes
-  encoder_decoder_attention.png layers x heads, output tokens (y1 .. yn </s>) down, source across
-  alignment.png                 the last layer's encoder-decoder attention averaged over heads
-  attention.npz                 the weights (layers, heads, rows, columns) and the tokens
-Tokens are SentencePiece pieces. Row r of a decoder picture is the step that reads input token r
-and writes output token r.
+"""Attention pictures of one sentence and the model's translation of it (or REF): make attention CKPT=...
+TEXT="..." (or SRC=<file> LINE=<n>). Writes {encoder_self,decoder_self,encoder_decoder}_attention.png (layers x
+heads; a decoder row reads input token r and writes output token r), alignment.png (the last layer's cross-attention,
+mean of heads) and attention.npz (the weights, (layers, heads, rows, columns), and the SentencePiece pieces).
 """
 
 from __future__ import annotations
@@ -27,13 +21,7 @@ from transformer_mt.errors import CommandParser, InputError, exit_on_user_error
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer
 from transformer_mt.search import translate_ids
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, Tokenizer, padded, source_batch
-
-PICTURES = {
-    "encoder": ("encoder_self_attention.png", "encoder self-attention"),
-    "decoder": ("decoder_self_attention.png", "decoder self-attention (masked)"),
-    "cross": ("encoder_decoder_attention.png", "encoder-decoder attention"),
-}
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, padded, source_batch
 
 
 @torch.no_grad()
@@ -49,12 +37,8 @@ def attention_weights(model: Transformer, src_ids: list[int], tgt_ids: list[int]
         }
 
 
-def pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
-    return [tokenizer.sp.id_to_piece(i) for i in ids]
-
-
 def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: str, path: Path) -> None:
-    """One heat map per layer (down) and head (across); token labels on the outer panels only."""
+    """A heat map per layer (down) and head (across); token labels on the outer panels only."""
     n_layers, n_heads = weights.shape[:2]
     width, height = max(1.0, 0.13 * len(columns)), max(1.0, 0.13 * len(rows))  # inches per panel
     label = 0.07 * max(map(len, rows + columns))  # room for the longest piece
@@ -68,10 +52,8 @@ def plot_grid(weights: np.ndarray, rows: list[str], columns: list[str], title: s
             x, y = (columns if layer == n_layers - 1 else []), (rows if head == 0 else [])
             ax.set_xticks(range(len(x)), x, rotation=90, fontsize=6)
             ax.set_yticks(range(len(y)), y, fontsize=6)
-            if layer == 0:
-                ax.set_title(f"head {head + 1}", fontsize=8)
-            if head == 0:
-                ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
+            ax.set_title(f"head {head + 1}" if layer == 0 else "", fontsize=8)
+            ax.set_ylabel(f"layer {layer + 1}" if head == 0 else "", fontsize=8)
     width_chars = int(fig.get_figwidth() * 11)  # characters of 9-point text per line, roughly
     fig.suptitle("\n".join(textwrap.wrap(title, width_chars)), fontsize=9)
     fig.savefig(path, dpi=80)
@@ -83,15 +65,14 @@ def plot_alignment(weights: np.ndarray, rows: list[str], columns: list[str], tit
     image = ax.imshow(weights, cmap="Greys", vmin=0.0, vmax=1.0)
     ax.set_xticks(range(len(columns)), columns, rotation=90)
     ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel("source")
-    ax.set_ylabel("output")
+    ax.set(xlabel="source", ylabel="output")
     ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.03)
     fig.savefig(path, dpi=100)
 
 
 def source_sentence(text: str | None, src: str | None, line: int, ref: str | None) -> tuple[str, str | None]:
-    """(source, reference or None) from TEXT [REF=text], or SRC=<file> LINE=<n> [REF=<file>, same line]."""
+    """(source, reference or None) from TEXT [REF=text], or SRC=<file> LINE=<n> [REF=<file>]."""
     if (text is None) == (src is None):
         raise InputError('give the sentence as TEXT="..." or as SRC=<file> LINE=<n>, not both')
     if text is not None:
@@ -123,29 +104,22 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
 
     out_dir = Path(out or f"outputs/attention/{datetime.now():%Y-%m-%d_%H-%M-%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    src_tokens = pieces(tokenizer, [*src_ids, EOS_ID])
-    tgt_in, tgt_out = pieces(tokenizer, [BOS_ID, *tgt_ids]), pieces(tokenizer, [*tgt_ids, EOS_ID])
-    axes = {"encoder": (src_tokens, src_tokens), "decoder": (tgt_in, tgt_in), "cross": (tgt_out, src_tokens)}
+    src_tokens, tgt_in, tgt_out = ([tokenizer.sp.id_to_piece(i) for i in ids]
+                                   for ids in ([*src_ids, EOS_ID], [BOS_ID, *tgt_ids], [*tgt_ids, EOS_ID]))  # fmt: skip
     translation = tokenizer.decode([tgt_ids])[0]
-    for kind, (file_name, title) in PICTURES.items():
-        rows, columns = axes[kind]
+    pictures = {  # file: (kind, title, rows, columns)
+        "encoder_self_attention.png": ("encoder", "encoder self-attention", src_tokens, src_tokens),
+        "decoder_self_attention.png": ("decoder", "decoder self-attention (masked)", tgt_in, tgt_in),
+        "encoder_decoder_attention.png": ("cross", "encoder-decoder attention", tgt_out, src_tokens),
+    }
+    for file_name, (kind, title, rows, columns) in pictures.items():
         plot_grid(weights[kind], rows, columns, f"{title}: {source!r} -> {translation!r}", out_dir / file_name)
-    plot_alignment(
-        weights["cross"][-1].mean(axis=0),
-        tgt_out,
-        src_tokens,
-        f"encoder-decoder attention, last layer, mean of {weights['cross'].shape[1]} heads\n{origin}",
-        out_dir / "alignment.png",
-    )
-    np.savez(
-        out_dir / "attention.npz",
-        **weights,
-        src_tokens=np.array(src_tokens),
-        tgt_in_tokens=np.array(tgt_in),
-        tgt_out_tokens=np.array(tgt_out),
-    )
+    title = f"encoder-decoder attention, last layer, mean of {weights['cross'].shape[1]} heads\n{origin}"
+    plot_alignment(weights["cross"][-1].mean(axis=0), tgt_out, src_tokens, title, out_dir / "alignment.png")
+    tokens = dict(src_tokens=src_tokens, tgt_in_tokens=tgt_in, tgt_out_tokens=tgt_out)
+    np.savez(out_dir / "attention.npz", **weights, **{k: np.array(v) for k, v in tokens.items()})
     print(f"source:      {source}\n{'reference' if reference is not None else 'translation'}: {translation}")
-    print(f"wrote {', '.join(f for f, _ in PICTURES.values())}, alignment.png and attention.npz to {out_dir}")
+    print(f"wrote {', '.join(pictures)}, alignment.png and attention.npz to {out_dir}")
     return out_dir
 
 

@@ -1,10 +1,6 @@
-"""A checkpoint as a Hugging Face Marian model or a CTranslate2 model: `make export CKPT=... FORMAT=hf|ct2 OUT=...`
-(the `export` extra: transformers, ctranslate2), checked against ours after writing.
-
-Marian's layers are ours (post-norm, ReLU, sqrt(d) embedding scale, shared embeddings); only its position table
-differs: all sines, then all cosines, where ours interleaves them (§3.5). So the residual (d_model) dimension is
-reordered in every weight that reads or writes it; the dimensions inside the heads and the FFN stay as they are.
-"""
+"""make export CKPT=... FORMAT=hf|ct2 OUT=<new folder>: a checkpoint as transformers' MarianMTModel or CTranslate2
+(the `export` extra), checked against ours. Marian's positions are all sines, then all cosines, where ours interleave
+them (§3.5): every weight that reads or writes the residual (d_model) dimension is reordered."""
 
 from __future__ import annotations
 
@@ -20,28 +16,27 @@ import torch
 from torch import Tensor, nn
 
 from transformer_mt.checkpoint import load_for_inference
-from transformer_mt.decoding import HF_LENGTH_PENALTY
+from transformer_mt.decoding import HF_LENGTH_PENALTY, PAPER
 from transformer_mt.errors import CommandParser, InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_mt.tools.model_card import LICENSE_NAME, model_card
 
-EXTRA = 'pip install -e ".[export]"'
 PROBE = [  # sentences the export is checked on (any vocabulary covers them: unseen characters become bytes)
-    "A man in a blue shirt is standing on a ladder.",
-    "The European Parliament adopted the resolution on Tuesday.",
+    "A man in a blue shirt is standing on a ladder.", "The European Parliament adopted the resolution on Tuesday.",
     "Zwei Hunde spielen im Schnee - 42 Grad, ça va?",
-]
-EXACT = 1e-6  # max abs logit difference in float64; rounding alone gives ~1e-10
+]  # fmt: skip
+EXACT = 1e-6  # max abs logit difference in float64 (rounding alone: ~1e-10)
 
 
 def optional(module: str):
-    """A package of the `export` extra, or a one-line error that says how to install it."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise UserError(f"exporting needs the Python package {module!r}: install the extra with {EXTRA}") from None
+        raise UserError(
+            f'exporting needs the Python package {module!r}: install the extra with pip install -e ".[export]"'
+        ) from None
 
 
 def marian_order(d_model: int) -> Tensor:
@@ -50,22 +45,17 @@ def marian_order(d_model: int) -> Tensor:
 
 
 RENAMES = [  # our parameter names -> Marian's (applied in order)
-    ("embed.tokens.weight", "shared.weight"),
-    ("encoder_layers.", "encoder.layers."),
-    ("decoder_layers.", "decoder.layers."),
-    ("self_attn_res.norm", "self_attn_layer_norm"),
-    ("cross_attn_res.norm", "encoder_attn_layer_norm"),
-    ("cross_attn.", "encoder_attn."),
-    ("ffn_res.norm", "final_layer_norm"),
-    ("ffn.w1", "fc1"),
-    ("ffn.w2", "fc2"),
-]
+    ("embed.tokens.weight", "shared.weight"), ("encoder_layers.", "encoder.layers."),
+    ("decoder_layers.", "decoder.layers."), ("self_attn_res.norm", "self_attn_layer_norm"),
+    ("cross_attn_res.norm", "encoder_attn_layer_norm"), ("cross_attn.", "encoder_attn."),
+    ("ffn_res.norm", "final_layer_norm"), ("ffn.w1", "fc1"), ("ffn.w2", "fc2"),
+]  # fmt: skip
 READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "w1")  # input features are d_model: reorder columns
 WRITES_RESIDUAL = ("out_proj", "w2")  # output features are d_model: reorder rows and bias
 
 
 def inexpressible(cfg: TransformerConfig) -> list[str]:
-    """The model's switches that Marian's architecture has no setting for (model.py's defaults are all Marian's)."""
+    """The model's switches that Marian has no setting for (model.py's defaults are all Marian's)."""
     d_k, d_v = cfg.head_sizes
     found = []
     if not d_k * cfg.n_heads == d_v * cfg.n_heads == cfg.d_model:
@@ -92,8 +82,6 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
             weights = {"weight": module.weight[:, order], "bias": module.bias}
         elif isinstance(module, nn.Linear) and module_name.endswith(WRITES_RESIDUAL):
             weights = {"weight": module.weight[order], "bias": module.bias[order]}
-        elif isinstance(module, nn.Linear):
-            raise AssertionError(f"{module_name}: a linear layer the export does not know")
         else:
             continue
         for kind, tensor in weights.items():
@@ -105,49 +93,17 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
 
 
 def marian_config(model: Transformer):
-    transformers = optional("transformers")
     cfg = model.cfg
-    return transformers.MarianConfig(
-        vocab_size=cfg.vocab_size,
-        d_model=cfg.d_model,
-        encoder_layers=cfg.n_encoder_layers,
-        decoder_layers=cfg.n_decoder_layers,
-        encoder_attention_heads=cfg.n_heads,
-        decoder_attention_heads=cfg.n_heads,
-        encoder_ffn_dim=cfg.d_ff,
-        decoder_ffn_dim=cfg.d_ff,
-        activation_function="relu",
+    return optional("transformers").MarianConfig(
+        vocab_size=cfg.vocab_size, d_model=cfg.d_model, encoder_layers=cfg.n_encoder_layers,
+        decoder_layers=cfg.n_decoder_layers, encoder_attention_heads=cfg.n_heads, decoder_attention_heads=cfg.n_heads,
+        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff, activation_function="relu",
         max_position_embeddings=cfg.max_positions,
-        scale_embedding=True,  # §3.4: embeddings * sqrt(d_model)
-        share_encoder_decoder_embeddings=True,
-        tie_word_embeddings=True,  # the output projection is the embedding matrix (§3.4)
-        dropout=cfg.dropout,  # for fine-tuning: residual branches and embedding sums, as ours
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        decoder_start_token_id=BOS_ID,  # our decoder starts from BOS (Marian's own models start from pad)
-        forced_eos_token_id=EOS_ID,
-    )
-
-
-def generation_config(model: Transformer):
-    """Beam 4 (§6.1), the length penalty closest to ours, pad never generated, EOS forced at the maximum length, and
-    a search that stops only when no live hypothesis can win, as ours."""
-    transformers = optional("transformers")
-    return transformers.GenerationConfig(
-        decoder_start_token_id=BOS_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        forced_eos_token_id=EOS_ID,
-        bad_words_ids=[[PAD_ID]],
-        num_beams=4,
-        length_penalty=HF_LENGTH_PENALTY,  # transformers divides by |Y|^a, not GNMT's ((5 + |Y|) / 6)^alpha
-        early_stopping="never",
-        max_length=model.cfg.max_positions,
-    )
+        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,  # §3.4
+        dropout=cfg.dropout, attention_dropout=0.0, activation_dropout=0.0,  # for fine-tuning: ours
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, forced_eos_token_id=EOS_ID,
+        decoder_start_token_id=BOS_ID,  # ours starts from BOS (Marian's own models from pad)
+    )  # fmt: skip
 
 
 def marian_model(model: Transformer):
@@ -164,7 +120,13 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
     """MarianMTModel + MarianTokenizer files in `directory` (which exists and is empty)."""
     transformers = optional("transformers")
     hf = marian_model(model).eval()
-    hf.generation_config = generation_config(model)
+    # Beam 4 (§6.1), the |Y|^a closest to our length penalty, pad never generated, and a search that stops only
+    # when no live hypothesis can win, as ours.
+    hf.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID]], num_beams=PAPER.beam_size,
+        length_penalty=HF_LENGTH_PENALTY, early_stopping="never", max_length=model.cfg.max_positions,
+    )  # fmt: skip
     try:
         hf.save_pretrained(directory)
     except Exception as e:  # safetensors' own error for an OSError in its Rust writer: "... (os error 28)"
@@ -175,25 +137,19 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
     spm_file = tokenizer.save(directory)
     vocab = {tokenizer.sp.id_to_piece(i): i for i in range(len(tokenizer))}
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-    hf_tokenizer = transformers.MarianTokenizer(
-        source_spm=str(spm_file),
-        target_spm=str(spm_file),
-        vocab=str(directory / "vocab.json"),
-        source_lang=languages[0],
-        target_lang=languages[1],
-        unk_token=tokenizer.sp.id_to_piece(UNK_ID),
-        eos_token=tokenizer.sp.id_to_piece(EOS_ID),
-        pad_token=tokenizer.sp.id_to_piece(PAD_ID),
-        bos_token=tokenizer.sp.id_to_piece(BOS_ID),  # special, so that decode(skip_special_tokens=True) drops it
+    piece = tokenizer.sp.id_to_piece
+    transformers.MarianTokenizer(
+        source_spm=str(spm_file), target_spm=str(spm_file), vocab=str(directory / "vocab.json"),
+        source_lang=languages[0], target_lang=languages[1], unk_token=piece(UNK_ID), eos_token=piece(EOS_ID),
+        pad_token=piece(PAD_ID), bos_token=piece(BOS_ID),  # special: decode(skip_special_tokens=True) drops it
         model_max_length=model.cfg.max_positions - 1,  # room for the EOS
-    )
-    hf_tokenizer.save_pretrained(directory)
+    ).save_pretrained(directory)  # fmt: skip
     spm_file.unlink()  # the tokenizer saved it as source.spm and target.spm
 
 
-def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple[float, float]:
-    """The export loaded as a user would: its tokenizer's ids and its logits against ours. Returns the max abs logit
-    difference in float32 and in float64 (which shows the mapping exact, free of rounding)."""
+def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
+    """The export loaded as a user would, against ours: its tokenizer's ids, its logits in float32 and float64 (which
+    shows the mapping exact); says what it checked."""
     transformers = optional("transformers")
     hf_tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
     batch = hf_tokenizer(PROBE, return_tensors="pt", padding=True)
@@ -210,13 +166,14 @@ def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> tuple
             diffs.append((expected - hf(**batch, decoder_input_ids=tgt_in).logits).abs().max().item())
     if not diffs[1] <= EXACT:
         raise AssertionError(f"{directory}: exported logits differ from ours by {diffs[1]:.2e} in float64 (> {EXACT})")
-    return diffs[0], diffs[1]
+    return (f"checked: the exported tokenizer gives our ids and the model our logits (max abs difference "
+            f"{diffs[0]:.1e} in float32, {diffs[1]:.1e} in float64)")  # fmt: skip
 
 
-def ct2_loader():
-    """CTranslate2's own Marian converter, told our conventions: the decoder starts from BOS's embedding (Marian's
-    from a zero vector) and pad is id 0 (Marian's is last, which its converter drops)."""
-    converters = optional("ctranslate2.converters.transformers")
+def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> None:
+    """Through CTranslate2's Marian converter, told ours: the decoder starts from BOS's embedding (Marian's from
+    zeros) and pad is id 0 (Marian's is last, which its converter drops)."""
+    transformers, converters = optional("transformers"), optional("ctranslate2.converters.transformers")
 
     class Loader(converters.MarianMTLoader):
         def get_model_spec(self, model):
@@ -235,24 +192,17 @@ def ct2_loader():
         def get_vocabulary(self, model, tokenizer):
             return converters.BartLoader.get_vocabulary(self, model, tokenizer)
 
-    return Loader()
-
-
-def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> None:
-    transformers = optional("transformers")
     hf = transformers.MarianMTModel.from_pretrained(hf_directory).eval()
-    hf_tokenizer = transformers.MarianTokenizer.from_pretrained(hf_directory)
-    spec = ct2_loader()(hf, hf_tokenizer)
+    spec = Loader()(hf, transformers.MarianTokenizer.from_pretrained(hf_directory))
     spec.validate()
     spec.optimize(quantization=quantization)
     spec.save(str(directory))
     (directory / "sentencepiece.model").write_bytes((hf_directory / "source.spm").read_bytes())
 
 
-def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> None:
-    """Greedy tokens of the CTranslate2 model equal ours on the probe sentences."""
+def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
     ctranslate2 = optional("ctranslate2")
-    from transformer_mt.search import translate_ids  # noqa: PLC0415 (search imports tqdm; export is a side tool)
+    from transformer_mt.search import translate_ids  # noqa: PLC0415
 
     translator = ctranslate2.Translator(str(directory), device="cpu", compute_type="float32")
     pieces = [tokenizer.sp.encode(text, out_type=str) for text in PROBE]
@@ -262,6 +212,7 @@ def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> None
     ours = translate_ids(model, tokenizer.encode(PROBE), beam_size=1, max_len_a=0, max_len_b=n)
     if theirs != ours:
         raise AssertionError(f"{directory}: CTranslate2's greedy tokens differ from ours: {theirs} vs {ours}")
+    return "checked: CTranslate2's greedy translations of the probe sentences are ours, token for token"
 
 
 def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Path:
@@ -270,7 +221,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if quantization and fmt != "ct2":
         raise InputError("--quantization applies to FORMAT=ct2 only")
     out_dir = Path(out)
-    for stale in remove_stale_temporaries(out_dir.parent if str(out_dir.parent) else Path(".")):
+    for stale in remove_stale_temporaries(out_dir.parent):
         print(f"removed {stale} (the unfinished write of a killed command)")
     if out_dir.exists():
         raise InputError(f"OUT={out_dir} exists; remove it or choose another folder (nothing was written)")
@@ -278,40 +229,32 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if fmt == "ct2":
         optional("ctranslate2")
     model, tokenizer, checkpoint = load_for_inference(ckpt)
-    cannot = inexpressible(model.cfg)
-    if cannot:
+    if cannot := inexpressible(model.cfg):
         raise InputError(
             f"{ckpt}: cannot be exported as a Marian model: {'; '.join(cannot)}. Translate and evaluate it with "
             "make translate / make evaluate (nothing was written)"
         )
     data = checkpoint["hyper_parameters"]["config"]["data"]
-    languages = (data["src_lang"], data["tgt_lang"])
+    languages = data["src_lang"], data["tgt_lang"]
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
         tmp.mkdir()
         if fmt == "hf":
             write_hf(model, tokenizer, tmp, languages)
-            fp32, fp64 = check_hf(model, tokenizer, tmp)
-            checked = (
-                "checked: the exported tokenizer gives our ids and the model our logits "
-                f"(max abs difference {fp32:.1e} in float32, {fp64:.1e} in float64)"
-            )
+            checked = check_hf(model, tokenizer, tmp)
         else:
             with tempfile.TemporaryDirectory() as hf_dir:
                 write_hf(model, tokenizer, Path(hf_dir), languages)
                 write_ct2(Path(hf_dir), tmp, quantization)
             if not quantization or quantization == "float32":
-                check_ct2(model, tokenizer, tmp)
-                checked = "checked: CTranslate2's greedy translations of the probe sentences are ours, token for token"
+                checked = check_ct2(model, tokenizer, tmp)
             else:
                 checked = f"not checked against ours: {quantization} weights change the outputs a little"
         print(checked)
         (tmp / "README.md").write_text(model_card(Path(ckpt), checkpoint, fmt, checked), encoding="utf-8")
-    print(
-        f"the model card's license is `other` ({LICENSE_NAME}): set it to the terms of the data the model was "
-        f"trained on before you upload it (license: in {out_dir / 'README.md'})"
-    )
     kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
-    print(f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")
+    print(f"the model card's license is `other` ({LICENSE_NAME}): set it to the terms of the data the model was "
+          f"trained on before you upload it (license: in {out_dir / 'README.md'})\n"
+          f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")  # fmt: skip
     return out_dir
 
 

@@ -1,6 +1,5 @@
-"""Learning curves of a training run as one PNG: `make plot RUN=<run dir>`, from the CSV metrics every run writes
-whatever its logger (<run>/csv/version_*/metrics.csv): training loss (each progress line's mean) and learning rate
-per update, validation loss, perplexity and BLEU."""
+"""Learning curves of a run as one PNG, from the CSV metrics every run writes (<run>/csv/version_*/metrics.csv):
+make plot RUN=<run dir>. Training loss and learning rate per update; validation loss, perplexity and BLEU."""
 
 from __future__ import annotations
 
@@ -12,40 +11,31 @@ from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
 from transformer_mt.errors import CommandParser, MissingInputError, exit_on_user_error
 
-PANELS = [  # (title, [(metric, label)])
-    (
-        "loss (label-smoothed cross-entropy)",
-        [("train/loss_window", "training (mean since the previous point)"), ("val/loss", "validation")],
-    ),
-    ("learning rate", [("lr-", "Noam schedule")]),
-    ("validation perplexity", [("val/ppl", "validation")]),
-    ("validation BLEU (sacreBLEU)", [("val/bleu", "validation")]),
-]
+PANELS = {  # title: [(metric, label)]
+    "loss (label-smoothed cross-entropy)": [
+        ("train/loss_window", "training (mean since the previous point)"), ("val/loss", "validation")],
+    "learning rate": [("lr-", "Noam schedule")],
+    "validation perplexity": [("val/ppl", "validation")],
+    "validation BLEU (sacreBLEU)": [("val/bleu", "validation")],
+}  # fmt: skip
 
 
-def metrics_files(run: Path) -> list[Path]:
+def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(update, value)] from every metrics.csv of the run (a resumed run adds versions); Lightning's
+    `step` counts the updates finished before the one logged: update = step + 1."""
     files = sorted(run.glob("csv/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[-1]))
     if not files:
         raise MissingInputError(
             f"no CSV metrics under {run} (looked for {run}/csv/version_*/metrics.csv): give a training run's "
             "folder (outputs/<date>/<time>, or multirun/<date>/<time>/<job>)"
         )
-    return files
-
-
-def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """metric -> [(update, value)] from every metrics.csv of the run (a resumed run adds versions); Lightning's
-    `step` counts the updates finished before the one logged: update = step + 1."""
     series: dict[str, dict[int, float]] = {}
-    for path in metrics_files(run):
+    for path in files:
         with open(path, newline="", encoding="utf-8") as f:
             for row in csv.DictReader(f):
-                step = row.get("step")
-                if not step:
-                    continue
                 for name, value in row.items():
-                    if name not in ("step", "epoch") and value not in ("", None):
-                        series.setdefault(name, {})[int(float(step)) + 1] = float(value)  # later versions win
+                    if row.get("step") and name not in ("step", "epoch") and value not in ("", None):
+                        series.setdefault(name, {})[int(float(row["step"])) + 1] = float(value)  # later versions win
     return {name: sorted(points.items()) for name, points in series.items()}
 
 
@@ -60,14 +50,10 @@ def plot_run(run: str, out: str | None = None) -> Path:
     run_dir = Path(run)
     series = read_metrics(run_dir)
     fig = Figure(figsize=(11, 7.5), layout="constrained")
-    for ax, (title, lines) in zip(fig.subplots(2, 2).flat, PANELS):
-        drawn = False
-        for key, label in lines:
-            points = find(series, key)
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, label=label, marker="o" if len(points) < 30 else None, markersize=3)
-                drawn = True
+    for ax, (title, lines) in zip(fig.subplots(2, 2).flat, PANELS.items()):
+        drawn = [(find(series, key), label) for key, label in lines if find(series, key)]
+        for points, label in drawn:
+            ax.plot(*zip(*points), label=label, marker="o" if len(points) < 30 else None, markersize=3)
         if drawn:
             ax.legend()
         else:

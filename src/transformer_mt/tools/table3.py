@@ -1,13 +1,7 @@
-"""The runs of a Table 3 sweep as one table, ours beside the paper's: `make table3 RUNS=<sweep dir>` (or
-RUNS="<dir> <dir> ..." for runs spread over several sweeps).
-
-Reads every job's results.json (`make train CONFIG=table3 ARGS="-m table3=glob(*)"`, or table3_cpu) and prints a
-Markdown table, also written to <RUNS>/table3.md: parameters, perplexity and BLEU on the validation split (Table 3's
-newstest2013: "dev"), sacreBLEU on the test split where decoded, and each row's difference from base; a difference
-beyond the base row's run-to-run spread (its seeds) is marked with *. BLEU (dev) is the tokenized compound-split BLEU
-(the paper's metric). Each run contributes the first model its results.json evaluated (the average, else the final
-weights; not the EMA).
-"""
+"""make table3 RUNS=<sweep dir> (or RUNS="<dir> <dir>"): a Table 3 sweep's runs in one table beside the paper's, also
+written to <RUNS>/table3.md. Per run (its first model: the average, else the final weights): parameters; perplexity,
+BLEU (tokenized, compounds split: the paper's "dev") and sacreBLEU on the validation split; the difference from
+base, marked * beyond the base seeds' spread."""
 
 from __future__ import annotations
 
@@ -21,13 +15,8 @@ from transformer_mt.results import Results
 GROUPS = ["base", "(A)", "(B)", "(C)", "(D)", "(E)", "big"]  # Table 3's order of rows
 
 
-def natural(text: str) -> list:
-    """'A-h4' before 'A-h16'."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
-
-
 def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
-    """(one entry per finished run, the job folders without results.json: running, failed or stopped)."""
+    """(an entry per finished run, the job folders without results.json)."""
     if not runs.is_dir():
         raise MissingInputError(f"RUNS={runs}: no such folder (a sweep's folder, multirun/<date>/<time>)")
     entries, unfinished = [], []
@@ -38,35 +27,25 @@ def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
             continue
         results = Results.read(path)
         row = results.table3_row or {}
-        model_name, model = next(iter(results.models.items()))
+        model = next(iter(results.models.values()))
         dev, test = model.get("validation"), model.get("test")
         entries.append(
-            {
-                "job": job.name,
-                "name": row.get("name", job.name),
-                "row": row.get("row", ""),
-                "change": row.get("change", " ".join(results.overrides or [])),
-                "paper": row.get("paper") or {},
-                "seed": results.seed,
-                "evaluated": model_name,
-                "params_millions": results.parameters / 1e6,
-                "updates": results.updates,
-                "train_seconds": results.train_seconds,
-                "dev_ppl": dev and dev["ppl"],
-                "dev_bleu": dev and dev["tokenized_bleu_compound_split"],
-                "dev_sacrebleu": dev and dev["bleu"],
-                "test_sacrebleu": test and test["bleu"],
-            }
-        )
+            dict(name=row.get("name", job.name), row=row.get("row", ""), paper=row.get("paper") or {},
+                 change=row.get("change", " ".join(results.overrides or [])), seed=results.seed,
+                 params_millions=results.parameters / 1e6, updates=results.updates, train_seconds=results.train_seconds,
+                 dev_ppl=dev and dev["ppl"], dev_bleu=dev and dev["tokenized_bleu_compound_split"],
+                 dev_sacrebleu=dev and dev["bleu"], test_sacrebleu=test and test["bleu"])
+        )  # fmt: skip
     if not entries and not unfinished:
         raise InputError(f"RUNS={runs}: no job folders (with .hydra/) in it; give the sweep's folder")
     return entries, unfinished
 
 
 def order(entry: dict) -> tuple:
-    """Table 3's order: base, (A) ... (E), big; within a group by name (natural), then seed."""
+    """Table 3's order: base, (A) ... (E), big; within a group by name ('A-h4' before 'A-h16'), then seed."""
     group = GROUPS.index(entry["row"]) if entry["row"] in GROUPS else len(GROUPS)
-    return group, natural(entry["name"]), entry["seed"] or 0
+    natural = [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", entry["name"])]
+    return group, natural, entry["seed"] or 0
 
 
 METRICS = ("dev_ppl", "dev_bleu", "dev_sacrebleu", "test_sacrebleu")
@@ -107,34 +86,24 @@ def table(entries: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         paper = e["paper"]
-        cells = [
-            e["name"],
-            e["change"],
-            str(e["seed"]),
-            f"{e['params_millions']:.1f}" + (f" / {paper['params_millions']}" if paper.get("params_millions") else ""),
-            f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
-            f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}",
-            difference(e, "dev_bleu", mean, spread),
-            number(e["dev_sacrebleu"], 1),
-        ]
+        params = f"{e['params_millions']:.1f}" + (f" / {p}" if (p := paper.get("params_millions")) else "")
+        cells = [e["name"], e["change"], str(e["seed"]), params, f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
+                 f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}", difference(e, "dev_bleu", mean, spread),
+                 number(e["dev_sacrebleu"], 1)]  # fmt: skip
         if has_test:
             cells += [number(e["test_sacrebleu"], 1), difference(e, "test_sacrebleu", mean, spread)]
         cells += [f"{e['updates']:,}", f"{e['train_seconds'] / 60:.1f} min"]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = []
-    if any(v is not None for v in spread.values()):
-        shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
-        notes.append(f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it.")
-    else:
-        notes.append("One base run only: no run-to-run spread, so no difference is marked (run base with 2 seeds).")
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
+    note = f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it."
+    if not shown:
+        note = "One base run only: no run-to-run spread, so no difference is marked (run base with 2 seeds)."
     minutes = sum(e["train_seconds"] for e in entries) / 60
-    notes.append(f"{len(entries)} runs, {minutes:.0f} minutes of training in all.")
-    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    return "\n".join(lines) + f"\n\n{note}\n{len(entries)} runs, {minutes:.0f} minutes of training in all.\n"
 
 
 def collect(*folders: str | Path) -> str:
-    """One table of the runs of one or more sweep folders (e.g. a sweep and the seeds added later), written to
-    <first folder>/table3.md."""
+    """One table of one or more sweep folders' runs, written to <first folder>/table3.md."""
     entries, unfinished = [], []
     for folder in map(Path, folders):
         found, left = read_runs(folder)
@@ -146,8 +115,7 @@ def collect(*folders: str | Path) -> str:
         text += f"{job}: no {RESULTS} (still running, failed, or stopped before its end; see {job}/train.log)\n"
     with atomic_write(runs / "table3.md") as tmp:
         tmp.write_text(text, encoding="utf-8")
-    print(text, end="")
-    print(f"wrote {runs / 'table3.md'}")
+    print(f"{text}wrote {runs / 'table3.md'}")
     return text
 
 
