@@ -53,7 +53,7 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
     )
     assert len(re.findall(r"sentences decoded \(beam 4, alpha 0.6\) and scored in", log)) == 4
     longer = re.search(r"the end of the run took [\d:]+, longer than its [\d:]+ of training: final.tune's grid", log)
-    assert bool(longer) == (results["evaluation_seconds"] > totals["train_seconds"])  # either, by the machine
+    assert bool(longer) == (results["evaluation_seconds"] > results["train_seconds"])  # either, by the machine
 
 
 def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, capsys):
