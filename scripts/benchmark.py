@@ -179,8 +179,9 @@ class TorchPeer(torch.nn.Module):
             self.embed(src), self.embed(tgt_in), tgt_mask=causal, src_key_padding_mask=pad, memory_key_padding_mask=pad
         )
 
-    def project(self, h):
-        return h @ self.embed.tokens.weight.T
+    @property
+    def output_weight(self):
+        return self.embed.tokens.weight  # tied, as ours
 
 
 def train_round(model, loss_fn, batches, dtype, warmup: list) -> tuple[float, Usage]:
