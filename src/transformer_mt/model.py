@@ -328,13 +328,12 @@ class Transformer(nn.Module):
         return self.project(self.features(src, tgt_in))
 
     def start_decoding(self, memory: Tensor, src_pad: Tensor) -> DecoderState:
-        """The state of incremental decoding: each layer projects the memory's keys/values at the first
-        step, once per sentence (shared by its beam hypotheses), and keeps them."""
+        """Incremental decoding's state: each layer keeps the memory's keys/values from the first step on."""
         return DecoderState(key_mask(src_pad), memory, [LayerCache() for _ in self.decoder_layers])
 
     def compile_decoding(self) -> Transformer:
         """encode and decode_step through torch.compile with dynamic shapes, for this instance (its state_dict stays
-        eager's); the first batches compile. Raises dynamo's recompile_limit to at least 32 (8 by default)."""
+        eager's); the first batches compile."""
         step = torch.compile(self.decode_step, dynamic=True)
 
         def decode_step(prev: Tensor, state: DecoderState) -> Tensor:
@@ -343,6 +342,7 @@ class Transformer(nn.Module):
 
         self.encode = torch.compile(self.encode, dynamic=True)  # instance attributes shadow the methods
         self.decode_step = decode_step
+        # at least 32 recompiles (8 by default): torch.compiler has no public setting for it, dynamo's config has
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         return self
 

@@ -90,7 +90,7 @@ class Corpus:
         if self.path is None:
             if not self.hub_name:
                 raise InputError(f"data '{self.name}': set data.path to a local copy (no Hub name is configured)")
-            ds = self.load_from_hub(split)
+            ds = self.load_from_hub(split)  # datasets' fingerprint has no public name: it keys our cache
             return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
         root = Path(self.path).expanduser()
         if not root.exists():
