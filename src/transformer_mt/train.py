@@ -1,6 +1,5 @@
-"""Training entry point: `make train CONFIG=base` == `python -m transformer_mt.train experiment=base`.
-
-Light on purpose: the command line is checked before torch and Lightning are imported (training/fit.py)."""
+"""Training entry point: `make train CONFIG=base` == `python -m transformer_mt.train experiment=base`; the command
+line is checked before torch and Lightning are imported (training/fit.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    """`make train`, `transformer-mt-train`: the command line is checked before Hydra makes a run folder (a
-    misspelled key, a GPU recipe without a GPU: one line, no folder, no data built), then run."""
+    """`make train`: the command line checked before Hydra makes a run folder (a bad key: one line, no folder)."""
     argv = sys.argv[1:]
     cfg = exit_on_user_error(check_command_line, "train", argv)
     sweep = any(a in ("-m", "--multirun") or a.startswith("hparams_search=") for a in argv)
@@ -39,7 +37,7 @@ def main() -> None:
 
 
 def leave_past_finalization(status: int) -> None:
-    """runtime.leave_if_gloo_remains, where a training ran (it loaded runtime; nothing else imports torch here)."""
+    """runtime.leave_if_gloo_remains, where a training ran (it loaded runtime)."""
     runtime = sys.modules.get("transformer_mt.runtime")
     if runtime is not None:
         runtime.leave_if_gloo_remains(status)

@@ -1,5 +1,5 @@
-"""Where a training run's lines and metrics go: one log setup for every library, the configured
-logger (wandb, TensorBoard, CSV) and always the metrics as CSV, one wandb run per sweep job."""
+"""Where a training run's lines and metrics go: one log setup for every library, the configured logger and always CSV,
+one wandb run per sweep job."""
 
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ class _DropTips(logging.Filter):
 
 
 def setup_logging() -> None:
-    """Every line through the root logger that Hydra configured (console and <run>/train.log), once: Lightning,
-    `datasets` and `huggingface_hub` attach console handlers of their own. Ranks other than 0 log warnings only."""
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):
+    """Every line once, through Hydra's root logger (console and <run>/train.log); ranks other than 0 warnings only."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):  # own handlers
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
@@ -47,15 +46,14 @@ def setup_logging() -> None:
 
 
 def wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    return (
+        bool(os.environ.get("WANDB_API_KEY")) or netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    )
 
 
 def make_loggers(cfg: DictConfig | None, job: Job) -> list:
-    """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
-    what `make plot` reads)."""
+    """The configured logger, if any, and always the metrics as CSV (<run>/csv/, what `make plot` reads)."""
     configured = [make_logger(cfg, job)] if cfg is not None else []
     if any(isinstance(logger, CSVLogger) for logger in configured):
         return configured
@@ -72,8 +70,7 @@ def make_logger(cfg: DictConfig, job: Job):
             )
         import wandb  # noqa: PLC0415 (only with this logger)
 
-        # No ~35-line history and summary when the run closes: the run's last lines are its results and the
-        # next commands (fit.after_fit); wandb's own lines at the start still say where the run is.
+        # No ~35-line summary at the close: the run's last lines are its results and the next commands
         kwargs["settings"] = wandb.Settings(quiet=True)
         if job.sweep_dir is not None:  # one wandb run per job (see finish_wandb), grouped by sweep
             kwargs["group"] = cfg.group or job.sweep_dir
