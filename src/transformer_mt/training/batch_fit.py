@@ -22,13 +22,13 @@ CPU_ROUNDS = 2  # each size timed this many times, taking turns; its fastest cou
 CPU_TIE = 0.05  # a smaller batch is chosen only when this much faster per token than the larger
 
 
-def largest_fitting(step_bytes: Callable[[int], int], budget: int, ceiling: int, margin: float = MARGIN) -> int:
+def largest_fitting(step_bytes: Callable[[int], int], budget: int, ceiling: int) -> int:
     """The most sentences n <= ceiling whose step_bytes(n) stays under budget x (1 - margin) without running out of
     memory (doubling, then bisecting); 0 when not even one fits."""
 
     def fits(n: int) -> bool:
         try:
-            return step_bytes(n) <= budget * (1 - margin)
+            return step_bytes(n) <= budget * (1 - MARGIN)
         except torch.OutOfMemoryError:
             return False
 
@@ -59,13 +59,12 @@ def measure_step_bytes(module, device: torch.device, precision: str, sentences: 
     return peak + 2 * sum(p.numel() * 4 for p in model.parameters())
 
 
-def fit_max_tokens(module, device: torch.device, precision: str, longest: int, ceiling_tokens: int = 2**20) -> int:
+def fit_max_tokens(module, device: torch.device, precision: str, longest: int) -> int:
     """data.max_tokens on a GPU: the sentences of the longest training pair's length that fit, x that length."""
     budget = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)  # free, and what we hold
     module.to(device)
-    sentences = largest_fitting(
-        lambda n: measure_step_bytes(module, device, precision, n, longest), budget, ceiling_tokens // longest
-    )
+    step_bytes = lambda n: measure_step_bytes(module, device, precision, n, longest)  # noqa: E731
+    sentences = largest_fitting(step_bytes, budget, 2**20 // longest)
     torch.cuda.empty_cache()
     if sentences == 0:
         raise torch.OutOfMemoryError(
@@ -79,11 +78,11 @@ def fit_max_tokens(module, device: torch.device, precision: str, longest: int, c
     return sentences * longest
 
 
-def fastest(seconds: dict[int, float], tie: float = CPU_TIE) -> int:
-    """The batch size whose step took the fewest seconds for the same tokens; a smaller one only when `tie` faster."""
+def fastest(seconds: dict[int, float]) -> int:
+    """The batch size whose step took the fewest seconds for the same tokens; a smaller one only when CPU_TIE faster."""
     chosen, *smaller = sorted(seconds, reverse=True)
     for size in smaller:
-        if seconds[size] < seconds[chosen] * (1 - tie):
+        if seconds[size] < seconds[chosen] * (1 - CPU_TIE):
             chosen = size
     return chosen
 
@@ -91,16 +90,15 @@ def fastest(seconds: dict[int, float], tie: float = CPU_TIE) -> int:
 def probe_sentences(split, tokens: int) -> np.ndarray:
     """~`tokens` target tokens of the pairs nearest the median lengths: no batch size pads more than another."""
     src, tgt = np.asarray(split.src_lens), np.asarray(split.tgt_lens)
-    distance = np.abs(src - np.median(src)) + np.abs(tgt - np.median(tgt))
-    order = np.argsort(distance, kind="stable")
+    order = np.argsort(np.abs(src - np.median(src)) + np.abs(tgt - np.median(tgt)), kind="stable")
     return order[: int(np.searchsorted(np.cumsum(tgt[order] + 1), tokens)) + 1]
 
 
 def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int:
     """data.max_tokens on a CPU: the fastest per target token of fallback / CPU_SHARES, timed on the same sentences;
     the random generators are left as they were."""
-    split = datamodule.splits["train"]
-    longest = datamodule.longest_training_pair()
+    split, longest = datamodule.splits["train"], datamodule.longest_training_pair()
+    fallback = min(fallback, datamodule.tokens_per_update or fallback)  # no micro-batch larger than the update
     sizes = sorted({fallback // share for share in CPU_SHARES if fallback // share >= longest}, reverse=True)
     if len(sizes) < 2:
         return fallback
@@ -144,15 +142,13 @@ class FitBatch(L.Callback):
         if stage != "fit":
             return
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
-        fallback = datamodule.max_tokens_fallback
         if device.type == "cuda":
             tokens = fit_max_tokens(module, device, trainer.precision, datamodule.longest_training_pair())
         elif self.saved:
             tokens = self.saved
             log.info("data.max_tokens=auto on cpu: %s tokens per batch, as the run chose at its start", f"{tokens:,}")
-        else:  # no micro-batch larger than the update
-            largest = min(fallback, datamodule.tokens_per_update or fallback)
-            tokens = fastest_max_tokens(module, datamodule, trainer.precision, largest)
+        else:
+            tokens = fastest_max_tokens(module, datamodule, trainer.precision, datamodule.max_tokens_fallback)
         if trainer.world_size > 1:
             tokens = least_over_ranks(tokens, device)
         datamodule.max_tokens = tokens

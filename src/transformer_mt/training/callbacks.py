@@ -174,22 +174,19 @@ class UpdateProgressBar(TQDMProgressBar):
         bar.n = bar.initial = trainer.global_step  # a resumed run starts where it stopped
         bar.unit = "update"
 
-    def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
-        self.train_progress_bar.set_description(f"training (epoch {trainer.current_epoch})")
-
-    def on_train_batch_end(self, *args) -> None:  # counted in updates: after_update
+    def on_train_batch_end(self, *args) -> None:  # counted in updates (after_update), over every epoch
         pass
 
-    def on_train_epoch_end(self, *args) -> None:  # the bar spans epochs
-        pass
+    on_train_epoch_start = on_train_epoch_end = on_train_batch_end
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:
         bar = self.train_progress_bar
         if self.is_enabled and (update.step % self.refresh_rate == 0 or update.step == bar.total):
-            bar.n, rate = update.step, update.tokens / max(update.seconds, 1e-9)  # host numbers: no wait
-            metrics = self.get_metrics(trainer, trainer.lightning_module)
+            rate, loss = update.tokens / max(update.seconds, 1e-9), update.loss_sum / max(update.tokens, 1)  # no wait
+            bar.n, metrics = update.step, self.get_metrics(trainer, trainer.lightning_module)
             metrics.pop("v_num", None)  # validation's (val/loss, val/bleu) remain
-            bar.set_postfix({**metrics, "loss": f"{update.loss:.3f}", "tok/s": f"{rate:,.0f}"})
+            bar.set_description(f"training (epoch {trainer.current_epoch})")
+            bar.set_postfix({**metrics, "loss": f"{loss:.3f}", "tok/s": f"{rate:,.0f}"})
 
 
 def shown(path: Path) -> str:

@@ -1,6 +1,5 @@
-"""An exponential moving average of the weights (`ema_decay`, Marian's exponential smoothing), kept beside them:
-checkpoints, validation and `make average` see the trained weights; the end of the run evaluates it too (ema.ckpt).
-Lightning's EMAWeightAveraging puts it in the state_dict, so the last-N average (§6.1) would average averages."""
+"""A moving average of the weights (`ema_decay`) beside them, not in the state_dict as Lightning's EMAWeightAveraging
+(the last-N average of §6.1 would average averages); the end of the run evaluates it too (ema.ckpt)."""
 
 from __future__ import annotations
 
@@ -49,7 +48,5 @@ class ExponentialMovingAverage(L.Callback):
 
     def load_state_dict(self, state: dict) -> None:
         if state["decay"] != self.decay:  # the configured decay applies from here on
-            log.warning(
-                f"ema_decay={self.decay}: the checkpoint's moving average was kept with {state['decay']} so far"
-            )
+            log.warning(f"ema_decay={self.decay}: the checkpoint's average was kept with {state['decay']} so far")
         self.updates, self.average = state["updates"], dict(state["average"])

@@ -73,7 +73,7 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
 
 def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None):
     """UpdateEnd and the parts it runs, the checkpoints, early stopping, the batch size's probe."""
-    checkpoints = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
+    checkpoints = checkpoint_callbacks(checkpoint_dir, plain(cfg.checkpoint))
     bar = UpdateProgressBar() if cfg.trainer.enable_progress_bar else None
     progress = ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds, startup, bar)
     ema = ExponentialMovingAverage(cfg.ema_decay) if cfg.ema_decay else None
@@ -89,18 +89,16 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, s
 
 # Keys outside the model whose wrong type would fail late or silently (trainer.val_check_interval: not a time)
 WHOLE = ("seed", "optim.warmup_steps", "val_bleu_sentences", "progress_every_n_updates")
-NUMBERS = {key: int for key in WHOLE} | {key: float for key in (
-    "label_smoothing", "optim.lr_factor", "optim.eps", "progress_every_seconds", "trainer.val_check_interval",
-    "budget.warmup", "budget.cooldown", "budget.average_span", "budget.margin")}  # fmt: skip
+REAL = ("label_smoothing", "optim.lr_factor", "optim.eps", "progress_every_seconds", "trainer.val_check_interval")
+SHARES = ("warmup", "cooldown", "average_span", "margin")  # budget.*: numbers below 1
 
 
 def check_config(cfg: DictConfig) -> None:
     """Settings that only fail late (after the data is built, or at the first validation) are refused first."""
-    for key, kind in NUMBERS.items():
-        value = OmegaConf.select(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value < 0:
-            what = "a number" if kind is float else "a whole number"
-            raise InputError(f"{key}={value!r}: must be {what}, 0 or more")
+    for key in (*WHOLE, *REAL, *(f"budget.{share}" for share in SHARES)):
+        value, whole = OmegaConf.select(cfg, key), key in WHOLE
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value < 0:
+            raise InputError(f"{key}={value!r}: must be {'a whole number' if whole else 'a number'}, 0 or more")
     known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
     unknown = sorted(set(cfg.model) - known)
     if unknown:
@@ -114,7 +112,7 @@ def check_config(cfg: DictConfig) -> None:
         fix = "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
         raise InputError(f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set {fix}")
     budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not after the setup
-    for key in ("warmup", "cooldown", "average_span", "margin"):
+    for key in SHARES:
         if not cfg.budget[key] < 1:
             raise InputError(f"budget.{key}={cfg.budget[key]}: a share, below 1 (e.g. 0.2)")
     if cfg.early_stopping_patience and not monitor:

@@ -21,12 +21,6 @@ QUIET_WARNINGS = [
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
     r".*is smaller than the logging interval",  # tiny runs only
 ]
-QUIET_LOG_PREFIXES = ("💡 Tip:",)  # Lightning's advertisements for its cloud products
-
-
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(QUIET_LOG_PREFIXES)
 
 
 def setup_logging() -> None:
@@ -36,8 +30,8 @@ def setup_logging() -> None:
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
-    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers
-        handler.addFilter(_DropTips())
+    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers; no Lightning cloud adverts
+        handler.addFilter(lambda record: not str(record.msg).startswith("💡 Tip:"))
     logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> console and file
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
@@ -45,25 +39,19 @@ def setup_logging() -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
-def wandb_has_credentials() -> bool:
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return (
-        bool(os.environ.get("WANDB_API_KEY")) or netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-    )
-
-
 def make_loggers(cfg: DictConfig | None, job: Job) -> list:
     """The configured logger, if any, and always the metrics as CSV (<run>/csv/, what `make plot` reads)."""
     configured = [make_logger(cfg, job)] if cfg is not None else []
-    if any(isinstance(logger, CSVLogger) for logger in configured):
-        return configured
-    return [*configured, CSVLogger(job.run_dir, name="csv")]
+    csv = any(isinstance(logger, CSVLogger) for logger in configured)
+    return configured + ([] if csv else [CSVLogger(job.run_dir, name="csv")])
 
 
 def make_logger(cfg: DictConfig, job: Job):
     kwargs = {}
     if cfg["_target_"].endswith("WandbLogger"):
-        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
+        netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+        key = os.environ.get("WANDB_API_KEY") or netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not key:
             os.environ["WANDB_MODE"] = "offline"
             (log.warning if rank_zero_only.rank == 0 else log.debug)(  # one line per run, not per rank
                 "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir

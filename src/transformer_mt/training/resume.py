@@ -51,12 +51,11 @@ class RandomState(L.Callback):
         self._restore: list[dict] | None = None
 
     def state_dict(self) -> dict:
-        state = random_state()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        ranks = [random_state()]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # rank 0 writes all ranks' states
             ranks = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(ranks, state)  # rank 0 writes the checkpoint: all ranks' states
-            return {"ranks": ranks}
-        return {"ranks": [state]}
+            torch.distributed.all_gather_object(ranks, random_state())
+        return {"ranks": ranks}
 
     def load_state_dict(self, state: dict) -> None:
         self._restore = state["ranks"]
@@ -150,8 +149,7 @@ def refuse_lightnings_own_resume(run_dir: Path) -> None:
 
 def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str) -> None:
     """A launched job continues its folder by itself only as the same training (a longer trainer.max_steps is)."""
-    differ = {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}
-    if differ:
+    if differ := {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}:
         shown = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in list(differ.items())[:4])
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
         raise InputError(
@@ -171,8 +169,7 @@ def changed_settings(checkpoint: dict, config: dict) -> dict[str, tuple]:
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
     before, now = comparable_model(checkpoint["hyper_parameters"]["model"]), comparable_model(model)
-    changed = {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}
-    if changed:
+    if changed := {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}:
         shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))
         raise InputError(
             f"ckpt_path={path}: the checkpoint's model has {shown}; resume with the run's own settings "
@@ -180,16 +177,13 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
         )
     if checkpoint.get("sentencepiece") != sentencepiece:
         raise InputError(
-            f"ckpt_path={path}: the checkpoint was trained with another SentencePiece model than the one "
-            "these data settings give (data.path, data.vocab_size, seed ...); resume with the run's own "
-            "data settings (the same CONFIG and ARGS), or start a new run without ckpt_path"
+            f"ckpt_path={path}: the checkpoint was trained with another SentencePiece model than the one these data "
+            "settings give (data.path, data.vocab_size, seed ...); resume with the run's own data settings (the same "
+            "CONFIG and ARGS), or start a new run without ckpt_path"
         )
-    differ = changed_settings(checkpoint, config)
-    if differ and rank_zero_only.rank == 0:
-        log.warning(
-            "resuming with settings that differ from the checkpoint's: %s",
-            "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items()),
-        )
+    if (differ := changed_settings(checkpoint, config)) and rank_zero_only.rank == 0:
+        changes = "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items())
+        log.warning(f"resuming with settings that differ from the checkpoint's: {changes}")
 
 
 def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per_update: int | None) -> None:
@@ -217,8 +211,5 @@ def comparable_model(model: dict) -> dict:
 def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
+        flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return flat

@@ -36,27 +36,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         shutil.rmtree(ct2_folder(Path(path)), ignore_errors=True)
 
 
-def checkpoint_callbacks(
-    checkpoint_dir: Path,
-    every_n_train_steps: int | None,
-    train_time_interval_minutes: float | None,
-    keep_last: int,
-    best_monitor: str | None,
-    best_mode: str,
-) -> list[Checkpoint]:
+def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
     """conf/train.yaml's `checkpoint` block as callbacks, in the order their saves must happen (best.ckpt first, so
     saves after a validation hold its best score)."""
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
-    best = [BestCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common)]
-    periodic = [
-        UpdateCheckpoint(filename=name, save_top_k=keep_last, every=every, minutes=minutes, **common)
-        for name, every, minutes in (
-            ("step{step:07d}", every_n_train_steps, None),
-            ("time-step{step:07d}", None, train_time_interval_minutes),
-        )
-        if every or minutes
-    ]
-    return [*(best if best_monitor else []), *periodic, Saves(checkpoint_dir / RunFolder.LAST, periodic)]
+    keep, every, minutes = cfg["keep_last"], cfg["every_n_train_steps"], cfg["train_time_interval_minutes"]
+    periodic = [UpdateCheckpoint(filename="step{step:07d}", every=every, save_top_k=keep, **common)] if every else []
+    if minutes:
+        periodic.append(UpdateCheckpoint(filename="time-step{step:07d}", minutes=minutes, save_top_k=keep, **common))
+    best = BestCheckpoint(filename="best", save_top_k=1, monitor=cfg["best_monitor"], mode=cfg["best_mode"], **common)
+    return [*([best] if cfg["best_monitor"] else []), *periodic, Saves(checkpoint_dir / RunFolder.LAST, periodic)]
 
 
 class MovedFolder:

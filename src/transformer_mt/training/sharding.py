@@ -20,8 +20,6 @@ from torch.distributed.tensor import DTensor
 
 from transformer_mt.model import Transformer
 
-# The Transformer's methods the training loss calls, each gathering the root unit (embeddings, final norms)
-FORWARD_METHODS = ("features", "project")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, on the host
 
 
@@ -50,7 +48,6 @@ class LayerFSDP(DDPStrategy):
         return get_model_state_dict(self.lightning_module, options=FULL)
 
     def optimizer_state(self, optimizer) -> dict:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
         state = get_optimizer_state_dict(self.lightning_module, optimizer, options=FULL)
         if self.global_rank != 0:
             return state  # empty: only rank 0 writes
@@ -75,7 +72,7 @@ def shard(model: Transformer, device_type: str, world_size: int, policy: MixedPr
     for layer in [*model.encoder_layers, *model.decoder_layers]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    for name in FORWARD_METHODS:
+    for name in ("features", "project"):  # what the training loss calls: each gathers the root unit as forward does
         register_fsdp_forward_method(model, name)
 
 

@@ -46,14 +46,6 @@ class Update:
     clock: float  # seconds of training over every attempt, validations left out, rank 0's
     seconds: float  # this process's wall time since the previous update ended
 
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(self.tokens, 1)
-
-    @property
-    def nll(self) -> float:
-        return self.nll_sum / max(self.tokens, 1)
-
 
 class UpdateBookkeeping(L.Callback):
     """The module's (configure_callbacks): any Trainer normalises the gradient as this project does. Its totals
@@ -183,7 +175,8 @@ class UpdateEnd(L.Callback):
         if update.signal:  # any rank's; callback_metrics: ddp_spawn's workers hand it back to train()
             trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(update.signal))
         if out_of_time or update.signal:  # with no validation that was not due (Lightning validates at any stop)
-            trainer.limit_val_batches = trainer.limit_val_batches if validation_follows(trainer) else 0
+            if not validation_follows(trainer):
+                trainer.limit_val_batches = 0
             trainer.should_stop = True
         if self.saves is not None:
             self.saves.after_update(trainer, update)  # periodic and last.ckpt, after a validation that follows
@@ -233,11 +226,11 @@ def gradient_norm(parameters, sharded: bool) -> Tensor:
 
 def log_update(trainer: L.Trainer, update: Update) -> None:
     """Host numbers to every logger at trainer.log_every_n_steps (self.log would build device tensors)."""
-    every = trainer.log_every_n_steps
+    every, tokens = trainer.log_every_n_steps, max(update.tokens, 1)
     if not every or update.step % every:
         return
-    optimizer = trainer.optimizers[0]
-    metrics = {"train/loss": update.loss, "train/nll": update.nll, "train/ppl": math.exp(min(update.nll, 700.0))}
+    optimizer, nll = trainer.optimizers[0], update.nll_sum / tokens
+    metrics = {"train/loss": update.loss_sum / tokens, "train/nll": nll, "train/ppl": math.exp(min(nll, 700.0))}
     metrics |= {"train/grad_norm": update.grad_norm, f"lr-{type(optimizer).__name__}": optimizer.param_groups[0]["lr"]}
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=update.step - 1)  # Lightning's step: the updates before this one
