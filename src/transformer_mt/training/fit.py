@@ -143,9 +143,8 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
     if name == "fsdp":
         if shell_sweep and devices != 1:
             raise InputError(
-                "trainer=fsdp in a Hydra multirun (-m) started from a shell: it starts its other ranks by "
-                "re-running the command (as Lightning's ddp), which would re-run the whole sweep in each of them. "
-                "Run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
+                "trainer=fsdp in a Hydra multirun (-m) from a shell would re-run the whole sweep in each of its ranks: "
+                "run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
             )
         return LayerFSDP(precision)
     if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job
@@ -215,23 +214,19 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        saved_update, saved_max_tokens = resumed["update_tokens"], resumed["max_tokens"]
+        saved, saved_max_tokens = resumed["update_tokens"], resumed["max_tokens"]
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), job)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
     trainer = L.Trainer(**trainer_args, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
                         default_root_dir=run_dir, enable_model_summary=False)  # fmt: skip
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
-        update_tokens = shape_updates(trainer, datamodule)
-        if resume_path and saved_update:
-            check_update_size(
-                resume_path, saved_update, update_tokens, trainer.world_size, datamodule.tokens_per_update
-            )
+        now = shape_updates(trainer, datamodule)
+        if resume_path and saved:
+            check_update_size(resume_path, saved, now, trainer.world_size, datamodule.tokens_per_update)
     if trainer.is_global_zero:
-        n_params = sum(p.numel() for p in module.parameters())
-        log.info(
-            f"model: {n_params:,} parameters, vocabulary {len(datamodule.tokenizer)}, precision {trainer.precision}"
-        )
+        params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
+        log.info(f"model: {params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)
     try:

@@ -119,28 +119,23 @@ class TranslationModule(L.LightningModule):
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             scores = self._score_hypotheses()
             metrics.update({f"val/{name}": value for name, value in scores.items()})
-            summary += (
-                f", greedy sacreBLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} ({len(self._hyps)} sentences)"
-            )
+            bleu, chrf, n = scores["bleu"], scores["chrf"], len(self._hyps)
+            summary += f", greedy sacreBLEU {bleu:.2f}, chrF {chrf:.2f} ({n} sentences)"
         # Every rank holds the same values (sums reduced, hypotheses gathered): checkpoint monitors agree.
-        self.log_dict(
-            {k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}, prog_bar=True, sync_dist=True
-        )
+        shown = {k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}
+        self.log_dict(shown, prog_bar=True, sync_dist=True)
         self.log_dict(metrics, sync_dist=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 
     def _score_hypotheses(self) -> dict[str, float]:
         """Corpus scores of the hypotheses of every rank, detokenized, in split order."""
-        hyps = self._hyps
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             shards = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(shards, hyps)
-            hyps = {i: h for shard in shards for i, h in shard.items()}
-        self._hyps = hyps
-        order = sorted(hyps)
-        texts = self.tokenizer.decode([hyps[i][0] for i in order])
-        return corpus_scores(texts, [hyps[i][1] for i in order])
+            torch.distributed.all_gather_object(shards, self._hyps)
+            self._hyps = {i: h for shard in shards for i, h in shard.items()}
+        hyps, references = zip(*(self._hyps[i] for i in sorted(self._hyps)))
+        return corpus_scores(self.tokenizer.decode(list(hyps)), list(references))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The metrics logged so far reach the disk with every checkpoint: a killed run loses no CSV row before it

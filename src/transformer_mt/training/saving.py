@@ -52,8 +52,6 @@ class MovedFolder:
     """A ModelCheckpoint that keeps its files and scores when the run folder was moved or copied (Lightning's own
     forgets them: best.ckpt would be replaced whatever its score, keep_last would lose count)."""
 
-    moved_from: str | None = None  # the folder of the checkpoint resumed from, when it was another
-
     def file_exists(self, filepath, trainer) -> bool:
         """Never: a run resumed in place rewrites a killed attempt's file instead of versioning it ("-v1")."""
         return False
@@ -72,17 +70,13 @@ class MovedFolder:
                 best_model_path=best, best_model_score=kept[best], kth_best_model_path=kth, kth_value=kept[kth]
             )
         super().load_state_dict({**state, "dirpath": self.dirpath, **restored})
-        self.moved_from = state["dirpath"]
+        if self.monitor != "step" and self.best_model_score is not None and rank_zero_only.rank == 0:  # best.ckpt's
+            score, was = float(self.best_model_score), Path(state["dirpath"]).parent
+            log.info(f"resumed in a moved folder: best.ckpt's {self.monitor} {score:.2f} kept (the run was in {was})")
 
 
 class BestCheckpoint(MovedFolder, ModelCheckpoint):
-    """best.ckpt: the best validation value of `monitor` (a resume in a moved folder keeps it, and says so)."""
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self.moved_from and self.best_model_score is not None and rank_zero_only.rank == 0:
-            score, was = float(self.best_model_score), Path(self.moved_from).parent
-            log.info(f"resumed in a moved folder: best.ckpt's {self.monitor} {score:.2f} kept (the run was in {was})")
+    """best.ckpt: the best validation value of `monitor`."""
 
 
 class UpdateCheckpoint(MovedFolder, ModelCheckpoint):

@@ -31,12 +31,9 @@ class LayerFSDP(DDPStrategy):
         super().__init__(**kwargs)
         self.precision = precision
 
-    @property
-    def mixed_precision_config(self) -> MixedPrecisionPolicy | None:
-        return mixed_precision_policy(self.precision, self.root_device.type)
-
     def configure_ddp(self) -> None:  # in place of DDP's wrapper
-        shard(self.lightning_module.model, self.root_device.type, self.world_size, self.mixed_precision_config)
+        device = self.root_device.type
+        shard(self.lightning_module.model, device, self.world_size, mixed_precision_policy(self.precision, device))
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:

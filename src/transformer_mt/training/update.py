@@ -101,9 +101,8 @@ class UpdateBookkeeping(L.Callback):
         accumulation window."""
         if self._pending is None:
             return None
-        norm, tokens, flops, elapsed, *rest = self._pending.tolist()
+        norm, tokens, flops, elapsed, *counts, loss_sum, nll_sum = self._pending.tolist()
         self._pending = None
-        counts, (loss_sum, nll_sum) = rest[: len(SIGNALS)], rest[len(SIGNALS) :]
         received = next((int(s) for s, n in zip(SIGNALS, counts) if n), 0)
         if trainer.world_size == 1:
             received, elapsed = self.signal, self.training_clock()
@@ -195,11 +194,8 @@ class UpdateEnd(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.teardown(trainer, module, "fit")
-        signum = self.received  # one noted after the last update's reduction: every rank's, reduced once more
-        if trainer.world_size > 1:
-            flag = torch.tensor([signum], device=module.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            signum = int(flag.item())
+        # a signal noted after the last update's reduction: every rank's, reduced once more
+        signum = int(trainer.strategy.reduce(torch.tensor([self.received], device=module.device), reduce_op="max"))
         if signum and "stopped_by_signal" not in trainer.callback_metrics:
             trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(signum))
 
