@@ -46,8 +46,7 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
 
 
 def stopped_early(checkpoint: dict) -> int | None:
-    """The update at which the schedule ends (a time budget's horizon, else trainer.max_steps) if the checkpoint is
-    short of it."""
+    """The schedule's last update (a time budget's horizon, else max_steps) if the checkpoint is short of it."""
     max_steps = checkpoint["hyper_parameters"]["config"]["trainer"]["max_steps"]
     planned = getattr(TimeBudget.of(checkpoint), "horizon", None) or max_steps
     return planned if planned > 0 and checkpoint["global_step"] < planned else None

@@ -1,5 +1,4 @@
 """Training with Lightning. A map of the wing:
-
 fit.py          one run from its composed config: the Trainer's arguments, data, module, callbacks, fit, the end
 module.py       the LightningModule: the loss, Adam with the Noam schedule (or a time budget's), validation
 update.py       an optimizer update, its one wait for the device, and UpdateEnd, the one owner of what follows it

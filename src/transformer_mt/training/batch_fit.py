@@ -95,8 +95,7 @@ def probe_sentences(split, tokens: int) -> np.ndarray:
 
 
 def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int:
-    """data.max_tokens on a CPU: the fastest per target token of fallback / CPU_SHARES, timed on the same sentences;
-    the random generators are left as they were."""
+    """data.max_tokens on a CPU: the fastest per token of fallback / CPU_SHARES; the random generators untouched."""
     split, longest = datamodule.splits["train"], datamodule.longest_training_pair()
     fallback = min(fallback, datamodule.tokens_per_update or fallback)  # no micro-batch larger than the update
     sizes = sorted({fallback // share for share in CPU_SHARES if fallback // share >= longest}, reverse=True)
@@ -132,15 +131,12 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
 
 
 class FitBatch(L.Callback):
-    """data.max_tokens=auto once the process group exists: the probe (a resumed CPU run: `saved`), the smallest over
-    the ranks, then the update's shape."""
+    """data.max_tokens=auto once the process group exists (a resumed CPU run: its `saved` choice)."""
 
     def __init__(self, saved: int | None = None):
         self.saved = saved
 
-    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:  # the Trainer only fits
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         if device.type == "cuda":
             tokens = fit_max_tokens(module, device, trainer.precision, datamodule.longest_training_pair())
@@ -163,8 +159,7 @@ def least_over_ranks(tokens: int, device: torch.device) -> int:
 
 
 def shape_updates(trainer: L.Trainer, datamodule) -> int:
-    """Micro-batches per update and the validation interval in micro-batches, once the Trainer exists; returns the
-    update's padded tokens per side (datamodule.update_tokens, kept in checkpoints)."""
+    """Micro-batches per update, validation's interval in micro-batches; returns the update's padded tokens per side."""
     batch_tokens, trainer.accumulate_grad_batches = datamodule.update_shape(trainer.world_size)
     datamodule.update_tokens = trainer.accumulate_grad_batches * batch_tokens * trainer.world_size
     if isinstance(trainer.val_check_interval, int):

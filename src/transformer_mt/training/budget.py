@@ -37,10 +37,7 @@ def budget_seconds(max_time) -> float | None:
     except (ValueError, TypeError):
         seconds = 0
     if seconds <= 0:
-        raise InputError(
-            f"trainer.max_time={max_time!r}: a time budget is DD:HH:MM:SS (e.g. 00:00:26:00 for 26 minutes of "
-            "training), or null for none"
-        )
+        raise InputError(f"trainer.max_time={max_time!r}: a time budget is DD:HH:MM:SS (e.g. 00:00:26:00), or null")
     return seconds
 
 

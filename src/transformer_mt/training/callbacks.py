@@ -198,8 +198,7 @@ def shown(path: Path) -> str:
 
 
 class RunEnd(L.Callback):
-    """How a run ended, on rank 0: stopped by a signal, how to continue; else the next commands (summary_later: after
-    the end-of-run protocol, fit.after_fit)."""
+    """How a run ended, on rank 0: stopped by a signal, how to continue; else the next commands."""
 
     def __init__(self, checkpoint_dir: Path, keep_last: int, summary_later: bool = False):
         self.checkpoint_dir, self.keep_last, self.summary_later = checkpoint_dir, keep_last, summary_later

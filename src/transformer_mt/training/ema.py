@@ -15,8 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class ExponentialMovingAverage(L.Callback):
-    """ema_t = decay * ema_{t-1} + (1 - decay) * weights_t after update t, ema_0 the initial weights, in fp32; it
-    travels in every checkpoint."""
+    """ema_t = decay * ema_{t-1} + (1 - decay) * weights_t after update t, ema_0 the initial weights, in fp32."""
 
     def __init__(self, decay: float):
         self.decay = decay  # fit.check_config refuses one outside (0, 1)

@@ -54,10 +54,8 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
     accelerator = args.get("accelerator", "auto")
     check_device(accelerator)
     known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    unknown = sorted(set(args) - known)  # +trainer.max_step=5 would end in the Trainer's TypeError
-    if unknown:
-        match = closest(unknown[0], known)
-        hint = f"; did you mean trainer.{match}?" if match else ""
+    if unknown := sorted(set(args) - known):  # +trainer.max_step=5 would end in the Trainer's TypeError
+        hint = f"; did you mean trainer.{match}?" if (match := closest(unknown[0], known)) else ""
         raise InputError(f"trainer.{unknown[0]}: not a lightning.Trainer argument{hint}")
     if args.get("precision") == "auto":  # trainer=cpu: bf16 only where the CPU computes it natively
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
@@ -100,8 +98,7 @@ def check_config(cfg: DictConfig) -> None:
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value < 0:
             raise InputError(f"{key}={value!r}: must be {'a whole number' if whole else 'a number'}, 0 or more")
     known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
-    unknown = sorted(set(cfg.model) - known)
-    if unknown:
+    if unknown := sorted(set(cfg.model) - known):
         raise InputError(f"model.{unknown[0]}: not a model setting; the model takes {', '.join(sorted(known))}")
     try:  # the model's own checks (types, positive sizes, heads dividing d_model); the vocabulary comes later
         TransformerConfig(**plain(cfg.model), vocab_size=PAD_ID + 1, pad_id=PAD_ID)
@@ -157,14 +154,13 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
 
 def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
     """trainer.compile; auto: on a CUDA GPU (projected 1.5x eager), not with fsdp (untested), off on a CPU (0.85x)."""
-    if trainer.get("compile", False) != "auto":
-        return bool(trainer.get("compile", False))
+    if (mode := trainer.get("compile", False)) != "auto":
+        return bool(mode)
+    fsdp = trainer.get("strategy") == "fsdp"
     on_cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-    if on_cuda and trainer.get("strategy") == "fsdp":
-        log.info("trainer.compile=auto: off with trainer=fsdp (not tested compiled)")
-    elif on_cuda:
-        log.info("trainer.compile=auto: the training step compiled on CUDA (trainer.compile=false: eager)")
-    return on_cuda and trainer.get("strategy") != "fsdp"
+    if on_cuda:
+        log.info(f"trainer.compile=auto: {'off with trainer=fsdp (untested)' if fsdp else 'compiled on CUDA'}")
+    return on_cuda and not fsdp
 
 
 def train(cfg: DictConfig, job: Job) -> float | None:
@@ -176,9 +172,8 @@ def train(cfg: DictConfig, job: Job) -> float | None:
     runtime.bound_onednn_cache()  # host memory stays bounded over a long run
     trainer_args = trainer_arguments(cfg.trainer, sweep=job.sweep_dir is not None)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir = job.run_dir
     try:  # one training per run folder: a second start into it is refused (the job's first process holds it)
-        with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
+        with RunFolderLock(job.run_dir) if first_process() else contextlib.nullcontext():
             return fit(cfg, job, trainer_args, startup)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
@@ -246,8 +241,7 @@ def budget_settings(cfg: DictConfig) -> dict | None:
 
 
 def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
-    """A run stopped by a signal exits 128 + its number; a finished one runs the end-of-run protocol on rank 0, then
-    says the next commands. Returns the last validation BLEU."""
+    """Exits 128 + a stop signal's number; else the end-of-run protocol on rank 0; returns the last validation BLEU."""
     stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # UpdateEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:

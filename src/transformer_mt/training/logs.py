@@ -1,5 +1,4 @@
-"""Where a training run's lines and metrics go: one log setup for every library, the configured logger and always CSV,
-one wandb run per sweep job."""
+"""Where a training run's lines and metrics go: one log setup, the configured logger and CSV, a wandb run per job."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ from transformer_mt.launcher import Job
 
 log = logging.getLogger(__name__)
 
-# Library messages that say nothing about this run (checked on Lightning 2.6).
-QUIET_WARNINGS = [
-    r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
-    r".*is smaller than the logging interval",  # tiny runs only
-]
+# Library warnings that say nothing about this run (Lightning 2.6's use of a torch API; tiny runs only)
+QUIET_WARNINGS = (r".*isinstance\(treespec, LeafSpec\)` is deprecated", r".*is smaller than the logging interval")
 
 
 def setup_logging() -> None:

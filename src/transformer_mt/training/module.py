@@ -1,5 +1,4 @@
-"""The LightningModule: objective.py's loss, Adam with the Noam schedule (§5.3) or a time budget's, and validation's
-loss, greedy BLEU and chrF."""
+"""The LightningModule: the loss, Adam with Noam's schedule (§5.3) or a time budget's, validation's BLEU and chrF."""
 
 from __future__ import annotations
 
@@ -17,15 +16,14 @@ from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.budget import TimeBudget
-from transformer_mt.training.sharding import full_copy, is_sharded
+from transformer_mt.training.sharding import LayerFSDP, full_copy
 from transformer_mt.training.update import UpdateBookkeeping
 
 log = logging.getLogger(__name__)
 
 
 class TranslationModule(L.LightningModule):
-    """Trains a Transformer; validation scores greedy translations of its batches. The tokenizer travels in every
-    checkpoint."""
+    """Trains a Transformer; validation scores greedy translations; the tokenizer travels in every checkpoint."""
 
     def __init__(
         self,
@@ -46,15 +44,11 @@ class TranslationModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.updates = UpdateBookkeeping()  # tokens, FLOPs, the gradient's normalisation and norm, totals
         self.budget = TimeBudget(**budget) if budget else None  # its schedule is this module's
-        self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
-        self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
-        self._decoder: Transformer | None = None  # what validation decodes with (sharding.py)
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
         self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
 
     def compile_training(self, backend="inductor") -> None:
-        """trainer.compile: the training loss through torch.compile with dynamic shapes (2 graphs an epoch, not one per
-        shape), decoding through Transformer.compile_decoding; the model is not wrapped (no `_orig_mod.` keys)."""
+        """trainer.compile: the loss with dynamic shapes (2 graphs an epoch), the model unwrapped (no `_orig_mod.`)."""
         self._training_losses = torch.compile(sequence_losses, dynamic=True, backend=backend)
         self.model.compile_decoding()
 
@@ -94,10 +88,10 @@ class TranslationModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
     def on_validation_epoch_start(self) -> None:
-        self._sums = torch.zeros(3, device=self.device)
-        self._hyps = {}
+        self._sums = torch.zeros(3, device=self.device)  # smoothed loss, NLL, target tokens
+        self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
         # Under FSDP a whole copy, gathered on every rank alike: decoding through the shards would hang
-        sharded = is_sharded(self.trainer.strategy) and self.trainer.world_size > 1
+        sharded = isinstance(self.trainer.strategy, LayerFSDP) and self.trainer.world_size > 1
         self._decoder = full_copy(self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

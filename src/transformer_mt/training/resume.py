@@ -1,5 +1,4 @@
-"""Resuming a run exactly: every rank's random state in its checkpoints, which checkpoint a run continues from, and
-whether the configured run can continue it."""
+"""Resuming a run exactly: every rank's random state, which checkpoint a run continues from, and whether it can."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def random_state() -> dict:
-    """This process's generators as values weights_only loading accepts; of CUDA, its own device's only (a resume may
-    see fewer GPUs)."""
+    """This process's generators as weights_only values; of CUDA its own device's (a resume may see fewer GPUs)."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -98,8 +96,7 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
 
 
 def refuse(path: Path, error: UserError) -> None:
-    """A checkpoint ckpt_path=last will not continue from is renamed <name>.refused (by the first process), so that no
-    average or resume takes it."""
+    """Renames a checkpoint ckpt_path=last refuses to <name>.refused, so that no average or resume takes it."""
     if not first_process() or not path.is_file():
         log.warning("not resuming from %s: %s", path, error)
         return
@@ -195,10 +192,7 @@ def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per
             f"keep the recipe with data.tokens_per_update={saved}, or start a new run without ckpt_path"
         )
     if now != saved and rank_zero_only.rank == 0:
-        log.info(
-            f"the update holds {now:,} padded tokens per side, the checkpoint's {saved:,} (whole micro-batches on "
-            f"{devices} device(s), data.tokens_per_update={tokens_per_update})"
-        )
+        log.info(f"the update holds {now:,} padded tokens per side on {devices} device(s), the checkpoint's {saved:,}")
 
 
 def comparable_model(model: dict) -> dict:

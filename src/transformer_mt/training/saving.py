@@ -37,8 +37,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
-    """conf/train.yaml's `checkpoint` block as callbacks, in the order their saves must happen (best.ckpt first, so
-    saves after a validation hold its best score)."""
+    """The `checkpoint` block as callbacks, best.ckpt first (saves after a validation hold its best score)."""
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
     keep, every, minutes = cfg["keep_last"], cfg["every_n_train_steps"], cfg["train_time_interval_minutes"]
     periodic = [UpdateCheckpoint(filename="step{step:07d}", every=every, save_top_k=keep, **common)] if every else []
@@ -49,8 +48,7 @@ def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
 
 
 class MovedFolder:
-    """A ModelCheckpoint that keeps its files and scores when the run folder was moved or copied (Lightning's own
-    forgets them: best.ckpt would be replaced whatever its score, keep_last would lose count)."""
+    """A ModelCheckpoint that keeps its files and scores when the run folder was moved (Lightning's forgets them)."""
 
     def file_exists(self, filepath, trainer) -> bool:
         """Never: a run resumed in place rewrites a killed attempt's file instead of versioning it ("-v1")."""
@@ -116,8 +114,7 @@ class Saves(Checkpoint):
     update; last.ckpt also at the end of training, and at each epoch's end without periodic checkpoints."""
 
     def __init__(self, path: Path, periodic: list[UpdateCheckpoint]):
-        self.path, self.periodic = path, periodic
-        self.saved_step: int | None = None
+        self.path, self.periodic, self.saved_step = path, periodic, None
         self.waiting: tuple | None = None  # (update, the periodic checkpoints due) until the validation's end
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:

@@ -24,8 +24,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 
 
 class LayerFSDP(DDPStrategy):
-    """FSDP2 per layer, embeddings and final norms in the root unit; gradients reduce-scattered once per update. Runs
-    over gloo on CPU processes too (the slow tier trains with it)."""
+    """FSDP2 per layer, gradients reduce-scattered once per update; over gloo on CPU processes too."""
 
     def __init__(self, precision: str | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -76,11 +75,8 @@ def shard(model: Transformer, device_type: str, world_size: int, policy: MixedPr
 def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrecisionPolicy | None:
     """bf16-mixed: weights gathered in bf16, gradients reduced in fp32; the layers' inputs cast on a CPU only (its
     autocast refuses fp32 into a bf16 LayerNorm; on CUDA the residual stream stays fp32, as under DDP)."""
-    if precision != "bf16-mixed":
-        return None
-    return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=device_type != "cuda"
-    )
+    bf16 = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=device_type != "cuda")
+    return bf16 if precision == "bf16-mixed" else None
 
 
 @contextmanager
@@ -91,10 +87,6 @@ def no_gradient_sync(model: Transformer) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def is_sharded(strategy) -> bool:
-    return isinstance(strategy, LayerFSDP)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

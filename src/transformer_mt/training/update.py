@@ -1,5 +1,4 @@
-"""An optimizer update: its gradient's normalisation, its one wait for the device (tests/device_waits.py counts the
-waits), and UpdateEnd, the one owner of what follows its end."""
+"""An optimizer update: its gradient's normalisation, its one wait for the device, and UpdateEnd, its end's owner."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from torch import Tensor
 
 from transformer_mt.errors import UserError
 from transformer_mt.model import training_flops
-from transformer_mt.training.sharding import is_sharded, local
+from transformer_mt.training.sharding import LayerFSDP, local
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,7 @@ class Update:
 
 
 class UpdateBookkeeping(L.Callback):
-    """The module's (configure_callbacks): any Trainer normalises the gradient as this project does. Its totals
-    (tokens, FLOPs, the update clock) travel in checkpoints."""
+    """The module's own (any Trainer normalises the gradient so); its totals travel in checkpoints."""
 
     def __init__(self):
         self.totals = {"target_tokens": 0, "model_flops": 0.0, "train_seconds": 0.0}
@@ -59,8 +57,6 @@ class UpdateBookkeeping(L.Callback):
         self._sums: Tensor | None = None  # loss and NLL sums of this update's micro-batches (device)
         self._host = [0, 0.0]  # target tokens and FLOPs of this update's micro-batches, this rank
         self._pending: Tensor | None = None  # [grad norm, tokens, FLOPs, clock, signals..., loss, nll] (device)
-        self._start = self._before = self._paused = self._last_end = 0.0
-        self._validation_began: float | None = None
 
     def add(self, module: L.LightningModule, batch: dict, loss_sum: Tensor, nll_sum: Tensor) -> None:
         """A micro-batch's share: its loss sums stay on the device; its counts come from collate (host)."""
@@ -91,14 +87,13 @@ class UpdateBookkeeping(L.Callback):
             torch.distributed.all_reduce(values)
             scale = (trainer.accumulate_grad_batches * trainer.world_size / values[0].clamp(min=1)).float()
             torch._foreach_mul_(grads, scale)  # on the gradients' device
-        self.norm = norm = gradient_norm(module.parameters(), sharded=is_sharded(trainer.strategy))
+        self.norm = norm = gradient_norm(module.parameters(), sharded=isinstance(trainer.strategy, LayerFSDP))
         if trainer.precision != "16-mixed":  # fp16's GradScaler skips such steps itself
             optimizer.found_inf = (~norm.isfinite()).float()  # fused Adam leaves weights and moments as they are
         self._pending = torch.cat([norm.reshape(1).double(), values])
 
     def end(self, trainer: L.Trainer) -> Update | None:
-        """The update that ended with this micro-batch, read in one transfer and added to the totals; None inside an
-        accumulation window."""
+        """The update that ended with this micro-batch, read in one transfer; None inside an accumulation window."""
         if self._pending is None:
             return None
         norm, tokens, flops, elapsed, *counts, loss_sum, nll_sum = self._pending.tolist()
@@ -186,10 +181,7 @@ class UpdateEnd(L.Callback):
             raise SystemExit(128 + signal.SIGINT)
         if not self.received:
             again = "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else ""
-            name = signal.Signals(signum).name
-            log.warning(
-                f"received {name}: stopping at the end of the update in progress (last.ckpt is written there){again}"
-            )
+            log.warning(f"received {signal.Signals(signum).name}: stopping at the end of the update in progress{again}")
         self.received = self.updates.signal = signum
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -204,8 +196,7 @@ class UpdateEnd(L.Callback):
             signal.signal(signum, handler)
         self._handlers = {}
 
-    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, module, "fit")  # Lightning calls no teardown hook then
+    on_exception = teardown  # Lightning calls no teardown hook then (the exception in `stage`'s place)
 
 
 def gradient_norm(parameters, sharded: bool) -> Tensor:
