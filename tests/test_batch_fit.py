@@ -157,7 +157,8 @@ def test_the_recipes_fit_their_batch_to_the_gpu_and_keep_the_update(experiment, 
     cfg, datamodule, trainer = recipe_setup(experiment, "cuda", devices, monkeypatch)
     assert cfg.data.max_tokens == "auto" and cfg.data.tokens_per_update == 25_000
     step = memory_model(251, per_token=200_000 * cfg.model.d_model // 512)
-    monkeypatch.setattr(batch_fit, "device_memory_budget", lambda device: gpu_gib * GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gpu_gib * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
     monkeypatch.setattr(batch_fit, "measure_step_bytes", lambda module, device, precision, n, length: step(n))
     monkeypatch.setattr(batch_fit, "least_over_ranks", lambda tokens, device: tokens)  # every rank found the same
     with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):

@@ -5,6 +5,7 @@ tests count updates and schedule values, never seconds."""
 import logging
 import math
 import re
+from dataclasses import asdict
 from datetime import timedelta
 
 import lightning as L
@@ -79,7 +80,7 @@ def test_a_horizon_fixed_after_the_warmup_decays_from_the_rate_it_had():
 def test_the_budget_travels_whole_in_its_checkpoint_field_and_a_resume_continues_its_schedule():
     schedule = budget(provisional=400)
     schedule.fix(30, 31.0, 800)
-    checkpoint = {"budget": schedule.state()}  # as TranslationModule.on_save_checkpoint writes it
+    checkpoint = {"budget": asdict(schedule)}  # as TranslationModule.on_save_checkpoint writes it
     assert TimeBudget.of(checkpoint) == schedule and TimeBudget.of({"budget": None}) is None
     fresh = budget(provisional=400)
     fresh.resume(checkpoint["budget"])

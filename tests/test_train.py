@@ -33,9 +33,7 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     step3 = load(ckpts / "step0000003.ckpt")  # loads with weights_only=True: plain values only
     assert step3["global_step"] == 3 and isinstance(step3["hyper_parameters"]["config"], dict)
     assert step3["sentencepiece"] == (run / "sentencepiece.model").read_bytes()
-    assert step3["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [
-        {"epoch": 0, "position": 3, "plan": 2}
-    ]  # mid-epoch
+    assert step3["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 0, "position": 3}]  # mid-epoch
     # best.ckpt: the validation (of updates 4 and 8) with the higher val/bleu
     best = load(ckpts / "best.ckpt")
     logged = dict(read_metrics(run)["val/bleu"])  # update -> val/bleu, from metrics.csv

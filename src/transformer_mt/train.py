@@ -1,6 +1,5 @@
-"""Training entry point: `make train CONFIG=base` == `python -m transformer_mt.train experiment=base`.
-
-Light on purpose: the command line is checked before torch and Lightning are imported (training/fit.py)."""
+"""Training entry point: `make train CONFIG=base` == `python -m transformer_mt.train experiment=base`; the command
+line is checked before torch and Lightning are imported (training/fit.py)."""
 
 from __future__ import annotations
 
@@ -23,26 +22,22 @@ def run(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
-    """`make train`, `transformer-mt-train`: the command line is checked before Hydra makes a run folder (a
-    misspelled key, a GPU recipe without a GPU: one line, no folder, no data built), then run."""
+    """`make train`: the command line checked before Hydra makes a run folder (a bad key: one line, no folder)."""
     argv = sys.argv[1:]
     cfg = exit_on_user_error(check_command_line, "train", argv)
     sweep = any(a in ("-m", "--multirun") or a.startswith("hparams_search=") for a in argv)
     if cfg is not None and not sweep:  # a sweep's jobs may run elsewhere (hydra/launcher=slurm): each checks its own
         exit_on_user_error(check_device, cfg.trainer.accelerator)
+    status = None
     try:
         run()
+        status = 0
     except SystemExit as e:  # a stop by a signal (128 + its number), a refused start (1)
-        leave_past_finalization(e.code if isinstance(e.code, int) else int(e.code is not None))
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
         raise
-    leave_past_finalization(0)
-
-
-def leave_past_finalization(status: int) -> None:
-    """runtime.leave_if_gloo_remains, where a training ran (it loaded runtime; nothing else imports torch here)."""
-    runtime = sys.modules.get("transformer_mt.runtime")
-    if runtime is not None:
-        runtime.leave_if_gloo_remains(status)
+    finally:  # where a training ran (it loaded runtime): runtime.leave_if_gloo_remains
+        if status is not None and (runtime := sys.modules.get("transformer_mt.runtime")) is not None:
+            runtime.leave_if_gloo_remains(status)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
 """Training with Lightning. A map of the wing:
-
 fit.py          one run from its composed config: the Trainer's arguments, data, module, callbacks, fit, the end
 module.py       the LightningModule: the loss, Adam with the Noam schedule (or a time budget's), validation
-update.py       an optimizer update: its gradient's normalisation, its one wait for the device, and UpdateEnd, the one
-                owner of what follows its end (budget, loggers, moving average, progress, stop signals, saves)
+update.py       an optimizer update, its one wait for the device, and UpdateEnd, the one owner of what follows it
 budget.py       trainer.max_time as a time budget: one object that the schedule, the step limit and the saves read
 saving.py       every checkpoint written during training (periodic, best, last.ckpt), atomically, at update ends
 resume.py       resuming exactly: every rank's random state, which checkpoint a run continues from

@@ -1,10 +1,5 @@
-"""data.max_tokens=auto: the per-device batch, found at the start; the update keeps data.tokens_per_update (the
-accumulation follows from the batch, batching.update_shape). On a GPU, the largest batch whose training step (on
-sentences of the longest training pair: attention's memory grows with the square of the length) and Adam's state fit
-its memory less a margin, as Marian's --mini-batch-fit. On a CPU, where memory rarely limits it and speed per token
-need not grow with it, the fastest per target token of data.max_tokens_fallback and its half and quarter. A resumed
-run keeps its run's choice.
-"""
+"""data.max_tokens=auto: the per-device batch, found at the start (a resumed run keeps its run's choice); the update
+keeps data.tokens_per_update. On a GPU the largest that fits (as Marian's --mini-batch-fit), on a CPU the fastest."""
 
 from __future__ import annotations
 
@@ -27,13 +22,13 @@ CPU_ROUNDS = 2  # each size timed this many times, taking turns; its fastest cou
 CPU_TIE = 0.05  # a smaller batch is chosen only when this much faster per token than the larger
 
 
-def largest_fitting(step_bytes: Callable[[int], int], budget: int, ceiling: int, margin: float = MARGIN) -> int:
-    """The most sentences n <= ceiling whose step_bytes(n), growing with n, stays under budget x (1 - margin) without
-    an OutOfMemoryError (doubling, then halving the last interval); 0 when not even one fits."""
+def largest_fitting(step_bytes: Callable[[int], int], budget: int, ceiling: int) -> int:
+    """The most sentences n <= ceiling whose step_bytes(n) stays under budget x (1 - margin) without running out of
+    memory (doubling, then bisecting); 0 when not even one fits."""
 
     def fits(n: int) -> bool:
         try:
-            return step_bytes(n) <= budget * (1 - margin)
+            return step_bytes(n) <= budget * (1 - MARGIN)
         except torch.OutOfMemoryError:
             return False
 
@@ -49,15 +44,8 @@ def largest_fitting(step_bytes: Callable[[int], int], budget: int, ceiling: int,
     return good
 
 
-def device_memory_budget(device: torch.device) -> int:
-    """Bytes this process may use on a CUDA device: what is free, plus what it holds already."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_allocated(device)
-
-
 def measure_step_bytes(module, device: torch.device, precision: str, sentences: int, length: int) -> int:
-    """Peak CUDA memory of a forward and backward step on `sentences` random pairs of `length` tokens per side, plus
-    Adam's two fp32 moments (allocated at the first update)."""
+    """Peak CUDA memory of a training step on `sentences` random pairs of `length` tokens, plus Adam's fp32 moments."""
     model = module.model
     ids = torch.randint(4, model.cfg.vocab_size, (sentences, length), device=device)  # ids 0-3: PAD, UNK, BOS, EOS
     torch.cuda.empty_cache()
@@ -71,13 +59,12 @@ def measure_step_bytes(module, device: torch.device, precision: str, sentences: 
     return peak + 2 * sum(p.numel() * 4 for p in model.parameters())
 
 
-def fit_max_tokens(module, device: torch.device, precision: str, longest: int, ceiling_tokens: int = 2**20) -> int:
-    """data.max_tokens on a GPU: the sentences of `longest` tokens that fit, x longest."""
-    budget = device_memory_budget(device)
+def fit_max_tokens(module, device: torch.device, precision: str, longest: int) -> int:
+    """data.max_tokens on a GPU: the sentences of the longest training pair's length that fit, x that length."""
+    budget = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_allocated(device)  # free, and what we hold
     module.to(device)
-    sentences = largest_fitting(
-        lambda n: measure_step_bytes(module, device, precision, n, longest), budget, ceiling_tokens // longest
-    )
+    step_bytes = lambda n: measure_step_bytes(module, device, precision, n, longest)  # noqa: E731
+    sentences = largest_fitting(step_bytes, budget, 2**20 // longest)
     torch.cuda.empty_cache()
     if sentences == 0:
         raise torch.OutOfMemoryError(
@@ -86,35 +73,31 @@ def fit_max_tokens(module, device: torch.device, precision: str, longest: int, c
         )
     log.info(
         f"data.max_tokens=auto: {sentences * longest:,} tokens per batch and device ({sentences} sentences of "
-        f"{longest} tokens, the longest training pair, in a forward and backward step with Adam's state, under the "
-        f"memory of {device} less {MARGIN:.0%})"
+        f"{longest} tokens, the longest training pair, with Adam's state, under {device}'s memory less {MARGIN:.0%})"
     )
     return sentences * longest
 
 
-def fastest(seconds: dict[int, float], tie: float = CPU_TIE) -> int:
-    """The batch size whose step took the fewest seconds for the same tokens; a smaller one only when `tie` faster."""
+def fastest(seconds: dict[int, float]) -> int:
+    """The batch size whose step took the fewest seconds for the same tokens; a smaller one only when CPU_TIE faster."""
     chosen, *smaller = sorted(seconds, reverse=True)
     for size in smaller:
-        if seconds[size] < seconds[chosen] * (1 - tie):
+        if seconds[size] < seconds[chosen] * (1 - CPU_TIE):
             chosen = size
     return chosen
 
 
 def probe_sentences(split, tokens: int) -> np.ndarray:
-    """~`tokens` target tokens of the training pairs nearest the median lengths: as one bucket of the sampler holds,
-    so that no batch size pads more than another (a random sample's largest batch pads to its longest pair)."""
+    """~`tokens` target tokens of the pairs nearest the median lengths: no batch size pads more than another."""
     src, tgt = np.asarray(split.src_lens), np.asarray(split.tgt_lens)
-    distance = np.abs(src - np.median(src)) + np.abs(tgt - np.median(tgt))
-    order = np.argsort(distance, kind="stable")
+    order = np.argsort(np.abs(src - np.median(src)) + np.abs(tgt - np.median(tgt)), kind="stable")
     return order[: int(np.searchsorted(np.cumsum(tgt[order] + 1), tokens)) + 1]
 
 
 def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int:
-    """data.max_tokens on a CPU: the fastest per target token of fallback / CPU_SHARES that holds the longest pair,
-    each timed on the same sentences (a forward and backward step). The random generators are left as they were."""
-    split = datamodule.splits["train"]
-    longest = datamodule.longest_training_pair()
+    """data.max_tokens on a CPU: the fastest per token of fallback / CPU_SHARES; the random generators untouched."""
+    split, longest = datamodule.splits["train"], datamodule.longest_training_pair()
+    fallback = min(fallback, datamodule.tokens_per_update or fallback)  # no micro-batch larger than the update
     sizes = sorted({fallback // share for share in CPU_SHARES if fallback // share >= longest}, reverse=True)
     if len(sizes) < 2:
         return fallback
@@ -142,32 +125,26 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
     speeds = ", ".join(f"{size:,}: {tokens / best[size]:,.0f}" for size in sizes)
     log.info(
         f"data.max_tokens=auto on cpu: {chosen:,} tokens per batch, the fastest per token here (target tok/s of a "
-        f"forward and backward step on the same {tokens:,} tokens of median-length pairs, by batch size: {speeds}; a "
-        f"smaller batch must be {CPU_TIE:.0%} faster)"
+        f"training step on {tokens:,} tokens, by batch size: {speeds}; a smaller one must be {CPU_TIE:.0%} faster)"
     )
     return chosen
 
 
 class FitBatch(L.Callback):
-    """data.max_tokens=auto at the start of fit, once the process group exists: the probe on this process's device (a
-    resumed CPU run: its run's choice, `saved`), the smallest of every rank's, then the update's shape."""
+    """data.max_tokens=auto once the process group exists (a resumed CPU run: its `saved` choice)."""
 
     def __init__(self, saved: int | None = None):
         self.saved = saved
 
-    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:  # the Trainer only fits
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
-        fallback = datamodule.max_tokens_fallback
         if device.type == "cuda":
             tokens = fit_max_tokens(module, device, trainer.precision, datamodule.longest_training_pair())
         elif self.saved:
             tokens = self.saved
             log.info("data.max_tokens=auto on cpu: %s tokens per batch, as the run chose at its start", f"{tokens:,}")
-        else:  # no micro-batch larger than the update
-            largest = min(fallback, datamodule.tokens_per_update or fallback)
-            tokens = fastest_max_tokens(module, datamodule, trainer.precision, largest)
+        else:
+            tokens = fastest_max_tokens(module, datamodule, trainer.precision, datamodule.max_tokens_fallback)
         if trainer.world_size > 1:
             tokens = least_over_ranks(tokens, device)
         datamodule.max_tokens = tokens
@@ -182,8 +159,7 @@ def least_over_ranks(tokens: int, device: torch.device) -> int:
 
 
 def shape_updates(trainer: L.Trainer, datamodule) -> int:
-    """Micro-batches per update and the validation interval in micro-batches (Lightning's unit), once the Trainer
-    exists; returns the update's padded tokens per side, which every checkpoint keeps (datamodule.update_tokens)."""
+    """Micro-batches per update, validation's interval in micro-batches; returns the update's padded tokens per side."""
     batch_tokens, trainer.accumulate_grad_batches = datamodule.update_shape(trainer.world_size)
     datamodule.update_tokens = trainer.accumulate_grad_batches * batch_tokens * trainer.world_size
     if isinstance(trainer.val_check_interval, int):

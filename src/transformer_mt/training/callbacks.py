@@ -1,5 +1,4 @@
-"""What a training run tells a person: progress lines, the start-up line, the update bar, and at its end a summary of
-what to do next, or, stopped by a signal, how to continue."""
+"""What a training run tells a person: progress lines, the start-up line, the update bar, and how it ended."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ class StartupLog:
 
 
 class ProgressLog(L.Callback):
-    """What a person sees of training: the start-up line, the bar, and a line every `every` updates or `every_seconds`
-    of training, whichever comes first, and after each validation (update/max, mean loss since the last line, learning
-    rate, target tokens/s, model FLOP/s and MFU, elapsed, ETA). A loss RISE times its best is warned about once."""
+    """A line every `every` updates or `every_seconds` of training, whichever comes first, and after each validation
+    (update/max, loss, lr, target tok/s, FLOP/s and MFU, elapsed, ETA); a loss RISE x its best is warned about once."""
 
     RISE = 3.0
     NEAR, REPROBES = 0.9, 3  # a CPU's peak is measured again when training reaches NEAR x it, at most REPROBES times
@@ -57,10 +55,8 @@ class ProgressLog(L.Callback):
             self.peak = device_peak(trainer.strategy.root_device, trainer.precision)
             log.info("MFU: model FLOP/s (model.training_flops) per device over %s", self.peak.source)
             if self.peak.disturbed:
-                log.warning(
-                    f"the peak FLOP/s probe looked disturbed (its products took up to {self.peak.spread:.1f}x the "
-                    "fastest: other work on the CPU?); MFU may read high, and the peak is raised if training is faster"
-                )
+                log.warning(f"the peak FLOP/s probe looked disturbed (its products took up to {self.peak.spread:.1f}x "
+                            "the fastest: other work on the CPU?); MFU may read high")  # fmt: skip
             for warning in unreached(trainer):
                 log.warning("%s", warning)
         self.start, self.first_step = bookkeeping.clock(), trainer.global_step
@@ -105,13 +101,16 @@ class ProgressLog(L.Callback):
             for logger in trainer.loggers:  # throughput reaches the loggers here only, at the lines' pace
                 logger.log_metrics(metrics, step=step - 1)  # Lightning's step: updates before this one
             parts.append(f"elapsed {duration(now - self.start)}")
-            eta = eta_seconds(trainer, step, (step - self.first_step) / max(now - self.start, 1e-9))
-            log.info(" | ".join(parts + ([f"ETA {duration(eta)}"] if eta is not None else [])))
+            # ETA: until max_steps at the rate so far, or until the time budget runs out
+            rate, budget = (step - self.first_step) / max(now - self.start, 1e-9), trainer.lightning_module.budget
+            left = [max(budget.seconds - budget.clock, 0.0)] if budget is not None else []
+            left += [(trainer.max_steps - step) / rate] if trainer.max_steps > 0 and rate > 0 else []
+            log.info(" | ".join(parts + ([f"ETA {duration(min(left))}"] if left else [])))
         self.since, self.since_step, self.loss_sum, self.tokens, self.flops = self.clock, step, 0.0, 0, 0.0
 
     def utilisation(self, flops_per_second: float) -> float | None:
-        """MFU of one device's model FLOP/s. Near a CPU's peak, the peak is measured again (a busy start measures it
-        low; at most REPROBES times, ~1 s each) and the better kept; above it even then, raised to them, said once."""
+        """MFU of one device's FLOP/s. Near a CPU's peak it is measured again (a busy start measures it low; at most
+        REPROBES times, ~1 s each), the better kept; above it even then, raised to them, said once."""
         near = self.peak and self.peak.fmt and self.peak.flops and flops_per_second > self.NEAR * self.peak.flops
         if near and self.reprobes:
             self.reprobes -= 1
@@ -121,11 +120,9 @@ class ProgressLog(L.Callback):
                          flops_text(self.peak.flops), flops_text(before.flops))  # fmt: skip
         if self.peak and self.peak.flops and flops_per_second > self.peak.flops:
             if not self.peak.source.endswith("training reached"):
-                log.warning(
-                    f"model FLOP/s per device ({flops_text(flops_per_second)}) above the peak ({self.peak.source}): "
-                    "that peak is too low (a CPU's probe disturbed by other work?); MFU is measured against the most "
-                    "training reached from here on"
-                )
+                speed = flops_text(flops_per_second)
+                log.warning(f"model FLOP/s per device ({speed}) above the peak ({self.peak.source}): MFU is measured "
+                            "against the most training reached from now on")  # fmt: skip
             self.peak = self.peak.raised(flops_per_second)
         return self.peak.utilisation(flops_per_second) if self.peak else None
 
@@ -135,23 +132,13 @@ class ProgressLog(L.Callback):
             self.warned = True
             log.warning(
                 f"the training loss ({loss:.3f} at update {step:,}) is {loss / self.best_loss:.1f}x its best so far "
-                f"({self.best_loss:.3f}): the run may be diverging. Likely causes: a learning rate too high "
-                "(optim.lr_factor, optim.warmup_steps), fp16 overflow (trainer.precision=bf16-mixed), or corrupt "
-                "data. Training goes on; this warning comes once"
+                f"({self.best_loss:.3f}): the run may be diverging (optim.lr_factor too high? fp16 overflow?). "
+                "Training goes on; this warning comes once"
             )
 
 
-def eta_seconds(trainer: L.Trainer, step: int, updates_per_second: float) -> float | None:
-    """Time left until max_steps (a budget's horizon) at the rate so far, or until the time budget runs out."""
-    budget = getattr(trainer.lightning_module, "budget", None)
-    left = [budget.remaining()] if budget is not None else []
-    if trainer.max_steps > 0 and updates_per_second > 0:
-        left.append((trainer.max_steps - step) / updates_per_second)
-    return min(left) if left else None
-
-
 def unreached(trainer: L.Trainer) -> list[str]:
-    """Warnings for what will not come between this run's first update and max_steps: a validation, a checkpoint."""
+    """Warnings for what will not come before max_steps: a validation, a periodic checkpoint."""
     step, last = trainer.global_step, trainer.max_steps
     if last <= 0:
         return []
@@ -173,7 +160,7 @@ def unreached(trainer: L.Trainer) -> list[str]:
 
 
 class UpdateProgressBar(TQDMProgressBar):
-    """One bar over the whole run, in optimizer updates (max_steps), only on a terminal (in a file: ProgressLog's)."""
+    """One bar over the whole run in updates, only on a terminal."""
 
     def __init__(self):
         super().__init__()
@@ -187,22 +174,19 @@ class UpdateProgressBar(TQDMProgressBar):
         bar.n = bar.initial = trainer.global_step  # a resumed run starts where it stopped
         bar.unit = "update"
 
-    def on_train_epoch_start(self, trainer: L.Trainer, *_) -> None:
-        self.train_progress_bar.set_description(f"training (epoch {trainer.current_epoch})")
-
-    def on_train_batch_end(self, *args) -> None:  # counted in updates: after_update
+    def on_train_batch_end(self, *args) -> None:  # counted in updates (after_update), over every epoch
         pass
 
-    def on_train_epoch_end(self, *args) -> None:  # the bar spans epochs
-        pass
+    on_train_epoch_start = on_train_epoch_end = on_train_batch_end
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:
         bar = self.train_progress_bar
         if self.is_enabled and (update.step % self.refresh_rate == 0 or update.step == bar.total):
-            bar.n, rate = update.step, update.tokens / max(update.seconds, 1e-9)  # host numbers: no wait
-            metrics = self.get_metrics(trainer, trainer.lightning_module)
+            rate, loss = update.tokens / max(update.seconds, 1e-9), update.loss_sum / max(update.tokens, 1)  # no wait
+            bar.n, metrics = update.step, self.get_metrics(trainer, trainer.lightning_module)
             metrics.pop("v_num", None)  # validation's (val/loss, val/bleu) remain
-            bar.set_postfix({**metrics, "loss": f"{update.loss:.3f}", "tok/s": f"{rate:,.0f}"})
+            bar.set_description(f"training (epoch {trainer.current_epoch})")
+            bar.set_postfix({**metrics, "loss": f"{loss:.3f}", "tok/s": f"{rate:,.0f}"})
 
 
 def shown(path: Path) -> str:
@@ -214,56 +198,57 @@ def shown(path: Path) -> str:
 
 
 class RunEnd(L.Callback):
-    """How a run ends, on rank 0: stopped by a signal (UpdateEnd's), how to continue; else a summary of the checkpoints
-    and the commands that use them (summary_later: after the end-of-run protocol's results, fit.after_fit)."""
+    """How a run ended, on rank 0: stopped by a signal, how to continue; else the next commands."""
 
     def __init__(self, checkpoint_dir: Path, keep_last: int, summary_later: bool = False):
         self.checkpoint_dir, self.keep_last, self.summary_later = checkpoint_dir, keep_last, summary_later
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        done, end, budget = trainer.global_step, trainer.max_steps, getattr(module, "budget", None)
         if not trainer.is_global_zero:
             return
         if (stopped := trainer.callback_metrics.get("stopped_by_signal")) is not None:
-            name, run = signal.Signals(int(stopped)).name, self.checkpoint_dir.parent
             log.warning(
-                f"stopped by {name} after update {trainer.global_step:,}; last.ckpt holds it. Continue with the same "
-                f"CONFIG and ARGS plus: ckpt_path=last hydra.run.dir={run}"
+                f"stopped by {signal.Signals(int(stopped)).name} after update {done:,}; last.ckpt holds it. Continue "
+                f"with the same CONFIG and ARGS plus: ckpt_path=last hydra.run.dir={self.checkpoint_dir.parent}"
             )
-        elif cut := schedule_cut(trainer):
-            log.warning("%s", cut)
-        if stopped is None and not self.summary_later:
-            self.log_summary(trainer, trainer.global_step)
+            return
+        if budget is not None and budget.ran_out is not None:
+            log.warning("%s", budget.advice(trainer))
+        elif done < end:  # the schedule did not end: early stopping, max_epochs
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            log.warning(
+                f"training ended at update {done:,}, {done / end:.0%} of its schedule's {end:,} (trainer.max_steps), "
+                f"at learning rate {lr:.3g} (early stopping, or trainer.max_epochs): the schedule did not end"
+            )
+        if not self.summary_later:
+            self.log_summary(trainer, done)
 
     def log_summary(self, trainer: L.Trainer, updates: int) -> None:
-        """Where the checkpoints are and the commands that use them (rank 0)."""
+        """Where the checkpoints are and the commands that use them."""
+        folder, periodic = self.checkpoint_dir, sorted(p.name for p in self.checkpoint_dir.glob("*step*.ckpt"))
+        # best.ckpt of this run only (a resumed run restores the best path of the run it came from)
         best = next((c for c in trainer.checkpoint_callbacks if getattr(c, "filename", None) == "best"), None)
-        # best.ckpt of this run only: a resumed run restores the best path of the run it came from
-        this_run = best is not None and best.best_model_score is not None
-        this_run = this_run and Path(best.best_model_path).parent == self.checkpoint_dir
-        score = (best.monitor, float(best.best_model_score)) if this_run else None
-        summary = next_steps(self.checkpoint_dir.parent, self.checkpoint_dir, self.keep_last, score)
-        log.info("finished after %s updates; next:\n%s", f"{updates:,}", summary)
-
-
-def schedule_cut(trainer: L.Trainer) -> str | None:
-    """One line when training ended before its schedule did (the time budget ran out first, early stopping,
-    max_epochs): how far it got, and what to change; None when the schedule ended."""
-    done, end = trainer.global_step, trainer.max_steps
-    if end <= 0 or done >= end:
-        return None
-    budget = getattr(trainer.lightning_module, "budget", None)
-    if budget is not None and (advice := budget.advice(trainer)):
-        return advice
-    lr = trainer.optimizers[0].param_groups[0]["lr"]
-    return (
-        f"training ended at update {done:,}, {done / end:.0%} of its schedule's {end:,} (trainer.max_steps), at "
-        f"learning rate {lr:.3g} (early stopping, or trainer.max_epochs): the schedule did not end"
-    )
+        if best is None or best.best_model_score is None or Path(best.best_model_path).parent != folder:
+            best = None
+        lines = [
+            f"checkpoints in {shown(folder)}: last.ckpt"
+            + (f", best.ckpt ({best.monitor} {float(best.best_model_score):.2f})" if best else "")
+            + (f", {len(periodic)} periodic ({periodic[0]} ... {periodic[-1]})" if periodic else "")
+        ]
+        model = folder / (RunFolder.BEST if best else RunFolder.LAST)
+        if periodic:
+            n = min(self.keep_last, len(periodic))
+            model = folder / RunFolder.average_name(n)
+            if not model.is_file():  # the end-of-run protocol wrote it
+                lines.append(f"  make average RUN={shown(folder.parent)} N={n}")
+        lines.append(f"  make evaluate CKPT={shown(model)}")
+        lines.append(f'  echo "A sentence to translate." | make translate CKPT={shown(model)}')
+        log.info("finished after %s updates; next:\n%s", f"{updates:,}", "\n".join(lines))
 
 
 def requeue_slurm_job() -> None:
-    """`scontrol requeue <job>`, once the run has ended: the job starts again with the same id, hence the same run
-    folder (outputs/slurm-<job>-<step>), and continues from last.ckpt by itself."""
+    """`scontrol requeue <job>`: the job starts again in the same run folder and continues from last.ckpt."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job:
         log.warning("SIGUSR1 outside a SLURM job: stopped, nothing requeued")
@@ -279,23 +264,3 @@ def requeue_slurm_job() -> None:
         log.info("requeued SLURM job %s: it continues from last.ckpt when it starts again", job)
     else:
         log.warning("could not requeue SLURM job %s (%s): continue it by hand with ckpt_path=last", job, failed)
-
-
-def next_steps(run_dir: Path, checkpoint_dir: Path, keep_last: int, best: tuple[str, float] | None) -> str:
-    """The end of a run: where its checkpoints are and the commands that use them."""
-    periodic = sorted(p.name for p in checkpoint_dir.glob("*step*.ckpt"))
-    lines = [
-        f"checkpoints in {shown(checkpoint_dir)}: last.ckpt"
-        + (f", best.ckpt ({best[0]} {best[1]:.2f})" if best else "")
-        + (f", {len(periodic)} periodic ({periodic[0]} ... {periodic[-1]})" if periodic else "")
-    ]
-    if periodic:
-        n = min(keep_last, len(periodic))
-        model = checkpoint_dir / RunFolder.average_name(n)
-        if not model.is_file():  # the end-of-run protocol wrote it
-            lines.append(f"  make average RUN={shown(run_dir)} N={n}")
-    else:
-        model = checkpoint_dir / (RunFolder.BEST if best else RunFolder.LAST)
-    lines.append(f"  make evaluate CKPT={shown(model)}")
-    lines.append(f'  echo "A sentence to translate." | make translate CKPT={shown(model)}')
-    return "\n".join(lines)

@@ -1,11 +1,5 @@
-"""An exponential moving average of the weights (`ema_decay`): Marian's exponential smoothing, Eole's
-average_decay. Kept beside the trained weights, not in their place: checkpoints, validation and
-`make average` see the trained weights as without it; the end of the run evaluates the average too
-(evaluation/protocol.py writes it as ema.ckpt).
-
-Lightning's own EMAWeightAveraging puts the average in the checkpoints' state_dict and validates with it,
-so the last-N checkpoint average (§6.1) would average averages: hence this small callback.
-"""
+"""A moving average of the weights (`ema_decay`) beside them, not in the state_dict as Lightning's EMAWeightAveraging
+(the last-N average of §6.1 would average averages); the end of the run evaluates it too (ema.ckpt)."""
 
 from __future__ import annotations
 
@@ -21,13 +15,10 @@ log = logging.getLogger(__name__)
 
 
 class ExponentialMovingAverage(L.Callback):
-    """After every update t (UpdateEnd calls after_update): ema_t = decay * ema_{t-1} + (1 - decay) * weights_t, with
-    ema_0 the initial weights, in fp32. It travels in every checkpoint: a resumed run continues it bit for bit."""
+    """ema_t = decay * ema_{t-1} + (1 - decay) * weights_t after update t, ema_0 the initial weights, in fp32."""
 
     def __init__(self, decay: float):
-        if not 0 < decay < 1:
-            raise ValueError(f"ema_decay={decay}: must be in (0, 1), e.g. 0.9999")
-        self.decay = decay
+        self.decay = decay  # fit.check_config refuses one outside (0, 1)
         self.average: dict[str, Tensor] | None = None
         self.updates = 0
 
@@ -45,7 +36,7 @@ class ExponentialMovingAverage(L.Callback):
 
     @torch.no_grad()
     def after_update(self, module: L.LightningModule) -> None:
-        """ema + (1 - decay) * (weights - ema), every tensor in one call (one fused kernel on CUDA)."""
+        """ema + (1 - decay) * (weights - ema), every tensor in one call."""
         self.updates += 1
         names, weights = zip(*((name, p.detach().float()) for name, p in module.model.named_parameters()))
         torch._foreach_lerp_([self.average[name] for name in names], list(weights), 1 - self.decay)
@@ -56,7 +47,5 @@ class ExponentialMovingAverage(L.Callback):
 
     def load_state_dict(self, state: dict) -> None:
         if state["decay"] != self.decay:  # the configured decay applies from here on
-            log.warning(
-                "ema_decay=%s: the checkpoint's moving average was kept with %s until now", self.decay, state["decay"]
-            )
+            log.warning(f"ema_decay={self.decay}: the checkpoint's average was kept with {state['decay']} so far")
         self.updates, self.average = state["updates"], dict(state["average"])

@@ -1,5 +1,4 @@
-"""One training run from its composed config: the Trainer's arguments, the data, the module, the callbacks, the fit,
-then the end of the run (transformer_mt.train is the command that calls it)."""
+"""One training run from its composed config: the Trainer's arguments, data, module, callbacks, fit, the end."""
 
 from __future__ import annotations
 
@@ -20,19 +19,14 @@ from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt import runtime
 from transformer_mt.data.datamodule import TranslationDataModule
 from transformer_mt.errors import InputError, closest
 from transformer_mt.evaluation.protocol import Protocol
-from transformer_mt.files import RunFolder, RunFolderLock, remove_stale_temporaries
-from transformer_mt.launcher import Job, check_device, first_process, launch_id, launched_rank
+from transformer_mt.files import RunFolder, RunFolderLock
+from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
-from transformer_mt.runtime import (
-    bound_onednn_cache,
-    cpu_has_native_bf16,
-    end_process_group,
-    keep_freed_memory,
-    use_tf32,
-)
+from transformer_mt.runtime import cpu_has_native_bf16, use_tf32
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
 from transformer_mt.training.budget import budget_seconds
@@ -40,14 +34,7 @@ from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, U
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.resume import (
-    RandomState,
-    check_resume,
-    check_same_training,
-    check_update_size,
-    refuse_lightnings_own_resume,
-    resume_checkpoint,
-)
+from transformer_mt.training.resume import RandomState, check_resume, check_update_size, resume_checkpoint
 from transformer_mt.training.saving import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.sharding import LayerFSDP
 from transformer_mt.training.update import UpdateEnd
@@ -60,18 +47,15 @@ def plain(cfg: DictConfig) -> dict:
 
 
 def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
-    """conf/trainer as lightning.Trainer arguments, checked against this machine before any work. sweep: the run
-    is one job of a Hydra multirun (-m)."""
+    """conf/trainer as lightning.Trainer arguments, checked against this machine; sweep: a job of a multirun (-m)."""
     args = plain(cfg)
-    args.pop("compile", None)  # the module's (TranslationModule.compile_training), not Lightning's
-    args.pop("max_time", None)  # a time budget (training/budget.py), not Lightning's Timer
+    args.pop("compile", None)  # the module's (TranslationModule.compile_training)
+    args.pop("max_time", None)  # a time budget (budget.py), not Lightning's Timer
     accelerator = args.get("accelerator", "auto")
     check_device(accelerator)
     known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    unknown = sorted(set(args) - known)  # +trainer.max_step=5 would end in the Trainer's TypeError
-    if unknown:
-        match = closest(unknown[0], known)
-        hint = f"; did you mean trainer.{match}?" if match else ""
+    if unknown := sorted(set(args) - known):  # +trainer.max_step=5 would end in the Trainer's TypeError
+        hint = f"; did you mean trainer.{match}?" if (match := closest(unknown[0], known)) else ""
         raise InputError(f"trainer.{unknown[0]}: not a lightning.Trainer argument{hint}")
     if args.get("precision") == "auto":  # trainer=cpu: bf16 only where the CPU computes it natively
         on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
@@ -85,12 +69,9 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
     return args
 
 
-def make_callbacks(
-    cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None
-) -> list:
-    """UpdateEnd and the parts it runs at an update's end (the time budget is the module's), the checkpoints,
-    early stopping on best.ckpt's metric, the batch size's probe (a resumed run's: the choice it saved)."""
-    checkpoints = checkpoint_callbacks(checkpoint_dir, **plain(cfg.checkpoint))
+def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, saved_max_tokens: int | None = None):
+    """UpdateEnd and the parts it runs, the checkpoints, early stopping, the batch size's probe."""
+    checkpoints = checkpoint_callbacks(checkpoint_dir, plain(cfg.checkpoint))
     bar = UpdateProgressBar() if cfg.trainer.enable_progress_bar else None
     progress = ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds, startup, bar)
     ema = ExponentialMovingAverage(cfg.ema_decay) if cfg.ema_decay else None
@@ -104,33 +85,20 @@ def make_callbacks(
     return callbacks + [c for c in (ema, bar) if c is not None] + checkpoints
 
 
-NUMBERS = {  # keys outside the model whose wrong type would fail late or silently, and what each must be
-    "seed": int,
-    "label_smoothing": float,
-    "optim.lr_factor": float,
-    "optim.warmup_steps": int,
-    "optim.eps": float,
-    "val_bleu_sentences": int,
-    "progress_every_n_updates": int,
-    "progress_every_seconds": float,
-    "trainer.val_check_interval": float,  # updates or a share of an epoch; not a time (update.validation_follows)
-    "budget.warmup": float,
-    "budget.cooldown": float,
-    "budget.average_span": float,
-    "budget.margin": float,
-}
+# Keys outside the model whose wrong type would fail late or silently (trainer.val_check_interval: not a time)
+WHOLE = ("seed", "optim.warmup_steps", "val_bleu_sentences", "progress_every_n_updates")
+REAL = ("label_smoothing", "optim.lr_factor", "optim.eps", "progress_every_seconds", "trainer.val_check_interval")
+SHARES = ("warmup", "cooldown", "average_span", "margin")  # budget.*: numbers below 1
 
 
 def check_config(cfg: DictConfig) -> None:
     """Settings that only fail late (after the data is built, or at the first validation) are refused first."""
-    for key, kind in NUMBERS.items():
-        value = OmegaConf.select(cfg, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) or value < 0:
-            what = "a number" if kind is float else "a whole number"
-            raise InputError(f"{key}={value!r}: must be {what}, 0 or more")
+    for key in (*WHOLE, *REAL, *(f"budget.{share}" for share in SHARES)):
+        value, whole = OmegaConf.select(cfg, key), key in WHOLE
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value < 0:
+            raise InputError(f"{key}={value!r}: must be {'a whole number' if whole else 'a number'}, 0 or more")
     known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
-    unknown = sorted(set(cfg.model) - known)
-    if unknown:
+    if unknown := sorted(set(cfg.model) - known):
         raise InputError(f"model.{unknown[0]}: not a model setting; the model takes {', '.join(sorted(known))}")
     try:  # the model's own checks (types, positive sizes, heads dividing d_model); the vocabulary comes later
         TransformerConfig(**plain(cfg.model), vocab_size=PAD_ID + 1, pad_id=PAD_ID)
@@ -141,7 +109,7 @@ def check_config(cfg: DictConfig) -> None:
         fix = "checkpoint.best_monitor=val/loss checkpoint.best_mode=min"
         raise InputError(f"checkpoint.best_monitor={monitor} needs val_bleu_sentences > 0; or set {fix}")
     budget_seconds(cfg.trainer.get("max_time"))  # a malformed budget fails here, not after the setup
-    for key in ("warmup", "cooldown", "average_span", "margin"):
+    for key in SHARES:
         if not cfg.budget[key] < 1:
             raise InputError(f"budget.{key}={cfg.budget[key]}: a share, below 1 (e.g. 0.2)")
     if cfg.early_stopping_patience and not monitor:
@@ -155,12 +123,10 @@ def check_config(cfg: DictConfig) -> None:
     if not isinstance(compile_step, bool) and compile_step != "auto":
         raise InputError(f"trainer.compile={compile_step!r}: must be true, false or auto (on with a CUDA GPU)")
     if compile_step is True and cfg.trainer.get("strategy") == "fsdp":
-        raise InputError(
-            "trainer.compile with trainer=fsdp is not supported (untested); use ddp, or trainer.compile=false"
-        )
-    splits, average = cfg.final.splits, cfg.final.average_last
+        raise InputError("trainer.compile with trainer=fsdp is not supported (untested); use ddp, or compile=false")
     if not cfg.final.enabled:
         return
+    splits, average = cfg.final.splits, cfg.final.average_last
     if not OmegaConf.is_list(splits) or not splits or any(s not in ("validation", "test") for s in splits):
         raise InputError(f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]")
     if isinstance(average, bool) or not isinstance(average, int) or average < 0:
@@ -168,16 +134,14 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = False):
-    """String strategies from trainer configs: FSDP per encoder/decoder layer (sharding.py); DDP without the
-    per-forward broadcast of buffers (the sinusoid table is the same on every rank)."""
+    """trainer.strategy: FSDP per layer (sharding.py); DDP without the per-forward broadcast of buffers."""
     # Lightning's ddp and fsdp start the other ranks by re-running sys.argv: under `-m` from a shell, the whole sweep
     shell_sweep = sweep and not any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
     if name == "fsdp":
         if shell_sweep and devices != 1:
             raise InputError(
-                "trainer=fsdp in a Hydra multirun (-m) started from a shell: it starts its other ranks by "
-                "re-running the command (as Lightning's ddp), which would re-run the whole sweep in each of them. "
-                "Run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
+                "trainer=fsdp in a Hydra multirun (-m) from a shell would re-run the whole sweep in each of its ranks: "
+                "run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
             )
         return LayerFSDP(precision)
     if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job
@@ -189,16 +153,14 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
 
 
 def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
-    """trainer.compile as given; auto: on a CUDA GPU (projected 1.5x eager's tok/s: docs/measurements.md) but not with
-    trainer=fsdp (untested); off on a CPU (inductor's step measured 0.83-0.89x eager's)."""
-    if trainer.get("compile", False) != "auto":
-        return bool(trainer.get("compile", False))
+    """trainer.compile; auto: on a CUDA GPU (projected 1.5x eager), not with fsdp (untested), off on a CPU (0.85x)."""
+    if (mode := trainer.get("compile", False)) != "auto":
+        return bool(mode)
+    fsdp = trainer.get("strategy") == "fsdp"
     on_cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-    if on_cuda and trainer.get("strategy") == "fsdp":
-        log.info("trainer.compile=auto: off with trainer=fsdp (not tested compiled)")
-    elif on_cuda:
-        log.info("trainer.compile=auto: the training step compiled on CUDA (trainer.compile=false: eager)")
-    return on_cuda and trainer.get("strategy") != "fsdp"
+    if on_cuda:
+        log.info(f"trainer.compile=auto: {'off with trainer=fsdp (untested)' if fsdp else 'compiled on CUDA'}")
+    return on_cuda and not fsdp
 
 
 def train(cfg: DictConfig, job: Job) -> float | None:
@@ -206,34 +168,27 @@ def train(cfg: DictConfig, job: Job) -> float | None:
     startup = StartupLog(time.monotonic())
     setup_logging()
     check_config(cfg)
-    keep_freed_memory()  # no page faults for each step's activations (runtime.py)
-    bound_onednn_cache()  # host memory stays bounded over a long run (runtime.py)
+    runtime.keep_freed_memory()  # no page faults for each step's activations
+    runtime.bound_onednn_cache()  # host memory stays bounded over a long run
     trainer_args = trainer_arguments(cfg.trainer, sweep=job.sweep_dir is not None)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir = job.run_dir
     try:  # one training per run folder: a second start into it is refused (the job's first process holds it)
-        with RunFolderLock(run_dir) if first_process() else contextlib.nullcontext():
+        with RunFolderLock(job.run_dir) if first_process() else contextlib.nullcontext():
             return fit(cfg, job, trainer_args, startup)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
         raise
     finally:
-        # After fit returned, its Trainer is garbage: the process group goes with it, gloo's threads joined; where
-        # they outlive it (trainer=fsdp), the entry point leaves past finalization (runtime.leave_if_gloo_remains).
-        if still_running := end_process_group():
+        # Where gloo's threads outlive the Trainer (fsdp), the entry point leaves past finalization (train.py)
+        if still_running := runtime.end_process_group():
             log.info("the process group outlived the run (threads %s): ending past finalization", still_running)
 
 
 def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> float | None:
-    """The run in its folder: what to resume from, the data, the module, the Trainer, then fit."""
+    """The run in its folder: what to resume from, the data, the module, the Trainer, fit."""
     run_dir = job.run_dir
     checkpoint_dir = RunFolder(run_dir).checkpoints
-    # ckpt_path=last: the newest complete checkpoint of this run folder. A missing or damaged file fails here, first.
-    resume_path, resumed = resume_checkpoint(resume_target(cfg, checkpoint_dir), checkpoint_dir) or (None, None)
-    if resume_path is None:
-        refuse_lightnings_own_resume(run_dir)
-    elif cfg.ckpt_path is None:  # a launched job continuing its folder by itself: only as the same training
-        check_same_training(run_dir, resumed, plain(cfg), launch_id())
+    resume_path, resumed = resume_checkpoint(cfg.ckpt_path, run_dir, plain(cfg))  # a bad file fails here, first
     saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
     if launched_rank() == 0:
@@ -254,21 +209,19 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        saved_update, saved_max_tokens = resumed["update_tokens"], resumed["max_tokens"]
+        saved, saved_max_tokens = resumed["update_tokens"], resumed["max_tokens"]
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), job)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
     trainer = L.Trainer(**trainer_args, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
                         default_root_dir=run_dir, enable_model_summary=False)  # fmt: skip
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
-        update_tokens = shape_updates(trainer, datamodule)
-        if resume_path and saved_update:
-            check_update_size(
-                resume_path, saved_update, update_tokens, trainer.world_size, datamodule.tokens_per_update
-            )
+        now = shape_updates(trainer, datamodule)
+        if resume_path and saved:
+            check_update_size(resume_path, saved, now, trainer.world_size, datamodule.tokens_per_update)
     if trainer.is_global_zero:
-        n_params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
-        log.info(f"model: {n_params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
+        params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
+        log.info(f"model: {params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         log.info("run directory: %s", run_dir)
     try:
@@ -279,30 +232,16 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
 
 
 def budget_settings(cfg: DictConfig) -> dict | None:
-    """trainer.max_time and the `budget` block as training/budget.TimeBudget's settings; None without a budget."""
-    seconds = budget_seconds(cfg.trainer.get("max_time"))
-    if seconds is None:
+    """trainer.max_time and the `budget` block as TimeBudget's settings; None without a budget."""
+    if (seconds := budget_seconds(cfg.trainer.get("max_time"))) is None:
         return None
-    shares = dict(warmup_share=cfg.budget.warmup, cooldown_share=cfg.budget.cooldown)
-    return dict(seconds=seconds, margin=cfg.budget.margin, average_span=cfg.budget.average_span, **shares,
-                keep_last=cfg.checkpoint.keep_last)  # fmt: skip
-
-
-def resume_target(cfg: DictConfig, checkpoint_dir: Path) -> str | None:
-    """ckpt_path as configured, or `last` for a launched job restarted (torchrun --max-restarts) or requeued
-    (SLURM) into its own folder; a killed write's temporary files go first."""
-    for path in remove_stale_temporaries(checkpoint_dir):
-        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
-    if cfg.ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
-        log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
-        return "last"
-    return cfg.ckpt_path
+    b = cfg.budget
+    return dict(seconds=seconds, margin=b.margin, warmup_share=b.warmup, cooldown_share=b.cooldown,
+                average_span=b.average_span, keep_last=cfg.checkpoint.keep_last)  # fmt: skip
 
 
 def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
-    """A run stopped by a signal exits with 128 + its number; a finished one applies the paper's protocol (on the first
-    process alone: the other ranks leave), its scores to the loggers, then the next commands. Returns the last
-    validation BLEU (the objective of hparams_search)."""
+    """Exits 128 + a stop signal's number; else the end-of-run protocol on rank 0; returns the last validation BLEU."""
     stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # UpdateEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
         if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
@@ -310,9 +249,8 @@ def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> f
         raise SystemExit(128 + int(stopped_by))
     run_end = next(c for c in trainer.callbacks if isinstance(c, RunEnd))
     if cfg.final.enabled and trainer.is_global_zero:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # they host no rendezvous store
-            others = trainer.world_size - 1
-            log.info(f"the end of the run on rank 0 alone: the other {others} rank(s) exit without waiting for it")
+        if torch.distributed.is_initialized():  # (not in ddp_spawn's main process) the other ranks leave
+            log.info(f"the end of the run on rank 0 alone: the other {trainer.world_size - 1} rank(s) exit now")
         progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
         protocol = Protocol.of_run(RunFolder(job.run_dir), plain(cfg), devices=trainer.world_size)
         protocol.extra["overrides"] = list(job.overrides)

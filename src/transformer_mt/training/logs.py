@@ -1,5 +1,4 @@
-"""Where a training run's lines and metrics go: one log setup for every library, the configured
-logger (wandb, TensorBoard, CSV) and always the metrics as CSV, one wandb run per sweep job."""
+"""Where a training run's lines and metrics go: one log setup, the configured logger and CSV, a wandb run per job."""
 
 from __future__ import annotations
 
@@ -16,29 +15,19 @@ from transformer_mt.launcher import Job
 
 log = logging.getLogger(__name__)
 
-# Library messages that say nothing about this run (checked on Lightning 2.6).
-QUIET_WARNINGS = [
-    r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own use of a torch API
-    r".*is smaller than the logging interval",  # tiny runs only
-]
-QUIET_LOG_PREFIXES = ("💡 Tip:",)  # Lightning's advertisements for its cloud products
-
-
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(QUIET_LOG_PREFIXES)
+# Library warnings that say nothing about this run (Lightning 2.6's use of a torch API; tiny runs only)
+QUIET_WARNINGS = (r".*isinstance\(treespec, LeafSpec\)` is deprecated", r".*is smaller than the logging interval")
 
 
 def setup_logging() -> None:
-    """Every line through the root logger that Hydra configured (console and <run>/train.log), once: Lightning,
-    `datasets` and `huggingface_hub` attach console handlers of their own. Ranks other than 0 log warnings only."""
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):
+    """Every line once, through Hydra's root logger (console and <run>/train.log); ranks other than 0 warnings only."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "datasets", "huggingface_hub"):  # own handlers
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         logger.propagate = True
-    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers
-        handler.addFilter(_DropTips())
+    for handler in logging.getLogger().handlers:  # Hydra's console and file handlers; no Lightning cloud adverts
+        handler.addFilter(lambda record: not str(record.msg).startswith("💡 Tip:"))
     logging.captureWarnings(True)  # warnings.warn -> the "py.warnings" logger -> console and file
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
@@ -46,34 +35,26 @@ def setup_logging() -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
-def wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
-
-
 def make_loggers(cfg: DictConfig | None, job: Job) -> list:
-    """The configured logger, if any (`~logger` removes it), and always the metrics as CSV (<run>/csv/,
-    what `make plot` reads)."""
+    """The configured logger, if any, and always the metrics as CSV (<run>/csv/, what `make plot` reads)."""
     configured = [make_logger(cfg, job)] if cfg is not None else []
-    if any(isinstance(logger, CSVLogger) for logger in configured):
-        return configured
-    return [*configured, CSVLogger(job.run_dir, name="csv")]
+    csv = any(isinstance(logger, CSVLogger) for logger in configured)
+    return configured + ([] if csv else [CSVLogger(job.run_dir, name="csv")])
 
 
 def make_logger(cfg: DictConfig, job: Job):
     kwargs = {}
     if cfg["_target_"].endswith("WandbLogger"):
-        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not wandb_has_credentials():
+        netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+        key = os.environ.get("WANDB_API_KEY") or netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+        if os.environ.get("WANDB_MODE", "") in ("", "offline") and not key:
             os.environ["WANDB_MODE"] = "offline"
             (log.warning if rank_zero_only.rank == 0 else log.debug)(  # one line per run, not per rank
                 "wandb: no API key found, logging offline under %s/wandb (upload later with `wandb sync`)", cfg.save_dir
             )
         import wandb  # noqa: PLC0415 (only with this logger)
 
-        # No ~35-line history and summary when the run closes: the run's last lines are its results and the
-        # next commands (fit.after_fit); wandb's own lines at the start still say where the run is.
+        # No ~35-line summary at the close: the run's last lines are its results and the next commands
         kwargs["settings"] = wandb.Settings(quiet=True)
         if job.sweep_dir is not None:  # one wandb run per job (see finish_wandb), grouped by sweep
             kwargs["group"] = cfg.group or job.sweep_dir

@@ -1,10 +1,10 @@
-"""The LightningModule: objective.py's loss, Adam with the Noam schedule (§5.3) or a time budget's (budget.py);
-validation loss, greedy BLEU and chrF (a split is scored with beam search by scoring.evaluate_translations)."""
+"""The LightningModule: the loss, Adam with Noam's schedule (§5.3) or a time budget's, validation's BLEU and chrF."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 
 import lightning as L
 import torch
@@ -16,15 +16,14 @@ from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.budget import TimeBudget
-from transformer_mt.training.sharding import full_copy, is_sharded
+from transformer_mt.training.sharding import LayerFSDP, full_copy
 from transformer_mt.training.update import UpdateBookkeeping
 
 log = logging.getLogger(__name__)
 
 
 class TranslationModule(L.LightningModule):
-    """Trains a Transformer; validation scores greedy translations of its own batches (they carry their
-    references). The tokenizer decodes hypotheses and travels inside every checkpoint."""
+    """Trains a Transformer; validation scores greedy translations; the tokenizer travels in every checkpoint."""
 
     def __init__(
         self,
@@ -45,27 +44,17 @@ class TranslationModule(L.LightningModule):
         self.tokenizer = tokenizer
         self.updates = UpdateBookkeeping()  # tokens, FLOPs, the gradient's normalisation and norm, totals
         self.budget = TimeBudget(**budget) if budget else None  # its schedule is this module's
-        self._sums = torch.zeros(3)  # smoothed loss, NLL, target tokens
-        self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
-        self._decoder: Transformer | None = None  # what validation decodes with (sharding.py)
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
         self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        return self.model(src, tgt_in)
-
     def compile_training(self, backend="inductor") -> None:
-        """trainer.compile: the training forward and loss through torch.compile, dynamic shapes (an epoch of WMT14-like
-        batches compiles 2 graphs, not one per shape), the backward with it (AOTAutograd); decoding through
-        Transformer.compile_decoding. The model is not wrapped: its checkpoint keys stay eager's (no `_orig_mod.`)."""
+        """trainer.compile: the loss with dynamic shapes (2 graphs an epoch), the model unwrapped (no `_orig_mod.`)."""
         self._training_losses = torch.compile(sequence_losses, dynamic=True, backend=backend)
         self.model.compile_decoding()
 
     def _losses(self, batch: dict[str, Tensor], losses=sequence_losses) -> tuple[Tensor, Tensor, Tensor]:
         src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
         return losses(self.model, src, tgt_in, tgt_out, self.hparams.label_smoothing, batch.get("target_positions"))
-
-    # -- training
 
     def configure_callbacks(self) -> list[L.Callback]:
         return [self.updates]  # the update's bookkeeping trains with the module, whoever builds the Trainer
@@ -75,15 +64,13 @@ class TranslationModule(L.LightningModule):
             self._compile_clock = time.perf_counter()  # the first compiled micro-batch starts
         loss_sum, nll_sum, _ = self._losses(batch, self._training_losses)
         self.updates.add(self, batch, loss_sum, nll_sum)
-        # The sum, not the mean: UpdateBookkeeping divides the gradient by the update's tokens (nothing here waits).
-        return loss_sum
+        return loss_sum  # the sum: UpdateBookkeeping divides the gradient by the update's tokens
 
     def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self._compile_clock and self.trainer.is_global_zero:  # forward and backward compiled by now
-            took = time.perf_counter() - self._compile_clock
-            log.info(f"trainer.compile: the first training micro-batch took {took:.1f} s, compilation included")
-        if self._compile_clock:
-            self._compile_clock = 0.0
+        if self._compile_clock:  # forward and backward compiled by now
+            took, self._compile_clock = time.perf_counter() - self._compile_clock, 0.0
+            if self.trainer.is_global_zero:
+                log.info(f"trainer.compile: the first training micro-batch took {took:.1f} s, compilation included")
 
     def configure_optimizers(self):
         h = self.hparams
@@ -100,14 +87,11 @@ class TranslationModule(L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
 
-    # -- validation: loss on every batch, greedy BLEU/chrF on the first val_bleu_sentences sentences
-
     def on_validation_epoch_start(self) -> None:
-        self._sums = torch.zeros(3, device=self.device)
-        self._hyps = {}
-        # Under FSDP a plain copy of the whole model, gathered here on every rank alike: decoding through
-        # the sharded layers would issue a rank-dependent number of collectives and hang.
-        sharded = is_sharded(self.trainer.strategy) and self.trainer.world_size > 1
+        self._sums = torch.zeros(3, device=self.device)  # smoothed loss, NLL, target tokens
+        self._hyps: dict[int, tuple[list[int], str]] = {}  # index in the split -> (hypothesis ids, reference)
+        # Under FSDP a whole copy, gathered on every rank alike: decoding through the shards would hang
+        sharded = isinstance(self.trainer.strategy, LayerFSDP) and self.trainer.world_size > 1
         self._decoder = full_copy(self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -123,42 +107,32 @@ class TranslationModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         self._decoder = None
         loss_sum, nll_sum, n_tokens = self.trainer.strategy.reduce(self._sums, reduce_op="sum")
-        if n_tokens == 0:
-            raise RuntimeError("validation saw no target tokens: the validation loader yielded no batch")
         loss, nll = loss_sum / n_tokens, nll_sum / n_tokens
         metrics = {"val/loss": loss, "val/nll": nll, "val/ppl": torch.exp(nll)}
         summary = f"validation at update {self.global_step}: loss {loss:.3f}, ppl {torch.exp(nll):.2f}"
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             scores = self._score_hypotheses()
             metrics.update({f"val/{name}": value for name, value in scores.items()})
-            summary += (
-                f", greedy sacreBLEU {scores['bleu']:.2f}, chrF {scores['chrf']:.2f} ({len(self._hyps)} sentences)"
-            )
+            bleu, chrf, n = scores["bleu"], scores["chrf"], len(self._hyps)
+            summary += f", greedy sacreBLEU {bleu:.2f}, chrF {chrf:.2f} ({n} sentences)"
         # Every rank holds the same values (sums reduced, hypotheses gathered): checkpoint monitors agree.
-        self.log_dict(
-            {k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}, prog_bar=True, sync_dist=True
-        )
+        shown = {k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}
+        self.log_dict(shown, prog_bar=True, sync_dist=True)
         self.log_dict(metrics, sync_dist=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 
     def _score_hypotheses(self) -> dict[str, float]:
         """Corpus scores of the hypotheses of every rank, detokenized, in split order."""
-        hyps = self._hyps
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             shards = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(shards, hyps)
-            hyps = {i: h for shard in shards for i, h in shard.items()}
-        self._hyps = hyps
-        order = sorted(hyps)
-        texts = self.tokenizer.decode([hyps[i][0] for i in order])
-        return corpus_scores(texts, [hyps[i][1] for i in order])
-
-    # -- checkpoints: the SentencePiece model travels inside every one, so the file alone can translate
+            torch.distributed.all_gather_object(shards, self._hyps)
+            self._hyps = {i: h for shard in shards for i, h in shard.items()}
+        hyps, references = zip(*(self._hyps[i] for i in sorted(self._hyps)))
+        return corpus_scores(self.tokenizer.decode(list(hyps)), list(references))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # The metrics logged so far reach the disk with every checkpoint: a killed run loses no CSV row
-        # before its newest checkpoint, and the run resumed from it writes the rows after it.
+        # The metrics logged so far reach the disk with every checkpoint: a killed run loses no CSV row before it
         for logger in self.trainer.loggers:
             logger.save()
         if self.tokenizer is not None:
@@ -166,7 +140,7 @@ class TranslationModule(L.LightningModule):
         # the update's padded tokens per side (batch_fit.shape_updates): a resume keeps it (resume.check_update_size)
         checkpoint["update_tokens"] = getattr(self.trainer.datamodule, "update_tokens", None)
         checkpoint["max_tokens"] = getattr(self.trainer.datamodule, "max_tokens", None)  # data.max_tokens=auto's choice
-        checkpoint["budget"] = self.budget.state() if self.budget else None
+        checkpoint["budget"] = asdict(self.budget) if self.budget else None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.tokenizer is None:

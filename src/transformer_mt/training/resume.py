@@ -1,5 +1,4 @@
-"""Resuming a run exactly: every rank's random state in its checkpoints, which checkpoint a run continues
-from, and whether the configured run can continue it. What is written when: saving.py."""
+"""Resuming a run exactly: every rank's random state, which checkpoint a run continues from, and whether it can."""
 
 from __future__ import annotations
 
@@ -15,16 +14,15 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from transformer_mt.checkpoint import check_finite, read_checkpoint
 from transformer_mt.errors import InputError, MissingInputError, UserError
-from transformer_mt.files import RunFolder
-from transformer_mt.launcher import first_process
+from transformer_mt.files import RunFolder, remove_stale_temporaries
+from transformer_mt.launcher import first_process, launch_id
 from transformer_mt.model import TransformerConfig
 
 log = logging.getLogger(__name__)
 
 
 def random_state() -> dict:
-    """This process's generators as values torch.load(weights_only=True) accepts: Python, NumPy, torch CPU and its own
-    CUDA device's only (a resume may see fewer GPUs, e.g. srun --gpus-per-task=1)."""
+    """This process's generators as weights_only values; of CUDA its own device's (a resume may see fewer GPUs)."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
         "python": random.getstate(),
@@ -44,34 +42,31 @@ def set_random_state(state: dict) -> None:
 
 
 class RandomState(L.Callback):
-    """Every rank's random generators in checkpoints, so that a resumed run's dropout draws the uninterrupted run's
-    masks. Restored at the first training batch, not when the checkpoint is loaded: the data loaders' iterators (and a
-    sanity check) draw from them in between, which the uninterrupted run did before it saved its state."""
+    """Every rank's random generators in checkpoints, restored at the first training batch (the loaders and a sanity
+    check draw from them in between, as the uninterrupted run did before it saved them): the same dropout masks."""
 
     def __init__(self):
         self._restore: list[dict] | None = None
 
     def state_dict(self) -> dict:
-        state = random_state()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        ranks = [random_state()]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # rank 0 writes all ranks' states
             ranks = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(ranks, state)  # rank 0 writes the checkpoint: all ranks' states
-            return {"ranks": ranks}
-        return {"ranks": [state]}
+            torch.distributed.all_gather_object(ranks, random_state())
+        return {"ranks": ranks}
 
     def load_state_dict(self, state: dict) -> None:
         self._restore = state["ranks"]
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch, batch_idx: int) -> None:
-        if self._restore is not None:
-            if len(self._restore) == trainer.world_size:
-                set_random_state(self._restore[trainer.global_rank])
-            else:
-                log.warning(
-                    f"resuming on {trainer.world_size} device(s) from a checkpoint written by {len(self._restore)}: "
-                    "dropout continues with fresh random states: the run is not bit-identical to an uninterrupted one"
-                )
-            self._restore = None
+        if self._restore is not None and len(self._restore) == trainer.world_size:
+            set_random_state(self._restore[trainer.global_rank])
+        elif self._restore is not None:
+            log.warning(
+                f"resuming on {trainer.world_size} device(s) from a checkpoint written by {len(self._restore)}: "
+                "dropout continues with fresh random states: the run is not bit-identical to an uninterrupted one"
+            )
+        self._restore = None
 
 
 def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
@@ -101,8 +96,7 @@ def newest_checkpoint(checkpoint_dir: Path) -> tuple[Path, dict]:
 
 
 def refuse(path: Path, error: UserError) -> None:
-    """A checkpoint that ckpt_path=last will not continue from is renamed <name>.refused by the first process (nothing
-    deleted), so that no later glob of *.ckpt takes it (make average, the end-of-run protocol, the next resume)."""
+    """Renames a checkpoint ckpt_path=last refuses to <name>.refused, so that no average or resume takes it."""
     if not first_process() or not path.is_file():
         log.warning("not resuming from %s: %s", path, error)
         return
@@ -118,18 +112,27 @@ def refuse(path: Path, error: UserError) -> None:
     log.warning(f"not resuming from {path}: {error}; renamed to {aside.name}, so that no average or resume takes it")
 
 
-def resume_checkpoint(ckpt_path: str | None, checkpoint_dir: Path) -> tuple[Path, dict] | None:
-    """ckpt_path as given (`last`: the newest complete checkpoint of this run's folder) -> (path, contents)."""
+def resume_checkpoint(ckpt_path: str | None, run_dir: Path, config: dict) -> tuple[Path | None, dict | None]:
+    """ckpt_path (`last`: the newest complete checkpoint of the run folder) -> (path, contents); a launched job
+    restarted or requeued into its folder continues it by itself, as the same training only."""
+    checkpoint_dir = RunFolder(run_dir).checkpoints
+    for path in remove_stale_temporaries(checkpoint_dir):
+        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
+    if ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
+        log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
+        path, checkpoint = newest_checkpoint(checkpoint_dir)
+        check_same_training(run_dir, checkpoint, config, launch_id())
+        return path, checkpoint
     if ckpt_path is None:
-        return None
+        refuse_lightnings_own_resume(run_dir)
+        return None, None
     if str(ckpt_path) == "last":
         return newest_checkpoint(checkpoint_dir)
     return Path(ckpt_path), read_checkpoint(ckpt_path, mmap=True)
 
 
 def refuse_lightnings_own_resume(run_dir: Path) -> None:
-    """Under SLURM, Lightning restores <run>/hpc_ckpt_<N>.ckpt by itself, past every check of this project's resume
-    (this project never writes one: a requeued job continues from checkpoints/): such a start is refused."""
+    """Under SLURM, Lightning would restore <run>/hpc_ckpt_<N>.ckpt by itself, past this project's checks: refused."""
     from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: PLC0415
 
     found = sorted(run_dir.glob("hpc_ckpt_*.ckpt"), key=lambda p: int(p.stem.rpartition("_")[2] or 0))
@@ -142,10 +145,8 @@ def refuse_lightnings_own_resume(run_dir: Path) -> None:
 
 
 def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str) -> None:
-    """A launched job restarted or requeued continues its folder by itself (fit.resume_target) only as the same
-    training (a longer trainer.max_steps is): another of the job, with other settings, is refused in one line."""
-    differ = {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}
-    if differ:
+    """A launched job continues its folder by itself only as the same training (a longer trainer.max_steps is)."""
+    if differ := {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}:
         shown = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in list(differ.items())[:4])
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
         raise InputError(
@@ -156,7 +157,7 @@ def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str)
 
 
 def changed_settings(checkpoint: dict, config: dict) -> dict[str, tuple]:
-    """The settings (flattened keys, ckpt_path aside) whose values differ between a checkpoint's run and `config`."""
+    """Flattened keys (ckpt_path aside) whose values differ between a checkpoint's run and `config`."""
     before, now = flatten(checkpoint["hyper_parameters"].get("config") or {}), flatten(config)
     keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
     return {k: (before.get(k), now.get(k)) for k in keys}
@@ -165,8 +166,7 @@ def changed_settings(checkpoint: dict, config: dict) -> dict[str, tuple]:
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
     before, now = comparable_model(checkpoint["hyper_parameters"]["model"]), comparable_model(model)
-    changed = {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}
-    if changed:
+    if changed := {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}:
         shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))
         raise InputError(
             f"ckpt_path={path}: the checkpoint's model has {shown}; resume with the run's own settings "
@@ -174,21 +174,17 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
         )
     if checkpoint.get("sentencepiece") != sentencepiece:
         raise InputError(
-            f"ckpt_path={path}: the checkpoint was trained with another SentencePiece model than the one "
-            "these data settings give (data.path, data.vocab_size, seed ...); resume with the run's own "
-            "data settings (the same CONFIG and ARGS), or start a new run without ckpt_path"
+            f"ckpt_path={path}: the checkpoint was trained with another SentencePiece model than the one these data "
+            "settings give (data.path, data.vocab_size, seed ...); resume with the run's own data settings (the same "
+            "CONFIG and ARGS), or start a new run without ckpt_path"
         )
-    differ = changed_settings(checkpoint, config)
-    if differ and rank_zero_only.rank == 0:
-        log.warning(
-            "resuming with settings that differ from the checkpoint's: %s",
-            "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items()),
-        )
+    if (differ := changed_settings(checkpoint, config)) and rank_zero_only.rank == 0:
+        changes = "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items())
+        log.warning(f"resuming with settings that differ from the checkpoint's: {changes}")
 
 
 def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per_update: int | None) -> None:
-    """A resume keeps the recipe's update size: data.tokens_per_update holds it on any number of devices; without it
-    the update is data.max_tokens per device, and another number of devices is refused, naming the override."""
+    """A resume keeps the update's size: without data.tokens_per_update another number of devices is refused."""
     if tokens_per_update is None and now != saved:
         raise InputError(
             f"ckpt_path={path}: the checkpoint's updates held {saved:,} padded tokens per side, these settings "
@@ -196,15 +192,11 @@ def check_update_size(path: Path, saved: int, now: int, devices: int, tokens_per
             f"keep the recipe with data.tokens_per_update={saved}, or start a new run without ckpt_path"
         )
     if now != saved and rank_zero_only.rank == 0:
-        log.info(
-            f"the update holds {now:,} padded tokens per side, the checkpoint's {saved:,} (whole micro-batches on "
-            f"{devices} device(s), data.tokens_per_update={tokens_per_update})"
-        )
+        log.info(f"the update holds {now:,} padded tokens per side on {devices} device(s), the checkpoint's {saved:,}")
 
 
 def comparable_model(model: dict) -> dict:
-    """A model's settings, d_k / d_v null where they are d_model / n_heads (so d_k=64 at base equals null, and a
-    change of d_model is not also one of d_k)."""
+    """A model's settings, d_k / d_v null where they are d_model / n_heads (d_k=64 at base equals null)."""
     cfg = TransformerConfig(**model)
     derived = cfg.d_model // cfg.n_heads if cfg.d_model % cfg.n_heads == 0 else None
     return {**asdict(cfg), **{k: None if size == derived else size for k, size in zip(("d_k", "d_v"), cfg.head_sizes)}}
@@ -213,8 +205,5 @@ def comparable_model(model: dict) -> dict:
 def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
+        flat.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return flat

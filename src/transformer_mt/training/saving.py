@@ -1,14 +1,5 @@
-"""Every checkpoint a training run writes, and when: the periodic ones (every N updates and/or every N minutes of
-training, the last `keep_last` of each kept, for averaging), best.ckpt (the best validation value of a metric) and
-last.ckpt, the run's newest state. All are written atomically (temporary file + rename).
-
-Two rules keep a resume exact. A save happens only right after an optimizer update (UpdateEnd calls Saves), never
-inside an accumulation window, whose partial gradients a checkpoint does not hold. At an update that is also
-validated, the save waits for the validation's end: Lightning resumes a checkpoint of that update as validated, so
-one written before the validation (then killed in it) would lose that validation, from the CSV, the log and the
-choice of best.ckpt. Lightning calls checkpoint callbacks last, in the order given: best.ckpt's first, so the saves
-that waited hold this validation's best score.
-"""
+"""Every checkpoint a training run writes (periodic, best.ckpt, last.ckpt), atomically, right after an update (never
+inside an accumulation window) and after a validation due there (Lightning resumes such a checkpoint as validated)."""
 
 from __future__ import annotations
 
@@ -35,8 +26,7 @@ log = logging.getLogger(__name__)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, atomic (write_checkpoint); a checkpoint pruned (keep_last) takes its
-    CTranslate2 export along (engines.ct2_export's <name>.ct2/)."""
+    """Lightning's checkpoint writer, atomic; a pruned checkpoint takes its CTranslate2 export (<name>.ct2/) along."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         write_checkpoint(checkpoint, path)
@@ -46,37 +36,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         shutil.rmtree(ct2_folder(Path(path)), ignore_errors=True)
 
 
-def checkpoint_callbacks(
-    checkpoint_dir: Path,
-    every_n_train_steps: int | None,
-    train_time_interval_minutes: float | None,
-    keep_last: int,
-    best_monitor: str | None,
-    best_mode: str,
-) -> list[Checkpoint]:
-    """conf/train.yaml's `checkpoint` block as callbacks, in the order their saves must happen."""
+def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
+    """The `checkpoint` block as callbacks, best.ckpt first (saves after a validation hold its best score)."""
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
-    best = [BestCheckpoint(filename="best", save_top_k=1, monitor=best_monitor, mode=best_mode, **common)]
-    periodic = [
-        UpdateCheckpoint(filename=name, save_top_k=keep_last, every=every, minutes=minutes, **common)
-        for name, every, minutes in (
-            ("step{step:07d}", every_n_train_steps, None),
-            ("time-step{step:07d}", None, train_time_interval_minutes),
-        )
-        if every or minutes
-    ]
-    return [*(best if best_monitor else []), *periodic, Saves(checkpoint_dir / RunFolder.LAST, periodic)]
+    keep, every, minutes = cfg["keep_last"], cfg["every_n_train_steps"], cfg["train_time_interval_minutes"]
+    periodic = [UpdateCheckpoint(filename="step{step:07d}", every=every, save_top_k=keep, **common)] if every else []
+    if minutes:
+        periodic.append(UpdateCheckpoint(filename="time-step{step:07d}", minutes=minutes, save_top_k=keep, **common))
+    best = BestCheckpoint(filename="best", save_top_k=1, monitor=cfg["best_monitor"], mode=cfg["best_mode"], **common)
+    return [*([best] if cfg["best_monitor"] else []), *periodic, Saves(checkpoint_dir / RunFolder.LAST, periodic)]
 
 
 class MovedFolder:
-    """A ModelCheckpoint that keeps its files and scores when the run folder was moved or copied. Lightning's own
-    forgets them when the saved folder is not the current one: the first validation after the resume would replace
-    best.ckpt whatever its score, and keep_last would lose count. Here the files there are re-rooted in the new one."""
-
-    moved_from: str | None = None  # the folder of the checkpoint resumed from, when it was another
+    """A ModelCheckpoint that keeps its files and scores when the run folder was moved (Lightning's forgets them)."""
 
     def file_exists(self, filepath, trainer) -> bool:
-        """Asked only to version a name ("-v1"): never, a run resumed in place rewrites a killed attempt's file."""
+        """Never: a run resumed in place rewrites a killed attempt's file instead of versioning it ("-v1")."""
         return False
 
     def load_state_dict(self, state: dict) -> None:
@@ -89,28 +64,22 @@ class MovedFolder:
         if kept:  # ModelCheckpoint's own choice of the best and the k-th best (the next to go)
             best = (max if self.mode == "max" else min)(kept, key=kept.get)
             kth = (min if self.mode == "max" else max)(kept, key=kept.get)
-            restored.update(best_model_path=best, best_model_score=kept[best], kth_best_model_path=kth)
-            restored.update(kth_value=kept[kth])
+            restored.update(
+                best_model_path=best, best_model_score=kept[best], kth_best_model_path=kth, kth_value=kept[kth]
+            )
         super().load_state_dict({**state, "dirpath": self.dirpath, **restored})
-        self.moved_from = state["dirpath"]
+        if self.monitor != "step" and self.best_model_score is not None and rank_zero_only.rank == 0:  # best.ckpt's
+            score, was = float(self.best_model_score), Path(state["dirpath"]).parent
+            log.info(f"resumed in a moved folder: best.ckpt's {self.monitor} {score:.2f} kept (the run was in {was})")
 
 
 class BestCheckpoint(MovedFolder, ModelCheckpoint):
-    """best.ckpt: the best validation value of `monitor` (a resume in a moved folder keeps it, and says so)."""
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self.moved_from and self.best_model_score is not None and rank_zero_only.rank == 0:
-            score, was = float(self.best_model_score), Path(self.moved_from).parent
-            log.info(
-                "resumed in a moved folder: best.ckpt's %s %.2f kept (the run was in %s)", self.monitor, score, was
-            )
+    """best.ckpt: the best validation value of `monitor`."""
 
 
 class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
-    """Lightning's ModelCheckpoint (the newest `save_top_k` kept, by update count), written when Saves finds it due:
-    every `every` updates (a time budget spaces them to span its horizon's end), or every `minutes` of training on the
-    update clock (not Lightning's time check, which broadcasts a Python object at every update: a wait of its own)."""
+    """The newest `save_top_k` kept, written when Saves finds it due: every `every` updates (a time budget's spacing),
+    or every `minutes` on the update clock (Lightning's time check broadcasts at every update: a wait of its own)."""
 
     def __init__(self, every: int | None = None, minutes: float | None = None, **kwargs):
         self.every, self.interval, self.saved_at = every, 60 * minutes if minutes else None, 0.0
@@ -141,13 +110,11 @@ class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
 
 
 class Saves(Checkpoint):
-    """The saves at an update's end: the periodic checkpoints due, and last.ckpt (the state a run continues from,
-    optimizer and loops included) with each of them and after the final update (also a stop's). last.ckpt also at the
-    end of training if not yet, and at each epoch's end when no periodic checkpoints are kept."""
+    """The saves at an update's end: the periodic checkpoints due, and last.ckpt with each of them and after the final
+    update; last.ckpt also at the end of training, and at each epoch's end without periodic checkpoints."""
 
     def __init__(self, path: Path, periodic: list[UpdateCheckpoint]):
-        self.path, self.periodic = path, periodic
-        self.saved_step: int | None = None
+        self.path, self.periodic, self.saved_step = path, periodic, None
         self.waiting: tuple | None = None  # (update, the periodic checkpoints due) until the validation's end
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:

@@ -1,9 +1,5 @@
-"""trainer=fsdp: PyTorch's FSDP2 (`fully_shard`), one unit per encoder/decoder layer, and the whole copy of the
-weights that validation decodes with: ranks decode different numbers of steps, so decoding through the sharded
-layers (a collective per forward) would hang. Lightning 2.6's road to FSDP2, the experimental ModelParallelStrategy,
-shards inside the LightningModule and writes distributed checkpoint folders: this DDPStrategy subclass replaces only
-DDP's wrapper and reads and writes full state dicts, so every checkpoint is an ordinary .ckpt for every tool.
-"""
+"""trainer=fsdp: FSDP2 (`fully_shard`), one unit per layer, as a DDPStrategy that reads and writes full state dicts
+(ordinary .ckpt files; Lightning's ModelParallelStrategy writes folders), and the whole copy validation decodes with."""
 
 from __future__ import annotations
 
@@ -24,26 +20,19 @@ from torch.distributed.tensor import DTensor
 
 from transformer_mt.model import Transformer
 
-# The Transformer's methods the training loss calls (objective.sequence_losses), each gathering the root
-# unit (embeddings, final norms) as its forward would.
-FORWARD_METHODS = ("features", "project")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on rank 0, on the host
 
 
 class LayerFSDP(DDPStrategy):
-    """FSDP2 per encoder/decoder layer, the embeddings and final norms in the root unit; gradients reduce-scattered
-    once per update (as DDP's no_sync). It runs on CPU processes over gloo too: the slow test tier trains with it."""
+    """FSDP2 per layer, gradients reduce-scattered once per update; over gloo on CPU processes too."""
 
     def __init__(self, precision: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.precision = precision
 
-    @property
-    def mixed_precision_config(self) -> MixedPrecisionPolicy | None:
-        return mixed_precision_policy(self.precision, self.root_device.type)
-
     def configure_ddp(self) -> None:  # in place of DDP's wrapper
-        shard(self.lightning_module.model, self.root_device.type, self.world_size, self.mixed_precision_config)
+        device = self.root_device.type
+        shard(self.lightning_module.model, device, self.world_size, mixed_precision_policy(self.precision, device))
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -55,11 +44,10 @@ class LayerFSDP(DDPStrategy):
         return get_model_state_dict(self.lightning_module, options=FULL)
 
     def optimizer_state(self, optimizer) -> dict:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
         state = get_optimizer_state_dict(self.lightning_module, optimizer, options=FULL)
         if self.global_rank != 0:
             return state  # empty: only rank 0 writes
-        # Keyed by parameter index, as a plain optimizer's (DDP's checkpoints), not by name.
+        # Keyed by parameter index, as a plain optimizer's, not by name
         index = {name: i for i, name in enumerate(n for group in state["param_groups"] for n in group["params"])}
         groups = [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]]
         return {"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups}
@@ -80,24 +68,20 @@ def shard(model: Transformer, device_type: str, world_size: int, policy: MixedPr
     for layer in [*model.encoder_layers, *model.decoder_layers]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    for name in FORWARD_METHODS:
+    for name in ("features", "project"):  # what the training loss calls: each gathers the root unit as forward does
         register_fsdp_forward_method(model, name)
 
 
 def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrecisionPolicy | None:
-    """In bf16-mixed: weights gathered in bf16, gradients reduced in fp32 (buffers never cast). On CUDA the layers'
-    inputs stay fp32, as under DDP (FSDP2 would round the residual stream to bf16 at every layer); CPU autocast refuses
-    an fp32 input to LayerNorm with bf16 weights, so there they are cast."""
-    if precision != "bf16-mixed":
-        return None
-    return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=device_type != "cuda"
-    )
+    """bf16-mixed: weights gathered in bf16, gradients reduced in fp32; the layers' inputs cast on a CPU only (its
+    autocast refuses fp32 into a bf16 LayerNorm; on CUDA the residual stream stays fp32, as under DDP)."""
+    bf16 = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=device_type != "cuda")
+    return bf16 if precision == "bf16-mixed" else None
 
 
 @contextmanager
 def no_gradient_sync(model: Transformer) -> Iterator[None]:
-    """Backward passes whose gradients wait, unsharded, for the next synchronised one (a reduce-scatter per update)."""
+    """Backward passes whose gradients wait, unsharded, for the next synchronised one."""
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -105,13 +89,8 @@ def no_gradient_sync(model: Transformer) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def is_sharded(strategy) -> bool:
-    """Each rank holds only a shard of the weights and gradients."""
-    return isinstance(strategy, LayerFSDP)
-
-
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a sharded tensor (a DTensor); any other tensor as it is."""
+    """This rank's part of a DTensor; any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -121,9 +100,8 @@ def full_copy(model: Transformer) -> Transformer:
         name: p.full_tensor().detach() if isinstance(p, DTensor) else p.detach().clone()
         for name, p in model.named_parameters()
     }
-    # On the meta device: no initialisation draws from the random generators (dropout's masks must not depend on it)
     with torch.device("meta"):
-        copy = Transformer(model.cfg)
+        copy = Transformer(model.cfg)  # no initialisation draws from the random generators
     copy.load_state_dict(state, assign=True)  # strict: a name sharding changed would fail here
     for name, buffer in model.named_buffers():  # not sharded: the model's own, shared (never written)
         owner, _, leaf = name.rpartition(".")

@@ -1,13 +1,4 @@
-"""An optimizer update, from its micro-batches to what follows its end, with one wait for the device.
-
-Each micro-batch adds its target tokens and model FLOPs (host numbers, from collate's lengths) and its loss sums
-(device tensors, never read there). Before the step the gradient is normalised by the update's target tokens over
-every micro-batch and rank and its norm computed; a non-finite norm makes fused Adam skip the step on the device
-(optimizer.found_inf, as torch's GradScaler does), so no weight and no checkpoint ever holds NaN. With several ranks
-one all-reduce carries the tokens, FLOPs, loss sums, stop signals and rank 0's update clock (seconds of training
-over every attempt, validations left out). After the step, UpdateEnd reads it all in one transfer and runs
-what follows, in one order. Nothing else here waits for the device: tests/device_waits.py counts the waits.
-"""
+"""An optimizer update: its gradient's normalisation, its one wait for the device, and UpdateEnd, its end's owner."""
 
 from __future__ import annotations
 
@@ -23,22 +14,21 @@ from torch import Tensor
 
 from transformer_mt.errors import UserError
 from transformer_mt.model import training_flops
-from transformer_mt.training.sharding import is_sharded, local
+from transformer_mt.training.sharding import LayerFSDP, local
 
 log = logging.getLogger(__name__)
 
 # The stop signals ranks agree on, highest number first: SIGTERM (15) wins over SIGUSR1 (10), over SIGINT (2).
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-HOST_FIELDS = 3 + len(SIGNALS)  # tokens, FLOPs, rank 0's clock, a count per signal
 
 
 def clock() -> float:
-    """Seconds for durations; a function of this module, so that a test can drive the update's clock."""
+    """Seconds for durations (a test drives the update clock through it)."""
     return time.monotonic()
 
 
 class TrainingDiverged(UserError):
-    """A non-finite gradient: the run stops with one line instead of training on NaN."""
+    """A non-finite gradient: the run stops with one line."""
 
 
 @dataclass(frozen=True)
@@ -55,18 +45,9 @@ class Update:
     clock: float  # seconds of training over every attempt, validations left out, rank 0's
     seconds: float  # this process's wall time since the previous update ended
 
-    @property
-    def loss(self) -> float:
-        return self.loss_sum / max(self.tokens, 1)
-
-    @property
-    def nll(self) -> float:
-        return self.nll_sum / max(self.tokens, 1)
-
 
 class UpdateBookkeeping(L.Callback):
-    """The module's (configure_callbacks), so that any Trainer normalises the gradient as this project does. Its
-    totals (tokens, FLOPs, the update clock) travel in checkpoints: results.json and a resumed budget read them."""
+    """The module's own (any Trainer normalises the gradient so); its totals travel in checkpoints."""
 
     def __init__(self):
         self.totals = {"target_tokens": 0, "model_flops": 0.0, "train_seconds": 0.0}
@@ -76,8 +57,6 @@ class UpdateBookkeeping(L.Callback):
         self._sums: Tensor | None = None  # loss and NLL sums of this update's micro-batches (device)
         self._host = [0, 0.0]  # target tokens and FLOPs of this update's micro-batches, this rank
         self._pending: Tensor | None = None  # [grad norm, tokens, FLOPs, clock, signals..., loss, nll] (device)
-        self._start = self._before = self._paused = self._last_end = 0.0
-        self._validation_began: float | None = None
 
     def add(self, module: L.LightningModule, batch: dict, loss_sum: Tensor, nll_sum: Tensor) -> None:
         """A micro-batch's share: its loss sums stay on the device; its counts come from collate (host)."""
@@ -89,21 +68,18 @@ class UpdateBookkeeping(L.Callback):
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self._start = self._last_end = clock()
         self._before, self._paused = self.totals["train_seconds"], 0.0
-        buffer = torch.zeros(HOST_FIELDS, dtype=torch.float64)
+        buffer = torch.zeros(3 + len(SIGNALS), dtype=torch.float64)  # tokens, FLOPs, rank 0's clock, signals
         self._buffer = buffer.pin_memory() if trainer.strategy.root_device.type == "cuda" else buffer
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer) -> None:
         """Gradient of the update's summed loss / its target tokens over every micro-batch and rank (as fairseq).
         Lightning divided each micro-batch's loss by the accumulation and DDP/FSDP average the ranks: undone here."""
         (tokens, flops), self._host = self._host, [0, 0.0]
-        device = trainer.strategy.root_device
-        counts = [float(self.signal == s) for s in SIGNALS]
+        (sums, self._sums), counts = (self._sums, None), [float(self.signal == s) for s in SIGNALS]
         elapsed = self.training_clock() if trainer.global_rank == 0 else 0.0
         self._buffer.copy_(torch.tensor([tokens, flops, elapsed, *counts], dtype=torch.float64))
-        sums = self._sums if self._sums is not None else torch.zeros(2, device=device)
-        self._sums = None
         # float64: token totals exact far past float32's 2^24; a pinned copy does not wait for the device
-        values = torch.cat([self._buffer.to(device, non_blocking=True), sums.double()])
+        values = torch.cat([self._buffer.to(trainer.strategy.root_device, non_blocking=True), sums.double()])
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         if trainer.world_size == 1:
             torch._foreach_mul_(grads, trainer.accumulate_grad_batches / max(tokens, 1))  # a host number
@@ -111,19 +87,17 @@ class UpdateBookkeeping(L.Callback):
             torch.distributed.all_reduce(values)
             scale = (trainer.accumulate_grad_batches * trainer.world_size / values[0].clamp(min=1)).float()
             torch._foreach_mul_(grads, scale)  # on the gradients' device
-        self.norm = norm = gradient_norm(module.parameters(), sharded=is_sharded(trainer.strategy))
+        self.norm = norm = gradient_norm(module.parameters(), sharded=isinstance(trainer.strategy, LayerFSDP))
         if trainer.precision != "16-mixed":  # fp16's GradScaler skips such steps itself
             optimizer.found_inf = (~norm.isfinite()).float()  # fused Adam leaves weights and moments as they are
         self._pending = torch.cat([norm.reshape(1).double(), values])
 
     def end(self, trainer: L.Trainer) -> Update | None:
-        """The update that ended with this micro-batch, read from the device (the update's one wait) and added to the
-        totals; None inside an accumulation window. UpdateEnd calls it once per micro-batch."""
+        """The update that ended with this micro-batch, read in one transfer; None inside an accumulation window."""
         if self._pending is None:
             return None
-        norm, tokens, flops, elapsed, *rest = self._pending.tolist()
+        norm, tokens, flops, elapsed, *counts, loss_sum, nll_sum = self._pending.tolist()
         self._pending = None
-        counts, (loss_sum, nll_sum) = rest[: len(SIGNALS)], rest[len(SIGNALS) :]
         received = next((int(s) for s, n in zip(SIGNALS, counts) if n), 0)
         if trainer.world_size == 1:
             received, elapsed = self.signal, self.training_clock()
@@ -138,17 +112,15 @@ class UpdateBookkeeping(L.Callback):
         return self.current
 
     def training_clock(self) -> float:
-        """Seconds of training over every attempt of the run, this process's: validations are left out."""
+        """Seconds of training over every attempt of the run, validations left out."""
         return self._before + clock() - self._start - self._paused
 
     def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._validation_began = clock()
+        self._validation_began = None if trainer.sanity_checking else clock()
 
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if self._validation_began is not None:
             self._paused += clock() - self._validation_began
-            self._validation_began = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint["totals"] = dict(self.totals)  # as of the update that just ended: saves come right after one
@@ -158,12 +130,8 @@ class UpdateBookkeeping(L.Callback):
 
 
 class UpdateEnd(L.Callback):
-    """The one owner of an update's end: on_train_batch_end reads the update once, then runs what follows, in its
-    order (the parts are fit.make_callbacks'; the time budget is the module's, as its schedule is). It owns the stop
-    signals too (SIGTERM from a scheduler or `kill`, SIGINT from Ctrl+C, SLURM's SIGUSR1): one only takes note, the
-    update's reduction carries it to every rank, and the run stops after that update (one noted after the last
-    update's reduction is reduced once more at the end); train() exits with 128 + its number, through
-    callback_metrics["stopped_by_signal"] (which ddp_spawn's workers hand back). A second Ctrl+C stops at once."""
+    """The one owner of an update's end, and of the stop signals (SIGTERM, SIGINT, SLURM's SIGUSR1): a signal is noted,
+    the update's reduction carries it to every rank, the run stops after that update (fit.after_fit exits 128 + it)."""
 
     def __init__(self, progress=None, ema=None, saves=None):
         self.progress, self.ema, self.saves = progress, ema, saves
@@ -189,10 +157,8 @@ class UpdateEnd(L.Callback):
             return
         if trainer.precision != "16-mixed" and not math.isfinite(update.grad_norm):
             raise TrainingDiverged(  # its step was skipped on the device: every checkpoint stays finite
-                f"training diverged at update {update.step}: the gradient norm is {update.grad_norm}. Likely causes: "
-                "a learning rate too high (optim.lr_factor, optim.warmup_steps), fp16 overflow (use trainer.precision="
-                "bf16-mixed or 32-true), or corrupt data. The weights were not updated; the checkpoints written so far "
-                "are finite"
+                f"training diverged at update {update.step}: the gradient norm is {update.grad_norm} (optim.lr_factor "
+                "too high? fp16 overflow: trainer.precision=bf16-mixed?); the checkpoints written so far are finite"
             )
         out_of_time = self.budget is not None and self.budget.after_update(trainer, update)  # fixes its horizon
         log_update(trainer, update)  # the loggers: losses, gradient norm, the next update's rate
@@ -200,10 +166,12 @@ class UpdateEnd(L.Callback):
             self.ema.after_update(module)
         if self.progress is not None:
             self.progress.after_update(trainer, update)  # the run log's lines, the bar
-        if update.signal:  # any rank's
-            self.stopped(trainer, update.signal)
-        if out_of_time or update.signal:
-            stop_after_this_update(trainer)
+        if update.signal:  # any rank's; callback_metrics: ddp_spawn's workers hand it back to train()
+            trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(update.signal))
+        if out_of_time or update.signal:  # with no validation that was not due (Lightning validates at any stop)
+            if not validation_follows(trainer):
+                trainer.limit_val_batches = 0
+            trainer.should_stop = True
         if self.saves is not None:
             self.saves.after_update(trainer, update)  # periodic and last.ckpt, after a validation that follows
 
@@ -213,41 +181,30 @@ class UpdateEnd(L.Callback):
             raise SystemExit(128 + signal.SIGINT)
         if not self.received:
             again = "; press Ctrl+C again to stop at once" if signum == signal.SIGINT else ""
-            name = signal.Signals(signum).name
-            log.warning(
-                f"received {name}: stopping at the end of the update in progress (last.ckpt is written there){again}"
-            )
+            log.warning(f"received {signal.Signals(signum).name}: stopping at the end of the update in progress{again}")
         self.received = self.updates.signal = signum
-
-    def stopped(self, trainer: L.Trainer, signum: int) -> None:
-        trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(signum))  # for train(), from any process
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.teardown(trainer, module, "fit")
-        signum = self.received  # one noted after the last update's reduction: every rank's, reduced once more
-        if trainer.world_size > 1:
-            flag = torch.tensor([signum], device=module.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            signum = int(flag.item())
+        # a signal noted after the last update's reduction: every rank's, reduced once more
+        signum = int(trainer.strategy.reduce(torch.tensor([self.received], device=module.device), reduce_op="max"))
         if signum and "stopped_by_signal" not in trainer.callback_metrics:
-            self.stopped(trainer, signum)
+            trainer.callback_metrics["stopped_by_signal"] = torch.tensor(float(signum))
 
     def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         for signum, handler in self._handlers.items():  # the handlers from before the run
             signal.signal(signum, handler)
         self._handlers = {}
 
-    def on_exception(self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException) -> None:
-        self.teardown(trainer, module, "fit")  # Lightning calls no teardown hook then
+    on_exception = teardown  # Lightning calls no teardown hook then (the exception in `stage`'s place)
 
 
 def gradient_norm(parameters, sharded: bool) -> Tensor:
-    """The L2 norm of the whole gradient. Sharded (FSDP), the squares of each rank's part are summed across ranks,
-    so that every rank logs and decides on the same norm (DDP's gradients are the same on every rank already)."""
+    """The L2 norm of the whole gradient; sharded (FSDP), summed over the ranks' parts, so every rank has the same."""
     grads = [local(p.grad) for p in parameters if p.grad is not None]
     grads = [g for g in grads if g.numel()]  # a rank may hold none of a small parameter
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
-    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if sharded:  # LayerFSDP always has a process group
         squares = norm.float().square()
         torch.distributed.all_reduce(squares)
         return squares.sqrt()
@@ -255,21 +212,20 @@ def gradient_norm(parameters, sharded: bool) -> Tensor:
 
 
 def log_update(trainer: L.Trainer, update: Update) -> None:
-    """At trainer.log_every_n_steps, host numbers to every logger (Lightning's self.log would build device tensors;
-    the rate is named as Lightning's LearningRateMonitor names it). Lightning's step: the updates before this one."""
-    every = trainer.log_every_n_steps
+    """Host numbers to every logger at trainer.log_every_n_steps (self.log would build device tensors)."""
+    every, tokens = trainer.log_every_n_steps, max(update.tokens, 1)
     if not every or update.step % every:
         return
-    optimizer = trainer.optimizers[0]
-    metrics = {"train/loss": update.loss, "train/nll": update.nll, "train/ppl": math.exp(min(update.nll, 700.0))}
+    optimizer, nll = trainer.optimizers[0], update.nll_sum / tokens
+    metrics = {"train/loss": update.loss_sum / tokens, "train/nll": nll, "train/ppl": math.exp(min(nll, 700.0))}
     metrics |= {"train/grad_norm": update.grad_norm, f"lr-{type(optimizer).__name__}": optimizer.param_groups[0]["lr"]}
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=update.step - 1)
+        logger.log_metrics(metrics, step=update.step - 1)  # Lightning's step: the updates before this one
 
 
 def validation_follows(trainer: L.Trainer) -> bool:
-    """Whether Lightning validates right after this training batch: its rule (the epoch loop's _should_check_val_fx)
-    for validations counted in batches or epochs (check_config refuses a time), from public attributes."""
+    """Whether Lightning validates right after this batch: the epoch loop's _should_check_val_fx, from public
+    attributes, for validations counted in batches or epochs (check_config refuses a time)."""
     loop, every_epoch = trainer.fit_loop.epoch_loop, trainer.check_val_every_n_epoch
     if not trainer.enable_validation or (every_epoch and (trainer.current_epoch + 1) % every_epoch):
         return False
@@ -277,11 +233,3 @@ def validation_follows(trainer: L.Trainer) -> bool:
         return trainer.should_stop or loop.batch_progress.is_last_batch
     batches = loop.total_batch_idx if every_epoch is None else loop.batch_idx
     return (batches + 1) % trainer.val_check_batch == 0
-
-
-def stop_after_this_update(trainer: L.Trainer) -> None:
-    """End the run after this update (last.ckpt is written there), with no validation that was not due: Lightning
-    validates whenever it is told to stop, unless validation is off."""
-    if not validation_follows(trainer):
-        trainer.limit_val_batches = 0
-    trainer.should_stop = True
