@@ -36,7 +36,7 @@ class ExponentialMovingAverage(L.Callback):
 
     @torch.no_grad()
     def after_update(self, module: L.LightningModule) -> None:
-        """ema + (1 - decay) * (weights - ema), every tensor in one call."""
+        """ema + (1 - decay) * (weights - ema), every tensor in one call (torch's multi-tensor op: no public name)."""
         self.updates += 1
         names, weights = zip(*((name, p.detach().float()) for name, p in module.model.named_parameters()))
         torch._foreach_lerp_([self.average[name] for name in names], list(weights), 1 - self.decay)

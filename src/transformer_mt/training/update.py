@@ -81,6 +81,7 @@ class UpdateBookkeeping(L.Callback):
         # float64: token totals exact far past float32's 2^24; a pinned copy does not wait for the device
         values = torch.cat([self._buffer.to(trainer.strategy.root_device, non_blocking=True), sums.double()])
         grads = [p.grad for p in module.parameters() if p.grad is not None]
+        # torch's multi-tensor ops (one kernel for every gradient) have no public name yet; the optimizers use them
         if trainer.world_size == 1:
             torch._foreach_mul_(grads, trainer.accumulate_grad_batches / max(tokens, 1))  # a host number
         else:
