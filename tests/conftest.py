@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, open_dict
 
 from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import CONF_DIR
+from transformer_mt.data.batching import collate
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.training.fit import train
 from transformer_mt.translate import translate
@@ -43,6 +45,31 @@ TINY_SHAPE = dict(d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_
 def tiny_config(**overrides) -> TransformerConfig:
     """TINY_SHAPE with a 23-token vocabulary: every code path of the model, small enough for CPU tests."""
     return TransformerConfig(**{**TINY_SHAPE, "vocab_size": 23, "dropout": 0.1, "pad_id": 0, **overrides})
+
+
+# The in-process Lightning tests' model (TranslationModule's `model`): 1+1 layers, d=16, 2 heads, 20 tokens, where
+# TINY_SHAPE's size costs (compiles; an epoch of news-length batches, past TINY_SHAPE's 64 positions).
+MICRO_SHAPE = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.1)
+
+
+def micro_batches(seed: int = 0) -> list[dict]:
+    """6 micro-batches (2 updates of 3 at accumulate_grad_batches=3) of random sentences, targets 1 longer."""
+    g, batches, index = torch.Generator().manual_seed(seed), [], 0
+    for lengths in [[5, 3], [2, 7, 4], [6], [3, 3], [4, 2, 8], [5]]:
+        items = []
+        for n in lengths:
+            src, tgt = (torch.randint(4, MICRO_SHAPE["vocab_size"], (m,), generator=g).numpy() for m in (n, n + 1))
+            items.append((src, tgt, index))
+            index += 1
+        batches.append(collate(items))
+    return batches
+
+
+def quiet_trainer(**arguments) -> L.Trainer:
+    """A Lightning Trainer on the CPU that writes nothing and prints nothing (no logger, checkpoints, progress
+    bar or model summary); `arguments` add to or replace these."""
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**quiet, "accelerator": "cpu", **arguments})
 
 
 @pytest.fixture

@@ -23,9 +23,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import transformer_mt.training.fit as entry
-from transformer_mt.data.batching import collate
-
-MODEL = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.1)
 
 # A real run's whole cycle: accumulation (2 micro-batches per update), validations, periodic and time-based
 # checkpoints, the moving average, progress lines and bar, and the loggers written at every update (their worst case).
@@ -173,19 +170,6 @@ def counted_run(counter: Waits, run, *args):
 def summary(counter: Waits) -> str:
     kinds = Counter((w["phase"] if not isinstance(w["phase"], int) else "updates", w["kind"]) for w in counter.found)
     return ", ".join(f"{phase}/{kind}: {n}" for (phase, kind), n in sorted(kinds.items(), key=str))
-
-
-def micro_batches(seed: int = 0) -> list[dict]:
-    """6 micro-batches (2 updates of 3 at accumulate_grad_batches=3) of random sentences, targets 1 longer."""
-    g, batches, index = torch.Generator().manual_seed(seed), [], 0
-    for lengths in [[5, 3], [2, 7, 4], [6], [3, 3], [4, 2, 8], [5]]:
-        items = []
-        for n in lengths:
-            src, tgt = (torch.randint(4, MODEL["vocab_size"], (m,), generator=g).numpy() for m in (n, n + 1))
-            items.append((src, tgt, index))
-            index += 1
-        batches.append(collate(items))
-    return batches
 
 
 if (

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_process, write_corpus
+from conftest import quiet_trainer, run_process, write_corpus
 from data_helpers import text_datamodule
 from transformer_mt.configs import run_folder
 from transformer_mt.errors import InputError
@@ -137,15 +137,7 @@ def test_every_epoch_of_a_lightning_run_sees_every_batch_in_its_own_order(tmp_pa
 
     dm = text_datamodule(tmp_path)
     module = Count()
-    trainer = L.Trainer(
-        max_epochs=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=2,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_epochs=3, use_distributed_sampler=False, num_sanity_val_steps=2)
     trainer.fit(module, dm)
     n_val = len(dm.val_dataloader())
     assert n_val > 2  # so that the sanity check stops the validation loader before its end

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ from conftest import (
     csv_rows,
     free_port,
     hydra_task,
+    quiet_trainer,
     random_batch,
     run_process,
     run_train,
@@ -301,17 +301,8 @@ def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_o
     micro_batches = [collate(items[:1]), collate(items[1:3]), collate(items[3:8]), collate(items[8:])]
     torch.manual_seed(0)
     module = SaveGradients(model_cfg, val_bleu_sentences=0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy="ddp_spawn",
-        max_steps=1,
-        accumulate_grad_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+    trainer = quiet_trainer(
+        devices=WORLD, strategy="ddp_spawn", max_steps=1, accumulate_grad_batches=2, default_root_dir=tmp_path
     )
     trainer.fit(module, DataLoader(micro_batches, batch_size=None))
     torch.manual_seed(0)

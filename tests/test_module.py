@@ -12,8 +12,7 @@ import torch
 import torch._inductor.config as inductor
 from torch.utils.data import DataLoader
 
-from conftest import train_in_process, write_corpus
-from device_waits import MODEL, micro_batches
+from conftest import MICRO_SHAPE, micro_batches, quiet_trainer, train_in_process, write_corpus
 from transformer_mt.checkpoint import load_for_inference
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.data.batching import TokenBucketSampler, collate
@@ -35,31 +34,18 @@ class RecordLR(L.Callback):
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation):
     torch.manual_seed(0)
-    module = TranslationModule(
-        dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1),
-        warmup_steps=3,
-        lr_factor=1.0,
-        val_bleu_sentences=0,
-    )
+    module = TranslationModule(MICRO_SHAPE, warmup_steps=3, lr_factor=1.0, val_bleu_sentences=0)
     lengths = torch.randint(1, 8, (200,), generator=torch.Generator().manual_seed(0)).numpy()
     pairs = [(torch.randint(4, 20, (n,)).numpy(), torch.randint(4, 20, (n,)).numpy(), i) for i, n in enumerate(lengths)]
     loader = DataLoader(pairs, batch_sampler=TokenBucketSampler(lengths, lengths, max_tokens=40), collate_fn=collate)
     record = RecordLR()
-    trainer = L.Trainer(
-        max_steps=6,
-        accumulate_grad_batches=accumulation,
-        callbacks=[record],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        use_distributed_sampler=False,
+    trainer = quiet_trainer(
+        max_steps=6, accumulate_grad_batches=accumulation, callbacks=[record], use_distributed_sampler=False
     )
     trainer.fit(module, loader)
     assert trainer.global_step == 6 and record.steps == list(range(6))  # 6 updates ...
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6 * accumulation  # ... of N batches
-    expected = [noam_lr(n, 16, 3) for n in range(1, 7)]  # update n uses noam(n)
+    expected = [noam_lr(n, MICRO_SHAPE["d_model"], 3) for n in range(1, 7)]  # update n uses noam(n)
     assert record.lrs == pytest.approx(expected, rel=1e-9)
 
 
@@ -72,7 +58,7 @@ def test_the_compiled_training_step_gives_eagers_loss_and_gradients_with_dropout
     results = []
     for compiled in (False, True):
         torch.manual_seed(0)  # the same weights
-        module = TranslationModule(MODEL, val_bleu_sentences=0)
+        module = TranslationModule(MICRO_SHAPE, val_bleu_sentences=0)
         if compiled:
             module.compile_training()
         step = []
@@ -99,7 +85,8 @@ def wmt14_like_batches(count: int, max_tokens: int = 800, seed: int = 0) -> list
     tgt = np.clip(np.rint(src * rng.lognormal(0.1, 0.2, len(src))), 1, 127).astype(int)
     sampler = TokenBucketSampler(src, tgt, max_tokens, seed=seed)
     pairs = [
-        (rng.integers(4, MODEL["vocab_size"], s), rng.integers(4, MODEL["vocab_size"], t)) for s, t in zip(src, tgt)
+        (rng.integers(4, MICRO_SHAPE["vocab_size"], s), rng.integers(4, MICRO_SHAPE["vocab_size"], t))
+        for s, t in zip(src, tgt)
     ]
     return [collate([(*pairs[i], i) for i in batch]) for batch in list(sampler)[:count]]
 
@@ -120,7 +107,7 @@ def test_an_epoch_of_wmt14_like_batches_compiles_the_training_step_twice_not_per
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    module = TranslationModule(MODEL, val_bleu_sentences=0)
+    module = TranslationModule(MICRO_SHAPE, val_bleu_sentences=0)
     module.compile_training(backend=counting)
     batches_seen = []
     for batch in batches:

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import train_in_process
-from device_waits import MODEL, WAITS_RUN, DeviceWaits, counted_run, micro_batches, summary
+from conftest import MICRO_SHAPE, micro_batches, quiet_trainer, train_in_process
+from device_waits import WAITS_RUN, DeviceWaits, counted_run, summary
 from transformer_mt.data.batching import collate
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import sequence_losses
@@ -25,7 +25,7 @@ class KeepGradients(TranslationModule):
 def test_an_accumulated_update_has_the_gradient_of_one_batch_holding_its_sentences():
     """Every target token of an update weighs the same (fairseq's normalisation): 3 micro-batches of
     1, 2 and 5 sentences give the gradient of one batch of all 8, not the mean of 3 per-batch means."""
-    model_cfg = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    model_cfg = {**MICRO_SHAPE, "dropout": 0.0}
     g = torch.Generator().manual_seed(0)
     items = [
         (torch.randint(4, 20, (n,), generator=g).numpy(), torch.randint(4, 20, (n + 3,), generator=g).numpy(), i)
@@ -36,15 +36,7 @@ def test_an_accumulated_update_has_the_gradient_of_one_batch_holding_its_sentenc
     module = KeepGradients(model_cfg, val_bleu_sentences=0)
     torch.manual_seed(0)
     reference = Transformer(TransformerConfig(**model_cfg))
-    trainer = L.Trainer(
-        max_steps=1,
-        accumulate_grad_batches=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
+    trainer = quiet_trainer(max_steps=1, accumulate_grad_batches=3)
     trainer.fit(module, DataLoader(micro_batches, batch_size=None))
     whole = collate(items)
     loss_sum, _, n_tokens = sequence_losses(reference, whole["src"], whole["tgt_in"], whole["tgt_out"], 0.1)
@@ -80,10 +72,9 @@ def test_a_whole_training_run_waits_for_the_device_once_per_update(corpus, tmp_p
 
 def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
     batches = micro_batches()
-    module = TranslationModule(MODEL, val_bleu_sentences=0)
-    trainer = L.Trainer(
-        max_steps=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, accelerator="cpu", default_root_dir=tmp_path,
+    module = TranslationModule(MICRO_SHAPE, val_bleu_sentences=0)
+    trainer = quiet_trainer(
+        max_steps=2, accumulate_grad_batches=3, use_distributed_sampler=False, default_root_dir=tmp_path,
         callbacks=[UpdateEnd()],  # reads each update: its totals (the parts fit.make_callbacks adds are not needed)
     )  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
@@ -118,12 +109,11 @@ def test_a_non_finite_update_stops_the_run_with_weights_and_adam_as_the_update_b
     found_inf): the run stops with TrainingDiverged, and weights and Adam's moments and step count are those of
     the last finite update."""
     keep = KeepState()
-    trainer = L.Trainer(
-        max_steps=2, accumulate_grad_batches=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, accelerator="cpu", callbacks=[keep, UpdateEnd()],
+    trainer = quiet_trainer(
+        max_steps=2, accumulate_grad_batches=3, use_distributed_sampler=False, callbacks=[keep, UpdateEnd()],
         default_root_dir=tmp_path,
     )  # fmt: skip
-    module = NaNAtUpdate2(MODEL, val_bleu_sentences=0)
+    module = NaNAtUpdate2(MICRO_SHAPE, val_bleu_sentences=0)
     with pytest.raises(TrainingDiverged, match="training diverged at update 2: the gradient norm is nan"):
         trainer.fit(module, DataLoader(micro_batches(), batch_size=None))
     for name, value in module.state_dict().items():
