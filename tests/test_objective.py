@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, run_process, tiny_config
+from transformer_mt import objective
 from transformer_mt.data.batching import collate
 from transformer_mt.model import Transformer
 from transformer_mt.objective import label_smoothed_nll, linear_smoothed_nll, noam_lr, sequence_losses
@@ -87,7 +88,8 @@ def torch_cross_entropy(logits, target, eps, pad_id=-100):
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_the_loss_from_hidden_rows_and_both_gradients_equal_torch_cross_entropy_in_fp64(eps):
+def test_the_loss_from_hidden_rows_and_both_gradients_equal_torch_cross_entropy_in_fp64(eps, monkeypatch):
+    monkeypatch.setattr(objective, "CHUNK_BYTES", 256 * 4 * 50)  # 256 rows of 50 words a chunk
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(600, 8, dtype=torch.float64, generator=g, requires_grad=True)  # chunks of 256, 256, 88 rows
     weight = torch.randn(50, 8, dtype=torch.float64, generator=g, requires_grad=True)

@@ -26,9 +26,10 @@ def label_smoothed_nll(
     return loss.masked_fill(pad, 0.0).sum(), nll.masked_fill(pad, 0.0).sum(), (~pad).sum()
 
 
-# Rows per chunk of linear_cross_entropy, fixed: its own choice is a function of the row count, on which torch.compile
-# would specialise (a graph per batch size). 256 rows of 37,000 words: 36 MiB of fp32 logits.
-CHUNK_ROWS = 256
+# fp32 logits per chunk of linear_cross_entropy: 255 rows of 37,000 words, 1,887 of 5,000 (fewer, smaller products
+# were slower). Rows from the vocabulary, not torch's choice from the row count, on which torch.compile would
+# specialise (a graph per batch size).
+CHUNK_BYTES = 36 * 2**20
 
 
 def linear_smoothed_nll(hidden: Tensor, weight: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -45,7 +46,9 @@ def linear_smoothed_nll(hidden: Tensor, weight: Tensor, target: Tensor, epsilon:
     # Chunked (the reference path, which writes the logits, would warn); under torch.compile the op runs eagerly and
     # would set allow_retain_graph itself, warning each step.
     chunked = torch.nn.LinearCrossEntropyOptions(
-        allow_retain_graph=torch.compiler.is_compiling(), batch_chunk_size=CHUNK_ROWS, chunking_method=None
+        allow_retain_graph=torch.compiler.is_compiling(),
+        batch_chunk_size=CHUNK_BYTES // (4 * weight.size(0)),
+        chunking_method=None,
     )
     nll = F.linear_cross_entropy(hidden, weight, target, reduction="sum", options=chunked)
     return nll + epsilon * gap, nll
