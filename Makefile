@@ -5,26 +5,47 @@ SHELL := /bin/bash
 VENV   ?= .venv
 PYTHON ?= python3
 TORCH  ?= torch==2.13.0
+# make install: requirements.lock's exact versions and hashes (LOCKED=0: the newest compatible versions)
+LOCKED ?= 1
+LOCK   := requirements.lock
+# make lock: the newest versions uploaded before this day, so that the same command gives the same file
+LOCK_DATE ?= 2026-12-06
+UV     := uv==0.13.9
 PY     := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest
 WORKERS ?= 2  # make test, make test-slow: tests at a time (pytest-xdist; each worker gets cores / WORKERS threads)
 
-.PHONY: help install test test-full lint format clean
+.PHONY: help install lock test test-full lint format clean
 
 help:  ## List the targets
 	@grep -hE '^[a-z][a-z0-9_-]*:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*## "}{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "CONFIG (make train): $(EXPERIMENTS) (conf/experiment/)"
 	@echo "Scripts, tensorboard and wandb live in $(VENV)/bin/ (e.g. $(VENV)/bin/python scripts/data_stats.py), or activate it: source $(VENV)/bin/activate"
 
-install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then this package editable with [dev,export]
+install:  ## Create .venv, install torch (TORCH=torch==2.13.0) first, then requirements.lock's exact set (LOCKED=0: the newest) and this package
 	@echo "make install [1/3]: $(VENV) and pip"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	@echo "make install [2/3]: $(TORCH) (the largest step: pip says nothing while it unpacks, 1-3 minutes)"
 	$(PY) -m pip install $(TORCH)
-	@echo "make install [3/3]: transformer_mt (editable) with the dev and export extras (Lightning, transformers, CTranslate2, ...)"
+ifeq ($(LOCKED),1)
+	@echo "make install [3/3]: $(LOCK), every version exact and every file's hash checked; then transformer_mt (editable), nothing resolved again"
+	$(PY) -m pip install --require-hashes --no-deps -r $(LOCK)
+	$(PY) -m pip install --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+else
+	@echo "make install [3/3]: transformer_mt (editable) with the dev and export extras, the newest compatible versions"
 	$(PY) -m pip install -e ".[dev,export]"
-	@echo "make install: done; next: make test"
+endif
+	@$(PY) -c 'from importlib.metadata import version as v; print("make install: done: torch", v("torch") + ", lightning", v("lightning") + ", hydra-core", v("hydra-core") + ", from $(if $(filter 1,$(LOCKED)),$(LOCK) (hashes checked),the newest versions (LOCKED=0)); next: make test")'
+
+# The lock: every dependency but torch (TORCH= picks its build), for Python 3.10 and up on every platform, with every
+# file's hash.
+lock:  ## Regenerate requirements.lock from pyproject.toml (uv pip compile, versions up to LOCK_DATE, with hashes)
+	$(PY) -m pip install --quiet $(UV)
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra export --universal --python-version 3.10 \
+		--excludes <(echo torch) --exclude-newer $(LOCK_DATE) --generate-hashes --custom-compile-command "make lock" \
+		--quiet -o $(LOCK)
 
 .PHONY: test-slow
 test:  ## Run the fast tier: in-process tests, under 3 minutes on 2 cores (not marked slow or cuda), WORKERS=2 at a time

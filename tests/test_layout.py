@@ -2,6 +2,7 @@
 names every module and folder that exists (nothing needs an import map to be found)."""
 
 import ast
+import re
 import shlex
 import subprocess
 import sys
@@ -217,4 +218,14 @@ def test_make_install_says_each_step_before_it_starts():
     lines = dry.splitlines()
     steps = [i for i, line in enumerate(lines) if line.startswith('echo "make install [')]
     installs = [i for i, line in enumerate(lines) if " -m pip install " in line and "--upgrade pip" not in line]
-    assert len(steps) == 3 and len(installs) == 2 and steps[1] < installs[0] < steps[2] < installs[1]
+    assert len(steps) == 3 and len(installs) == 3 and steps[1] < installs[0] < steps[2] < installs[1] < installs[2]
+    # torch, then the lock with every file's hash checked, then the project with nothing resolved again
+    assert "--require-hashes --no-deps -r requirements.lock" in lines[installs[1]] and "--no-deps" in lines[installs[2]]
+
+
+def test_every_make_target_is_in_the_readme():
+    """`make help` lists the targets with a `## ` description; the README's table names each as `make <target>`."""
+    makefile, readme = ((ROOT / name).read_text(encoding="utf-8") for name in ("Makefile", "README.md"))
+    targets = re.findall(r"^([a-z][a-z0-9_-]*):.*## ", makefile, flags=re.MULTILINE)
+    assert "lock" in targets and "install" in targets
+    assert not [t for t in targets if f"`make {t}" not in readme], "add these targets to README.md's table"

@@ -59,6 +59,8 @@ def make_logger(cfg: DictConfig, job: Job):
         if job.sweep_dir is not None:  # one wandb run per job (see finish_wandb), grouped by sweep
             kwargs["group"] = cfg.group or job.sweep_dir
             kwargs["name"] = cfg.name or f"{Path(job.sweep_dir).name}-{job.number}"
+    # cfg is the composed logger config (conf/logger and the command line), never one read from a checkpoint or a run
+    # folder: instantiate imports and calls whatever `_target_` names.
     return job.instantiate(cfg, **kwargs)
 
 
