@@ -23,11 +23,25 @@ def test_a_grid_row_whose_translations_run_away_is_abandoned_early_and_never_cho
     chosen, rows = search_grid(translate, sources, references, "de", PAPER, [0.6, 2.0], [4], said.append)
     runaway = next(r for r in rows if r["alpha"] == 2.0)
     assert runaway["bleu"] is None and runaway["abandoned"].startswith(
-        "abandoned: 3.00x the usual length after 20 of 100"
+        "abandoned: 3.12x the usual length in characters after 20 of 100"  # 53 characters for 17
     )
     assert [n for alpha, n in asked if alpha == 2.0] == [20]  # one fifth translated, then abandoned
     assert chosen.alpha == 0.6 and said[0] == TABLE_HEADER and [table_row(r) for r in rows[:2]] == said[1:3]
     assert "abandoned" in said[2]
+
+
+def test_a_runaway_of_few_words_but_many_characters_is_abandoned_too():
+    """An undertrained model's "Ein Mann Mann" and 56 dots is 4 words, as many as the reference's, but 4.4x its
+    characters: counted in words, such rows ran to the length limit (a 60-update run's grid: 19 minutes)."""
+    references = ["Ein Mann sitzt ."] * 50
+
+    def translate(lines, alpha, **settings):
+        return ["Ein Mann Mann " + "." * 56 if alpha == 2.0 else "Ein Mann sitzt ." for _ in lines]
+
+    sources = [f"source {i}" for i in range(50)]
+    chosen, rows = search_grid(translate, sources, references, "de", PAPER, [0.6, 2.0], [4], lambda line: None)
+    assert rows[1]["bleu"] is None and rows[1]["abandoned"].startswith("abandoned: 4.38x the usual length")
+    assert chosen.alpha == 0.6
 
 
 def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_paired_bootstraps_noise():

@@ -11,8 +11,9 @@ from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.scoring import evaluate_translations, paired_bootstrap_p
 
 DETAIL = re.compile(r"BP = ([\d.]+) ratio = ([\d.]+)")
-# A row is abandoned once a fifth of the split (CHUNKS) comes out RUNAWAY times longer in words than both the
-# references and the first row (a weak model at a strong penalty decoded to the length limit: 7x alpha 0.6's time).
+# A row is abandoned once a fifth of the split (CHUNKS) comes out RUNAWAY times longer than both the references and
+# the first row (a weak model at a strong penalty decoded to the length limit: 7x alpha 0.6's time). Length in
+# characters: a weak model's "Ein Mann Mann......" is 3 words, and rows of it ran at 5-9x the references' length.
 RUNAWAY, CHUNKS = 2.0, 5
 SIGNIFICANCE = 0.05  # a row wins only at paired bootstrap p below this: 26.92 against 26.91 is luck
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
@@ -51,14 +52,14 @@ class Grid:
         """translate at `settings`; after the first row in CHUNKS parts, raising RunAway if the output runs away."""
         if not self.outputs:
             return self.translate(lines, **settings)
-        usual = [max(len(r.split()), len(h.split())) for r, h in zip(self.references, self.outputs[0])]
+        usual = [max(len(r), len(h)) for r, h in zip(self.references, self.outputs[0])]
         size, done = max(1, -(-len(lines) // CHUNKS)), []
         for start in range(0, len(lines), size):
             done += self.translate(lines[start : start + size], **settings)
-            words, expected = sum(len(h.split()) for h in done), max(sum(usual[: len(done)]), 1)
-            if len(done) < len(lines) and words > RUNAWAY * expected:
-                raise RunAway(f"abandoned: {words / expected:.2f}x the usual length after {len(done):,} of "
-                              f"{len(lines):,} sentences")  # fmt: skip
+            length, expected = sum(map(len, done)), max(sum(usual[: len(done)]), 1)
+            if len(done) < len(lines) and length > RUNAWAY * expected:
+                raise RunAway(f"abandoned: {length / expected:.2f}x the usual length in characters after "
+                              f"{len(done):,} of {len(lines):,} sentences")  # fmt: skip
         return done
 
     def run(self, decoding: Decoding) -> dict:
