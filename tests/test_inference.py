@@ -475,6 +475,8 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     assert decoding_for(other, PAPER, True, False, said.append) == PAPER and "another version" in said[0]
     with pytest.raises(InputError, match="never on the test split"):
         tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))
+    with pytest.raises(InputError, match=r"sentences=-3: the number of the split's first sentences"):  # not [:-3]
+        tune(hydra_task("tune", [f"ckpt={ckpt}", "sentences=-3"], tmp_path / "refused"))
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,9 @@ from transformer_mt.evaluation.tuned import save_tuned
 def tune(cfg: DictConfig) -> Decoding:
     if cfg.split == "test":
         raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
+    if not isinstance(cfg.sentences, int) or isinstance(cfg.sentences, bool) or cfg.sentences < 0:
+        raise InputError(f"sentences={cfg.sentences}: the number of the split's first sentences to tune on, at least 1 "
+                         f"(0, the default: all of them)")  # fmt: skip
     start = time.perf_counter()
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})
