@@ -120,7 +120,7 @@ def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped
     assert warning in capsys.readouterr().out
 
 
-def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(variant_run, tmp_path, caplog):
+def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(variant_run, tmp_path, caplog, capsys):
     """make finish on a run that has its results.json (with the dev-set choice of final.tune): the new one is written,
     the earlier kept beside it as results.1.json, tuned block and all, and the log says so; again: results.2.json."""
     from transformer_mt.finish import finish  # noqa: PLC0415
@@ -137,6 +137,8 @@ def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(v
     assert re.search(r"the end of the run took [\d:]+, longer than its 0:00:00 of training\n", caplog.text + "\n")
     assert json.loads((run / "results.1.json").read_text()) == earlier
     assert json.loads((run / "results.json").read_text())["finished_by"] == "make finish"
+    average = json.loads((run / "results.json").read_text())["models"]["average-last3"]["checkpoint"]
+    assert f"next:\n  make evaluate CKPT={average}\n" in capsys.readouterr().out  # as a run's own end says
     assert (
         f"{run / 'results.json'} was there already (an earlier end of this run): kept as results.1.json" in caplog.text
     )

@@ -42,7 +42,10 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
         run, checkpoint["hyper_parameters"]["config"], **({"tune": tune} if tune is not None else {})
     )
     protocol.extra["finished_by"] = "make finish"
-    return protocol.run_on(pick_device(device))
+    results = protocol.run_on(pick_device(device))
+    model = next(iter(results.models.values()))["checkpoint"]  # the average (or last.ckpt), as the end of a run
+    print(f'next:\n  make evaluate CKPT={model}\n  echo "A sentence to translate." | make translate CKPT={model}')
+    return results
 
 
 def stopped_early(checkpoint: dict) -> int | None:
