@@ -160,24 +160,26 @@ def test_future_target_tokens_do_not_leak(tiny_model):
 
 
 def test_padded_source_positions_do_not_leak(tiny_model):
+    """In fp64, where sums over more (masked) keys in another order differ by ~1e-16, not fp32's ~1e-6 (at 1 thread
+    on an AVX2 CPU): a pad that leaked into attention would move the outputs by ~1."""
+    model = tiny_model.double()
     src = random_batch([6, 3], 23, seed=1)
     tgt = random_batch([5, 2], 23, seed=2)
     real = tgt.ne(0)
-    logits = tiny_model(src, tgt)
-    memory, _ = tiny_model.encode(src)
-    # More padding columns change nothing: up to the order of fp32 sums over more (masked) keys, 1.2e-6 apart on an
-    # AVX2 CPU at 1 thread (pads attended as a word move them by ~0.9).
+    logits = model(src, tgt)
+    memory, _ = model.encode(src)
+    # More padding columns change nothing.
     wider = torch.cat([src, torch.zeros(2, 4, dtype=torch.long)], dim=1)
-    torch.testing.assert_close(tiny_model(wider, tgt), logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model(wider, tgt), logits, atol=1e-12, rtol=0)
     # Changing what stands at padded positions (the pad row's vector) changes no real output.
     with torch.no_grad():
-        tiny_model.embed.tokens.weight[0] = torch.randn(tiny_model.cfg.d_model)
-    memory2, _ = tiny_model.encode(src)
+        model.embed.tokens.weight[0] = torch.randn(model.cfg.d_model, dtype=torch.float64)
+    memory2, _ = model.encode(src)
     src_real = src.ne(0)
     assert not torch.allclose(memory2[~src_real], memory[~src_real])  # padded rows did change
-    torch.testing.assert_close(memory2[src_real], memory[src_real], atol=1e-6, rtol=0)
+    torch.testing.assert_close(memory2[src_real], memory[src_real], atol=1e-12, rtol=0)
     # (class 0's logit is the pad row itself through the tied projection, so it is left out)
-    torch.testing.assert_close(tiny_model(src, tgt)[real][:, 1:], logits[real][:, 1:], atol=1e-6, rtol=0)
+    torch.testing.assert_close(model(src, tgt)[real][:, 1:], logits[real][:, 1:], atol=1e-12, rtol=0)
 
 
 def test_all_padding_row_gives_finite_outputs_and_gradients():
