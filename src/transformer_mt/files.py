@@ -1,4 +1,5 @@
-"""Files: atomic writes, reading UTF-8 lines, a file's SHA-256, and a training run's folder (its names, its lock)."""
+"""Files: atomic writes, reading UTF-8 lines, a file's SHA-256, and a training run's folder (its names, its lock,
+the commands that use its model)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,22 @@ def file_digest(path: Path) -> str:
         while block := f.read(1 << 24):
             digest.update(block)
     return digest.hexdigest()
+
+
+def shown(path: Path) -> str:
+    """A path relative to the working directory when it is below it (what a user types)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def next_commands(model: Path) -> list[str]:
+    """The commands that use a run's model, as the end of a run and make finish print them."""
+    return [
+        f"  make evaluate CKPT={shown(model)}",
+        f'  echo "A sentence to translate." | make translate CKPT={shown(model)}',
+    ]
 
 
 class RunFolderLock:

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.errors import CommandParser, InputError, MissingInputError, exit_on_user_error
 from transformer_mt.evaluation.protocol import Protocol
-from transformer_mt.files import RunFolder, remove_stale_temporaries
+from transformer_mt.files import RunFolder, next_commands, remove_stale_temporaries
 from transformer_mt.results import Results
 from transformer_mt.runtime import pick_device
 from transformer_mt.training.budget import TimeBudget
@@ -43,8 +43,8 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
     )
     protocol.extra["finished_by"] = "make finish"
     results = protocol.run_on(pick_device(device))
-    model = next(iter(results.models.values()))["checkpoint"]  # the average (or last.ckpt), as the end of a run
-    print(f'next:\n  make evaluate CKPT={model}\n  echo "A sentence to translate." | make translate CKPT={model}')
+    model = Path(next(iter(results.models.values()))["checkpoint"])  # the average (or last.ckpt), as a run's end
+    print("\n".join(["next:", *next_commands(model)]))
     return results
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from transformer_mt.files import RunFolder
+from transformer_mt.files import RunFolder, next_commands, shown
 from transformer_mt.runtime import Peak, device_peak, duration, flops_text
 from transformer_mt.training import update as bookkeeping
 from transformer_mt.training.saving import UpdateCheckpoint
@@ -189,14 +189,6 @@ class UpdateProgressBar(TQDMProgressBar):
             bar.set_postfix({**metrics, "loss": f"{loss:.3f}", "tok/s": f"{rate:,.0f}"})
 
 
-def shown(path: Path) -> str:
-    """A path relative to the working directory when it is below it (what a user types)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
-
-
 class RunEnd(L.Callback):
     """How a run ended, on rank 0: stopped by a signal, how to continue; else the next commands."""
 
@@ -242,8 +234,7 @@ class RunEnd(L.Callback):
             model = folder / RunFolder.average_name(n)
             if not model.is_file():  # the end-of-run protocol wrote it
                 lines.append(f"  make average RUN={shown(folder.parent)} N={n}")
-        lines.append(f"  make evaluate CKPT={shown(model)}")
-        lines.append(f'  echo "A sentence to translate." | make translate CKPT={shown(model)}')
+        lines += next_commands(model)
         log.info("finished after %s updates; next:\n%s", f"{updates:,}", "\n".join(lines))
 
 
