@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 MEASURE_FROM = 10  # updates: the first ones pay for allocations, caches and warm-up, not for training
 MEASURE_UPDATES = 20  # the horizon is fixed after at least this many measured updates ...
 MEASURE_SHARE = 0.03  # ... and at least this share of the budget (a CPU still speeds up over its first minute)
+LAST_RAMP = 10  # updates: a horizon whose warmup would end before its fix still rises to the peak, over up to this many
 STATE = ("measured_from", "fixed", "fixed_rate", "horizon", "peak_at", "cool_from")  # what a resume continues
 
 
@@ -60,8 +61,8 @@ class TimeBudget:
     keep_last: int
     peak: float = 0.0  # the rate at the warmup's end (the module's: Noam's peak at optim.warmup_steps)
     ceiling: int = 0  # trainer.max_steps as configured: the horizon never passes it
-    provisional: int = 1  # warmup updates before the horizon is fixed
-    measured_from: tuple[int, float] | None = None  # (update, clock) where the speed's measurement began
+    provisional: int = 1  # until the horizon is fixed, Noam's own warmup (optim.warmup_steps), whatever max_steps is
+    measured_from: tuple[int, float, int] | None = None  # (update, clock, target tokens) where measuring began
     fixed: tuple[int, float] | None = None  # (update, clock) where the horizon was fixed
     fixed_rate: float = 0.0  # the rate of update fixed[0]
     horizon: int | None = None  # the schedule's last update
@@ -88,9 +89,16 @@ class TimeBudget:
         return budget_lr(step, start, top, self.horizon, self.cooldown_start)
 
     def fix(self, step: int, clock: float, horizon: int) -> None:
-        """The horizon, fixed after update `step`: the updates after it follow objective.budget_lr from its rate."""
+        """The horizon, fixed after update `step`: the updates after it follow objective.budget_lr from its rate. A
+        warmup that would have ended by then (a horizon under ~5x the fix) rises to the peak over the next updates."""
         self.fixed_rate, self.fixed, self.horizon = self.lr(step - 1), (step, clock), horizon
-        self.peak_at = max(1, round(self.warmup_share * horizon))
+        ramp = max(1, min(LAST_RAMP, round(self.warmup_share * (horizon - step))))
+        self.peak_at = max(self.planned_peak, step + ramp) if self.fixed_rate < self.peak else self.planned_peak
+
+    @property
+    def planned_peak(self) -> int:
+        """The warmup's end, budget.warmup's share of the horizon."""
+        return max(1, round(self.warmup_share * self.horizon))
 
     def refit(self, step: int, horizon: int) -> None:
         """The horizon, corrected where the cool-down begins: from this update's rate down to 0 one update after it."""
@@ -118,23 +126,24 @@ class TimeBudget:
             log.info(f"time budget: {duration(self.seconds)} of training (trainer.max_time; validations not counted)"
                      f"{used}; {end}")  # fmt: skip
 
-    def after_update(self, trainer: L.Trainer, update: Update) -> bool:
-        """Measures the speed, fixes the horizon, corrects it where the cool-down begins; True: the budget ran out."""
+    def after_update(self, trainer: L.Trainer, update: Update, tokens: int) -> bool:
+        """Measures the speed (`tokens`: the run's target tokens so far), fixes the horizon, corrects it where the
+        cool-down begins; True: the budget ran out."""
         self.clock = update.clock
         if self.horizon is None:
-            self.measure(trainer, update)
+            self.measure(trainer, update, tokens)
         elif self.cool_from is None and update.step >= self.cooldown_start:
             self.correct(trainer, update)
         if update.clock >= self.seconds and update.step < trainer.max_steps:
             self.ran_out = update.step
         return self.ran_out is not None
 
-    def measure(self, trainer: L.Trainer, update: Update) -> None:
+    def measure(self, trainer: L.Trainer, update: Update, tokens: int) -> None:
         if self.measured_from is None:
             if update.step >= MEASURE_FROM:
-                self.measured_from = (update.step, update.clock)
+                self.measured_from = (update.step, update.clock, tokens)
             return
-        start, began = self.measured_from
+        start, began, tokens_before = self.measured_from
         measured = update.clock - began
         if update.step - start < MEASURE_UPDATES or measured < MEASURE_SHARE * self.seconds:
             return
@@ -142,14 +151,22 @@ class TimeBudget:
         end = horizon(update.step, update.clock, rate, self.seconds, self.margin, self.ceiling)
         self.fix(update.step, update.clock, end)
         self.apply(trainer)
-        if trainer.is_global_zero:
-            tokens, left = update.tokens / max(update.seconds, 1e-9), duration(self.seconds - update.clock)
-            log.info(
-                f"time budget {duration(self.seconds)}: ~{end:,} updates at {60 * rate:,.1f} updates/min "
-                f"({tokens:,.0f} target tok/s at update {update.step:,}), {left} of it left; schedule: warmup "
-                f"{self.peak_at:,} to {self.peak:.3g}, Noam's decay, from update {self.cooldown_start:,} a linear "
-                f"cool-down to 0 at update {end:,}{' (trainer.max_steps)' if end == self.ceiling else ''}; "
-                f"checkpoints every {self.every} updates"
+        if not trainer.is_global_zero:
+            return
+        speed, left = (tokens - tokens_before) / max(measured, 1e-9), duration(self.seconds - update.clock)
+        log.info(
+            f"time budget {duration(self.seconds)}: ~{end:,} updates at {60 * rate:,.1f} updates/min ({speed:,.0f} "
+            f"target tok/s, both over updates {start:,}-{update.step:,}), {left} of it left; schedule: warmup to "
+            f"{self.peak:.3g} at update {self.peak_at:,}, Noam's decay, from update {self.cooldown_start:,} a linear "
+            f"cool-down to 0 at update {end:,}{' (trainer.max_steps)' if end == self.ceiling else ''}; "
+            f"checkpoints every {self.every} updates"
+        )
+        if self.planned_peak <= update.step < self.peak_at:
+            log.warning(
+                f"time budget: a horizon of {end:,} updates is too short for its warmup (budget.warmup="
+                f"{self.warmup_share:g}: {self.planned_peak:,} updates, over by the fix at update "
+                f"{update.step:,}): the rate rises from {self.fixed_rate:.3g} to the peak by update {self.peak_at:,}; "
+                "a longer trainer.max_time gives a gradual warmup"
             )
 
     def correct(self, trainer: L.Trainer, update: Update) -> None:

@@ -81,8 +81,7 @@ class TranslationModule(L.LightningModule):
         rate = lambda done: noam_lr(done + 1, d_model, h.warmup_steps, h.lr_factor)  # noqa: E731
         if budget := self.budget:  # Noam's peak at optim.warmup_steps, fitted to the budget
             budget.peak = noam_lr(h.warmup_steps, d_model, h.warmup_steps, h.lr_factor)
-            budget.ceiling = ceiling = self.trainer.max_steps
-            budget.provisional = max(round(budget.warmup_share * ceiling) if ceiling > 0 else h.warmup_steps, 1)
+            budget.ceiling, budget.provisional = self.trainer.max_steps, max(h.warmup_steps, 1)
             rate = lambda done: budget.lr(done)  # noqa: E731 (a function: LambdaLR keeps no state of it)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}

@@ -161,7 +161,8 @@ class UpdateEnd(L.Callback):
                 f"training diverged at update {update.step}: the gradient norm is {update.grad_norm} (optim.lr_factor "
                 "too high? fp16 overflow: trainer.precision=bf16-mixed?); the checkpoints written so far are finite"
             )
-        out_of_time = self.budget is not None and self.budget.after_update(trainer, update)  # fixes its horizon
+        tokens = self.updates.totals["target_tokens"]
+        out_of_time = self.budget is not None and self.budget.after_update(trainer, update, tokens)  # fixes its end
         log_update(trainer, update)  # the loggers: losses, gradient norm, the next update's rate
         if self.ema is not None:
             self.ema.after_update(module)
