@@ -12,10 +12,10 @@ import torch
 
 import transformer_mt.training.fit
 import transformer_mt.training.update
-from conftest import load, train_in_process
+from conftest import load, run_train, train_in_process
 from transformer_mt.checkpoint import read_checkpoint, run_checkpoints, write_checkpoint
 from transformer_mt.errors import InputError
-from transformer_mt.files import RunFolder, RunFolderLock
+from transformer_mt.files import RunFolder
 from transformer_mt.tools.plot import read_metrics
 
 
@@ -168,13 +168,6 @@ def test_a_second_training_into_a_folder_in_use_is_refused_and_a_dead_holders_lo
         holder.wait()
     train_in_process(args, tmp_path, run)  # the holder died by SIGKILL: its lock went with it
     assert (run / "checkpoints" / "last.ckpt").is_file()
-    # The holder's .hydra files: a refused start's Hydra rewrites them before it is refused; the holder
-    # writes its own back when it ends.
-    (run / ".hydra").mkdir(exist_ok=True)
-    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
-    with RunFolderLock(run):
-        (run / ".hydra" / "config.yaml").write_text("seed: 1\n")  # as Hydra of the refused start does
-    assert (run / ".hydra" / "config.yaml").read_text() == "seed: 0\n"
 
 
 def test_a_lightning_hpc_checkpoint_in_the_run_folder_is_refused_under_slurm_not_restored(
@@ -200,6 +193,24 @@ def test_a_lightning_hpc_checkpoint_in_the_run_folder_is_refused_under_slurm_not
     monkeypatch.delenv("SLURM_NTASKS")  # off SLURM Lightning restores nothing: the run starts as usual
     train_in_process(args, tmp_path, run_dir)
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2
+
+
+@pytest.mark.slow
+def test_a_refused_start_leaves_the_runs_record_byte_for_byte(corpus, tmp_path):
+    """As a user runs it (Hydra's own entry point): the run's .hydra/ holds its settings; a second training in the
+    same SLURM job's folder with seed=1 is refused in one line, and .hydra/ is what it was, byte for byte (Hydra wrote
+    the refused settings there before, issue 56 point 1)."""
+    env = {"SLURM_JOB_ID": "7002", "ENVIRONMENT": "BATCH"}  # sbatch's script running python itself
+    run_dir = tmp_path / "slurm-7002"
+    args = [f"data.path={corpus}", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    run_train([*args, "seed=0"], tmp_path, env=env)
+    record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+    assert sorted(record) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert record["config.yaml"].startswith(b"seed: 0\n") and b"- seed=0\n" in record["overrides.yaml"]
+    refused = run_train([*args, "seed=1"], tmp_path, env=env, check=False)
+    assert refused.returncode == 1 and "holds another training of slurm-7002" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record
 
 
 def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(corpus, tmp_path, monkeypatch):

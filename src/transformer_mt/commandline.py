@@ -12,7 +12,7 @@ from transformer_mt.configs import compose, hydra_on_conf
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import InputError, closest, exit_on_user_error, required
 from transformer_mt.evaluation.tuned import decoding_for
-from transformer_mt.files import RunFolder
+from transformer_mt.files import RunFolder, atomic_write
 from transformer_mt.launcher import Job
 
 # Hydra's flags after which it answers by itself (help, --cfg, --info, shell completion) or reads another config.
@@ -117,7 +117,18 @@ def hydra_job() -> Job:
         sweep_dir=hydra.sweep.dir if sweep else None,
         number=hydra.job.num if sweep else None,
         instantiate=instantiate,
+        record=lambda cfg: write_record(cfg, hydra),
     )
+
+
+def write_record(cfg: DictConfig, hydra: DictConfig) -> None:
+    """<run>/.hydra/{config,hydra,overrides}.yaml as Hydra writes them, by the training once its start's checks
+    passed (train.yaml sets hydra.output_subdir=null): a refused start leaves a run's record as it was."""
+    folder = Path(hydra.runtime.output_dir) / ".hydra"
+    nodes = {"config": cfg, "hydra": OmegaConf.create({"hydra": hydra}), "overrides": hydra.overrides.task}
+    for name, node in nodes.items():
+        with atomic_write(folder / f"{name}.yaml") as tmp:
+            tmp.write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
 
 def chosen_decoding(cfg: DictConfig, say: Callable[[str], None]) -> Decoding:

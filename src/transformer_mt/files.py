@@ -148,14 +148,9 @@ class RunFolderLock:
         os.ftruncate(self.fd, 0)
         since = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
-        self.hydra = {p: p.read_bytes() for p in (self.run.path / ".hydra").glob("*.yaml")}
         return self
 
     def __exit__(self, *exc) -> None:
-        for path, content in self.hydra.items():  # a refused start's Hydra may have rewritten them
-            with contextlib.suppress(OSError):
-                if not path.is_file() or path.read_bytes() != content:
-                    path.write_bytes(content)
         os.close(self.fd)  # releases the lock; the file stays, free for the next start
 
 

@@ -223,6 +223,8 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
         log.info(f"model: {params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
+        if job.record is not None:  # the start's checks passed: its settings become the run's record
+            job.record(cfg)
         log.info("run directory: %s", run_dir)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
