@@ -237,3 +237,7 @@ def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 2
     train_in_process([args[0], "trainer.max_steps=3", "seed=0"], tmp_path, run_dir)  # run on: the same training
     assert load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3
+    copied = tmp_path / "elsewhere" / "slurm-7001"  # the folder copied (another file system), the job restarted there:
+    shutil.copytree(run_dir, copied)  # logger.save_dir, derived from the folder, is not a changed setting
+    train_in_process([args[0], "trainer.max_steps=4", "seed=0"], tmp_path, copied)
+    assert load(copied / "checkpoints" / "last.ckpt")["global_step"] == 4

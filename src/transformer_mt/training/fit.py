@@ -205,7 +205,7 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     if compiles_training(cfg.trainer, trainer_args.get("accelerator", "auto")):
         module.compile_training()
     if resume_path:
-        check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, plain(cfg))
+        check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, plain(cfg), run_dir)
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")

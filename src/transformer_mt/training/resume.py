@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import asdict
 from pathlib import Path
@@ -146,7 +147,8 @@ def refuse_lightnings_own_resume(run_dir: Path) -> None:
 
 def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str) -> None:
     """A launched job continues its folder by itself only as the same training (a longer trainer.max_steps is)."""
-    if differ := {k: v for k, v in changed_settings(checkpoint, config).items() if k != "trainer.max_steps"}:
+    differ = changed_settings(checkpoint, config, run_dir)
+    if differ := {k: v for k, v in differ.items() if k != "trainer.max_steps"}:
         shown = "; ".join(f"{k} {old} -> {new}" for k, (old, new) in list(differ.items())[:4])
         more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
         raise InputError(
@@ -156,14 +158,17 @@ def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str)
         )
 
 
-def changed_settings(checkpoint: dict, config: dict) -> dict[str, tuple]:
-    """Flattened keys (ckpt_path aside) whose values differ between a checkpoint's run and `config`."""
+def changed_settings(checkpoint: dict, config: dict, run_dir: Path) -> dict[str, tuple]:
+    """Flattened keys whose values differ between a checkpoint's run and `config`; ckpt_path and the settings derived
+    from the run's folder (logger.save_dir: a copied or moved folder) aside."""
     before, now = flatten(checkpoint["hyper_parameters"].get("config") or {}), flatten(config)
+    folder = str(run_dir.absolute())
+    derived = {k for k, v in now.items() if isinstance(v, str) and (v == folder or v.startswith(folder + os.sep))}
     keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
-    return {k: (before.get(k), now.get(k)) for k in keys}
+    return {k: (before.get(k), now.get(k)) for k in keys if k not in derived}
 
 
-def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict) -> None:
+def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict, run_dir: Path) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
     before, now = comparable_model(checkpoint["hyper_parameters"]["model"]), comparable_model(model)
     if changed := {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}:
@@ -178,7 +183,7 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
             "settings give (data.path, data.vocab_size, seed ...); resume with the run's own data settings (the same "
             "CONFIG and ARGS), or start a new run without ckpt_path"
         )
-    if (differ := changed_settings(checkpoint, config)) and rank_zero_only.rank == 0:
+    if (differ := changed_settings(checkpoint, config, run_dir)) and rank_zero_only.rank == 0:
         changes = "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items())
         log.warning(f"resuming with settings that differ from the checkpoint's: {changes}")
 
