@@ -36,7 +36,6 @@ Peers need the `export` extra: pip install -e ".[export]" (make install does).
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import random
 import resource
@@ -56,6 +55,7 @@ from transformer_mt.configs import model_preset
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.decoding import HF_LENGTH_PENALTY, PAPER
+from transformer_mt.errors import CommandParser, exit_on_user_error
 from transformer_mt.evaluation.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
@@ -457,7 +457,7 @@ PARTS = ("training", "decoding", "exports", "host", "plan")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(__doc__)
     parser.add_argument("--ckpt", help="a trained checkpoint: decoding peers, and the tokenizer for real lengths")
     parser.add_argument("--src", help="source sentences: decoding input, and lengths for the training batches")
     parser.add_argument("--ref", help="references of --src: BLEU, and target lengths for the training batches")
@@ -511,4 +511,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_user_error(main)  # a refused checkpoint, a missing file, a wrong option: one line

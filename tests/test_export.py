@@ -6,6 +6,7 @@ import contextlib
 import csv
 import json
 import resource
+import runpy
 import shutil
 import signal
 import subprocess
@@ -356,6 +357,22 @@ def test_every_run_writes_csv_metrics_that_make_plot_draws(logger, tmp_path):
         text=True,
     )
     assert proc.returncode == 0 and (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG", proc.stderr
+
+
+class NotPlainData:
+    pass
+
+
+def test_benchmark_refuses_a_checkpoint_it_cannot_load_in_one_line(tmp_path, monkeypatch, capsys):
+    """make bench CKPT=<a pickle that would run code>: one error line and status 1, as every command (no traceback)."""
+    torch.save({"state_dict": {}, "payload": NotPlainData()}, tmp_path / "pickle.ckpt")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its neighbour host_overhead.py
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--ckpt", str(tmp_path / "pickle.ckpt"), "--parts", "plan"])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(ROOT / "scripts" / "benchmark.py"), run_name="__main__")
+    lines = capsys.readouterr().err.splitlines()
+    assert stop.value.code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {tmp_path / 'pickle.ckpt'}: holds Python objects besides tensors")
 
 
 @pytest.mark.slow
