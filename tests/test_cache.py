@@ -13,6 +13,7 @@ import sys
 import threading
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import sentencepiece as spm
 
@@ -240,7 +241,7 @@ def test_a_damaged_cache_is_noticed_when_opened_and_built_again_with_a_warning(t
     arrow = train_cache / "pairs.arrow"
     expected = [list(first.splits["train"][i][0]) for i in range(5)]
     os.truncate(arrow, arrow.stat().st_size // 2)  # cut short after it was written
-    valid_size = first.cache.split_directory(first.raw["validation"], first.tokenizer) / "pairs.size"
+    valid_size = first.cache.split_directory(first.raw["validation"], first.tokenizer) / "pairs.sha256"
     valid_size.unlink()  # its size unknown: damaged too
     model = first.cache.tokenizer_directory(first.raw["train"]) / "sentencepiece.model"
     model.write_bytes(b"garbage")
@@ -253,6 +254,70 @@ def test_a_damaged_cache_is_noticed_when_opened_and_built_again_with_a_warning(t
     )
     assert re.search(r"damaged cache, built again: \S+pairs.arrow: \[Errno 2\] No such file", caplog.text)
     assert [list(again.splits["train"][i][0]) for i in range(5)] == expected and valid_size.is_file()
+
+
+def rewrite_ids(arrow, change) -> None:
+    """pairs.arrow written again with change(ids) applied to its source ids (int32: the file's size is kept)."""
+    table = pa.ipc.open_stream(arrow.read_bytes()).read_all()
+    column = table.column("src").combine_chunks()
+    ids = pa.array(change(column.values.to_numpy().copy()), pa.int32())
+    table = table.set_column(0, "src", pa.ListArray.from_arrays(column.offsets, ids))
+    size = arrow.stat().st_size
+    with pa.ipc.new_stream(str(arrow), table.schema) as writer:
+        writer.write_table(table)
+    assert arrow.stat().st_size == size
+
+
+def test_changed_token_ids_in_a_cache_entry_are_noticed_rebuilt_or_refused_in_one_line(tmp_path, caplog):
+    """1,000 ids moved in pairs.arrow, its size kept: its SHA-256 differs, the split is tokenized again (it trained on
+    the wrong tokens before, issue 56 point 3); ids past the vocabulary with the record made to match: one line
+    naming the entry and the command that rebuilds it (it was a 143-line IndexError at the first batch)."""
+    first = text_datamodule(tmp_path)
+    first.build()
+    entry = first.cache.split_directory(first.raw["train"], first.tokenizer)
+    arrow, expected = entry / "pairs.arrow", [list(first.splits["train"][i][0]) for i in range(400)]
+
+    def moved(ids):
+        ids[:1000] = (ids[:1000] + 1) % 400
+        return ids
+
+    rewrite_ids(arrow, moved)
+    with caplog.at_level("WARNING"):
+        again = text_datamodule(tmp_path)
+        again.build()
+    assert f"damaged cache, built again: {arrow}: not the file this cache entry wrote" in caplog.text
+    assert [list(again.splits["train"][i][0]) for i in range(400)] == expected
+
+    def past_the_vocabulary(ids):
+        ids[7] = 400 + 5
+        return ids
+
+    rewrite_ids(arrow, past_the_vocabulary)
+    (entry / "pairs.sha256").write_text(f"{hashlib.sha256(arrow.read_bytes()).hexdigest()} {arrow.stat().st_size}\n")
+    with pytest.raises(InputError) as error:
+        text_datamodule(tmp_path).build()
+    message = str(error.value)
+    assert message.startswith(f"{arrow}: src token ids from ") and "to 405, outside the vocabulary of 400" in message
+    assert message.endswith(f"rm -r {entry}, or point data.cache_dir elsewhere") and "\n" not in message
+
+
+def test_an_entrys_recorded_settings_must_match_the_model_it_holds(tmp_path):
+    """A vocabulary-300 model in the vocabulary-400 entry, its SHA-256 in entry.json updated to match: refused in one
+    line naming entry.json (it trained as vocabulary 300 under data.vocab_size=400 before)."""
+    first = text_datamodule(tmp_path)
+    first.build()
+    entry = first.cache.tokenizer_directory(first.raw["train"])
+    smaller = text_datamodule(tmp_path / "other", vocab_size=300)
+    smaller.build()
+    (entry / "sentencepiece.model").write_bytes(smaller.tokenizer.proto)
+    record = json.loads((entry / "entry.json").read_text())
+    record["sha256"] = hashlib.sha256(smaller.tokenizer.proto).hexdigest()
+    (entry / "entry.json").write_text(json.dumps(record))
+    with pytest.raises(InputError) as error:
+        text_datamodule(tmp_path).build()
+    message = str(error.value)
+    assert message.startswith(f"{entry / 'entry.json'}: this cache entry holds a 300-word SentencePiece model")
+    assert "these settings ask for 400 words" in message and message.endswith("point data.cache_dir elsewhere")
 
 
 def test_a_wrong_but_valid_sentencepiece_model_in_a_cache_entry_is_one_line_naming_the_entry(tmp_path, caplog):
