@@ -541,7 +541,7 @@ def test_a_full_disk_while_exporting_or_writing_make_tunes_record_is_one_line_an
     shutil.copy(random_checkpoint, ckpt)  # before the disk fills
     if what == "make tune's record":
         rows = [{"beam_size": 4, "note": "x" * 5000}]  # a record longer than the disk's room
-        write = partial(save_tuned, ckpt, PAPER, rows, "val")
+        write = partial(save_tuned, ckpt, PAPER, rows, "val", "make tune")
     else:
         write = partial(export, str(ckpt), what, str(tmp_path / "out"))
     with full_disk(4096), pytest.raises(SystemExit) as exit_info:

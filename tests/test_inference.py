@@ -472,7 +472,7 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     other.write_bytes((trained_run / "out" / "checkpoints" / "step0000003.ckpt").read_bytes())
     tuned_path(other).write_text(tuned_path(ckpt).read_text())
     said = []
-    assert decoding_for(other, PAPER, True, False, said.append) == PAPER and "another version" in said[0]
+    assert decoding_for(other, PAPER, "auto", False, said.append) == PAPER and "another version" in said[0]
     with pytest.raises(InputError, match="never on the test split"):
         tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))
     with pytest.raises(InputError, match=r"sentences=-3: the number of the split's first sentences"):  # not [:-3]
@@ -497,10 +497,11 @@ def test_a_hand_edited_tune_record_is_refused_in_one_line_naming_the_setting(edi
     ckpt.write_bytes(b"the checkpoint's bytes")  # the record names their SHA-256
     paper = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
     chosen = {key: value for key, value in (paper | edit).items() if value is not ...}
-    record = {"decoding": chosen, "chosen_on": "text validation", "checkpoint_sha256": file_digest(ckpt), "grid": []}
+    record = {"decoding": chosen, "chosen_on": "text validation", "chosen_by": "make tune",
+              "checkpoint_sha256": file_digest(ckpt), "grid": []}  # fmt: skip
     tuned_path(ckpt).write_text(json.dumps(record))
     with pytest.raises(InputError) as error:
-        decoding_for(ckpt, PAPER, True, False, print)
+        decoding_for(ckpt, PAPER, "auto", False, print)
     assert str(error.value).startswith(f"{tuned_path(ckpt)}: {message}") and "\n" not in str(error.value)
-    save_tuned(ckpt, Decoding(beam_size=4, alpha=1, max_len_a=1, max_len_b=50), [], "text validation")
-    assert decoding_for(ckpt, PAPER, True, False, print).alpha == 1  # whole numbers are numbers too
+    save_tuned(ckpt, Decoding(beam_size=4, alpha=1, max_len_a=1, max_len_b=50), [], "text validation", "make tune")
+    assert decoding_for(ckpt, PAPER, "auto", False, print).alpha == 1  # whole numbers are numbers too

@@ -9,8 +9,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import hydra_task
+from conftest import hydra_task, run_translate
 from transformer_mt.checkpoint import read_checkpoint
+from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
 from transformer_mt.evaluation.tuned import tuned_path
@@ -68,24 +69,37 @@ def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, cap
         assert scores[key] == ours[key], key
 
 
-def test_final_tune_chooses_on_validation_stores_the_choice_and_scores_at_both_settings(variant_run, capsys):
+def test_final_tune_chooses_on_validation_stores_the_choice_and_scores_at_both_settings(
+    variant_run, capsys, monkeypatch
+):
     results = json.loads((variant_run / "results.json").read_text())
     assert set(results["tuned"]) == set(results["models"]) == {"average-last3", "ema"}
     tuned = results["tuned"]["average-last3"]
     ckpt = variant_run / "checkpoints" / "average-last3.ckpt"
-    record = json.loads(tuned_path(ckpt).read_text())  # beside the checkpoint: translate/evaluate use it
+    record = json.loads(tuned_path(ckpt).read_text())  # beside the checkpoint: translate/evaluate use it if asked
     assert record["decoding"] == tuned["decoding"] and record["chosen_on"] == "text validation"
+    assert record["chosen_by"] == "final.tune"
     grid = [(r["beam_size"], r["alpha"], r["max_len_b"]) for r in record["grid"]]
     assert grid[:2] == [(4, 0.0, 10), (4, 1.0, 10)] and grid[2][0] == 2 and grid[3][2] == 20 and len(grid) == 4
     assert tuned["decoding"] in [{k: r[k] for k in tuned["decoding"]} for r in record["grid"]]
     log = (variant_run / "final.log").read_text()
     for step in ("length penalty", "beam", "length limit"):  # each step of the grid says why it kept or chose
         assert log.count(f"{step}: kept beam ") + log.count(f"{step}: chose beam ") == 2, step  # 2 models
-    # the test split at the chosen settings: what make evaluate gives on that checkpoint by default
-    scores = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", "split=test"], variant_run / "evaluate-tuned"))
+    # make evaluate keeps the paper's settings by default (the end of the run's choice need not generalize, issue 56),
+    # says what the end of the run chose; tuned=true scores the test split at it, as the end of the run did
+    capsys.readouterr()
+    paper = evaluate(hydra_task("evaluate", [f"ckpt={ckpt}", "split=test"], variant_run / "evaluate-paper"))
+    said = capsys.readouterr().out
+    assert paper["decoding"] == PAPER.settings()  # conf/decoding's
+    assert "(conf/decoding); the end of the run chose beam" in said and "tuned=true decodes with those" in said
+    _, said = run_translate(ckpt, "the cat sees a dog .\n", monkeypatch=monkeypatch, capsys=capsys)  # make translate
+    assert said.startswith(f"decoding: {PAPER.text()} (conf/decoding); the end of the run chose beam"), said
+    overrides = [f"ckpt={ckpt}", "split=test", "tuned=true"]
+    scores = evaluate(hydra_task("evaluate", overrides, variant_run / "evaluate-tuned"))
     assert scores["decoding"] == tuned["decoding"] and scores["bleu"] == tuned["test"]["bleu"]
-    assert "chosen on the text validation split by make tune" in capsys.readouterr().out
+    assert "chosen on the text validation split by final.tune" in capsys.readouterr().out
     assert log.count("at the settings chosen on the validation split") == 4  # 2 models x 2 splits
+    assert log.count("make translate and make evaluate keep the paper's (a gain on validation need not carry") == 4
 
 
 def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_run):

@@ -27,7 +27,7 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import MissingInputError
 from transformer_mt.evaluation.grid import search_grid
-from transformer_mt.evaluation.tuned import save_tuned
+from transformer_mt.evaluation.tuned import RUN_END, save_tuned
 from transformer_mt.files import RunFolder
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
@@ -178,7 +178,7 @@ class Protocol:
             partial(translate_lines, model, tokenizer), *self.split("validation"), self.corpus.tgt_lang, self.decoding,
             self.alphas, self.beams, lambda line: log.info("%s", line),
         )  # fmt: skip
-        save_tuned(path, chosen, rows, f"{self.corpus.name} validation")
+        save_tuned(path, chosen, rows, f"{self.corpus.name} validation", by=RUN_END)
         scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}
         seconds = round(time.monotonic() - start, 1)
         return {"decoding": chosen.settings(), "chosen_on": "validation", "tune_seconds": seconds, **scores}
