@@ -204,6 +204,8 @@ def test_a_refused_start_leaves_the_runs_record_byte_for_byte(corpus, tmp_path):
     run_dir = tmp_path / "slurm-7002"
     args = [f"data.path={corpus}", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
     run_train([*args, "seed=0"], tmp_path, env=env)
+    folder = lambda: {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "train.log"}  # noqa: E731
+    before, log = folder(), (run_dir / "train.log").read_bytes()
     record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
     assert sorted(record) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
     assert record["config.yaml"].startswith(b"seed: 0\n") and b"- seed=0\n" in record["overrides.yaml"]
@@ -211,6 +213,8 @@ def test_a_refused_start_leaves_the_runs_record_byte_for_byte(corpus, tmp_path):
     assert refused.returncode == 1 and "holds another training of slurm-7002" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == record
+    assert folder() == before  # nothing else changed either; the log only gained the refused attempt's lines
+    assert (run_dir / "train.log").read_bytes().startswith(log)
 
 
 def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(corpus, tmp_path, monkeypatch):

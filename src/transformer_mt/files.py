@@ -151,6 +151,7 @@ class RunFolderLock:
         return self
 
     def __exit__(self, *exc) -> None:
+        os.ftruncate(self.fd, 0)  # no holder now: a later start leaves the folder's files as it found them
         os.close(self.fd)  # releases the lock; the file stays, free for the next start
 
 
