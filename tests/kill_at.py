@@ -8,6 +8,7 @@ Points:
   validation:N      inside the first validation batch after update N
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
   final:0           inside the end-of-run protocol (final.enabled), as it decodes its first split
+  final:NAME        no kill: sends itself signal NAME (SIGINT, SIGTERM) there instead
   after-rank-1:0    no kill: under torchrun/srun, rank 0's end-of-run protocol starts only once rank 1's process
                     has exited (it says so), or after 120 s if it has not (a rank 1 waiting for rank 0)
   signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
@@ -133,7 +134,8 @@ def main() -> None:
     elif kind == "after-rank-1":
         protocol_after_rank_1()
     elif kind == "final":
-        transformer_mt.evaluation.protocol.Protocol.scores = lambda *args, **kwargs: die()
+        stop = die if where[0] == "0" else lambda: os.kill(os.getpid(), getattr(signal, where[0]))
+        transformer_mt.evaluation.protocol.Protocol.scores = lambda *args, **kwargs: stop()
     else:
         if kind == "signal":
             kind, where = where[0], where[1:]

@@ -3,10 +3,12 @@ Decoding and Results types."""
 
 import json
 import shutil
+import signal
+import sys
 
 import pytest
 
-from conftest import hydra_task
+from conftest import hydra_task, run_process
 from transformer_mt.checkpoint import load_for_inference, read_checkpoint
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
@@ -76,3 +78,28 @@ def test_the_grids_significance_test_says_nothing_between_its_rows(caplog):
     with caplog.at_level("INFO"):
         p = paired_bootstrap_p(references, ["ein Mann fährt .", "zwei Hunde spielen ."] * 10, references)
     assert 0 <= p <= 1 and not [r for r in caplog.records if r.name.startswith("sacrebleu")]
+
+
+STOP_INSIDE = """
+import os, signal, sys
+import transformer_mt.evaluate as command
+name = sys.argv.pop(1)
+def stop(*args, **kwargs):  # as the test split starts decoding
+    os.kill(os.getpid(), getattr(signal, name))
+command.evaluate_translations = stop
+command.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_during_make_evaluate_ends_in_one_line_and_leaves_no_folder(trained_run, tmp_path, name):
+    """Ctrl+C (or SIGTERM) while make evaluate decodes: one line, 130 (143), no traceback, and no output folder (a
+    69-line traceback and a folder with an empty evaluate.log before, issue 57)."""
+    ckpt = trained_run / "out" / "checkpoints" / "last.ckpt"
+    command = [sys.executable, "-c", STOP_INSIDE, name, f"ckpt={ckpt}"]
+    proc = run_process(command, tmp_path)
+    signum = getattr(signal, name)
+    assert proc.returncode == 128 + signum and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == f"stopped by {name}: nothing was written", proc.stderr
+    assert not (tmp_path / "outputs").exists()  # outputs/evaluate/<date>_<time>-<pid>/ went with it

@@ -248,6 +248,38 @@ def test_a_sigterm_while_the_run_starts_stops_it_at_the_first_update_with_status
     assert load(run / "checkpoints" / "last.ckpt")["global_step"] == 1
 
 
+def stopped_in_one_line(proc, signum: int, kept: str) -> None:
+    """Status 128 + the signal, no traceback, and one line on stderr saying what was kept (issue 57)."""
+    name, output = signal.Signals(signum).name, proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signum and "Traceback" not in output, output[-3000:]
+    assert f"stopped by {name}: {kept}" in proc.stderr and output.count(f"stopped by {name}") == 1, proc.stderr
+
+
+def test_a_ctrl_c_while_the_run_starts_ends_in_one_line_and_leaves_no_folder(tmp_path):
+    """SIGINT as the sanity validation starts, before training (Lightning answered "Detected KeyboardInterrupt,
+    attempting graceful shutdown" and exit 1, and left a run folder without a checkpoint)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    run = tmp_path / "runs" / "run"
+    args = [f"data.path={corpus}", "trainer.num_sanity_val_steps=1", "trainer.max_steps=12", f"hydra.run.dir={run}"]
+    stopped = run_train(args, tmp_path, check=False, entry=(str(ROOT / "tests" / "kill_at.py"), "signal:SIGINT:-1"))
+    stopped_in_one_line(stopped, signal.SIGINT, "before the first update: nothing was trained")
+    assert "graceful shutdown" not in stopped.stdout + stopped.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_inside_the_end_of_run_protocol_ends_in_one_line_naming_make_finish(tmp_path, signum):
+    """Ctrl+C (or SIGTERM) while the end of the run decodes: one line naming make finish, 130 (143), no results.json
+    (an 84-line KeyboardInterrupt traceback before)."""
+    corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
+    final = ["final.enabled=true", "final.average_last=2", "checkpoint.every_n_train_steps=2", "decoding.max_len_b=10"]
+    args = [f"data.path={corpus}", "trainer.max_steps=4", *final, f"hydra.run.dir={run}"]
+    point = f"final:{signal.Signals(signum).name}"
+    stopped = run_train(args, tmp_path, check=False, entry=(str(ROOT / "tests" / "kill_at.py"), point))
+    kept = "in the end of the run; training is complete and its checkpoints kept: finish it with make finish RUN=run"
+    stopped_in_one_line(stopped, signum, kept)
+    assert not (run / "results.json").exists() and (run / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_a_kill_inside_the_end_of_run_protocol_says_how_to_finish_it_and_make_finish_does(tmp_path):
     """The protocol starts by saying how to finish it; a SIGKILL while it decodes leaves no results.json, and
     `python -m transformer_mt.finish <run>` (make finish) writes it from the run's own settings."""

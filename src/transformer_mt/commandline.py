@@ -87,7 +87,7 @@ def misspelled(given, cfg: DictConfig, added: bool = False) -> str | None:
 
 def checked_main(config_name: str, run: Callable[[], None]) -> None:
     exit_on_user_error(check_command_line, config_name, sys.argv[1:])
-    run()
+    exit_on_user_error(run)  # a stop signal (Ctrl+C) anywhere: one line, 128 + it
 
 
 def run_task(fn: Callable, *args):

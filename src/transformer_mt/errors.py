@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from difflib import get_close_matches
 from typing import NoReturn
@@ -27,8 +29,27 @@ class MissingInputError(UserError, FileNotFoundError):
 WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
+class Stopped(BaseException):
+    """SIGINT or SIGTERM outside a training's own handling (update.UpdateEnd): a BaseException, so that no `except
+    Exception` takes it; the command ends in one line saying what was kept, with status 128 + the signal."""
+
+    def __init__(self, signum: int, kept: str | None = None):
+        super().__init__(signum, kept)
+        self.signum, self.kept = signum, kept
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
 def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, failed: Callable | None = None):
-    """fn(*args); a UserError or refused write: `cleanup`, one `error:` line, status 1 (or `failed()` raised)."""
+    """fn(*args); a UserError or refused write: `cleanup`, one `error:` line, status 1 (or `failed()` raised); a stop
+    signal (Ctrl+C, SIGTERM): `cleanup`, one `stopped` line, status 128 + it."""
+    main = threading.current_thread() is threading.main_thread()
+    before = {s: signal.signal(s, raise_stopped) for s in STOP_SIGNALS} if main else {}
     try:
         try:
             return fn(*args)
@@ -40,6 +61,8 @@ def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, fai
                 f"a write was refused{where}: {e.strerror} (a full disk or quota, a file-size limit, or a folder that "
                 "cannot be written); free space there or write elsewhere, then run the command again"
             ) from None
+        except KeyboardInterrupt:  # SIGINT before this handler (or a library's own): the same stop
+            raise Stopped(signal.SIGINT) from None
     except UserError as e:
         if cleanup is not None:
             cleanup()
@@ -49,6 +72,15 @@ def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, fai
         if failed is not None:
             raise failed() from None
         raise SystemExit(1) from None
+    except Stopped as e:
+        if cleanup is not None:
+            cleanup()
+        print(f"stopped by {signal.Signals(e.signum).name}: {e.kept or 'nothing was written'}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def required(cfg, key: str):

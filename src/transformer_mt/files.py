@@ -187,12 +187,13 @@ class RunFolder:
         return self.lock_file.read_text(encoding="utf-8", errors="replace").strip() or "a process"
 
     def remove_if_empty(self) -> None:
-        """A folder of Hydra's files and a free .lock removed, and its emptied parents below the working directory."""
+        """A folder of a start's files only (Hydra's, the logs, the vocabulary's copy, the loggers' first files; no
+        checkpoint) and a free .lock removed, and its emptied parents below the working directory."""
         cwd, run_dir = Path.cwd().resolve(), self.path.resolve()
         if run_dir == cwd or run_dir in cwd.parents:  # translate runs in "."; never remove the working directory
             return
-        hydra_only = (".hydra", ".lock")  # and the logs
-        if not run_dir.is_dir() or any(p.name not in hydra_only and p.suffix != ".log" for p in run_dir.iterdir()):
+        start_only = (".hydra", ".lock", "sentencepiece.model", "csv", "tensorboard", "wandb")  # and the logs
+        if not run_dir.is_dir() or any(p.name not in start_only and p.suffix != ".log" for p in run_dir.iterdir()):
             return
         if self.in_use():  # a start refused there: the folder is another training's, still building its data
             return

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from transformer_mt.checkpoint import read_checkpoint
-from transformer_mt.errors import CommandParser, InputError, MissingInputError, exit_on_user_error
+from transformer_mt.errors import CommandParser, InputError, MissingInputError, Stopped, exit_on_user_error
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, next_commands, remove_stale_temporaries
 from transformer_mt.results import Results
@@ -42,7 +42,11 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
         run, checkpoint["hyper_parameters"]["config"], **({"tune": tune} if tune is not None else {})
     )
     protocol.extra["finished_by"] = "make finish"
-    results = protocol.run_on(pick_device(device))
+    try:
+        results = protocol.run_on(pick_device(device))
+    except Stopped as e:
+        e.kept = f"the run's checkpoints are kept, no results.json written: run make finish RUN={run.path} again"
+        raise
     model = Path(next(iter(results.models.values()))["checkpoint"])  # the average (or last.ckpt), as a run's end
     print("\n".join(["next:", *next_commands(model)]))
     return results

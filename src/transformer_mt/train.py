@@ -14,11 +14,15 @@ from transformer_mt.errors import exit_on_user_error
 from transformer_mt.launcher import check_device
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def run(cfg: DictConfig) -> float | None:
+def train_job(cfg: DictConfig, job) -> float | None:
     from transformer_mt.training.fit import train  # noqa: PLC0415 (torch and Lightning once the command line is good)
 
-    return run_task(train, cfg, hydra_job())
+    return train(cfg, job)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+def run(cfg: DictConfig) -> float | None:
+    return run_task(train_job, cfg, hydra_job())  # a stop while torch loads, too, is one line and no folder
 
 
 def main() -> None:
@@ -30,7 +34,7 @@ def main() -> None:
         exit_on_user_error(check_device, cfg.trainer.accelerator)
     status = None
     try:
-        run()
+        exit_on_user_error(run)  # a stop signal (Ctrl+C) anywhere: one line, 128 + it
         status = 0
     except SystemExit as e:  # a stop by a signal (128 + its number), a refused start (1)
         status = e.code if isinstance(e.code, int) else int(e.code is not None)

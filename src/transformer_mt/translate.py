@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from transformer_mt.commandline import checked_main, chosen_decoding, run_task
 from transformer_mt.configs import CONF_DIR
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, Stopped
 from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import decode_line
 
@@ -26,6 +26,14 @@ def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:
 
 
 def translate(cfg: DictConfig) -> None:
+    try:
+        translate_stdin(cfg)
+    except Stopped as e:
+        e.kept = "the translations written to standard output so far are whole lines"
+        raise
+
+
+def translate_stdin(cfg: DictConfig) -> None:
     with open_engine(cfg) as (translate_lines, _):
         decoding = chosen_decoding(cfg, say=stderr)
         batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines  # at a terminal, each line as it is typed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 
@@ -56,6 +57,7 @@ def main() -> None:
     # Answers go to a copy of stdout; stdout itself to stderr, so that nothing a library prints breaks the protocol.
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the whole process group: the parent stops, we follow
     state = None
     for line in sys.stdin:
         request = json.loads(line)

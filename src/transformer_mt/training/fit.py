@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt import runtime
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError, closest
+from transformer_mt.errors import InputError, Stopped, closest
 from transformer_mt.evaluation.protocol import Protocol
-from transformer_mt.files import RunFolder, RunFolderLock
+from transformer_mt.files import RunFolder, RunFolderLock, shown
 from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import cpu_has_native_bf16, use_tf32
@@ -229,8 +229,19 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
         return after_fit(cfg, job, trainer, loggers)
+    except Stopped as e:  # before training began (UpdateEnd stops it at an update's end), or in the end of the run
+        e.kept = e.kept or kept(checkpoint_dir)
+        raise
     finally:
         finish_wandb(loggers)
+
+
+def kept(checkpoint_dir: Path) -> str:
+    """What a stop before the first update keeps, and how to go on."""
+    if not any(checkpoint_dir.glob("*.ckpt")):
+        return "before the first update: nothing was trained, and the new run folder is removed"
+    return (f"before training went on; the checkpoints in {shown(checkpoint_dir)} are as they were: continue with "
+            f"make train ARGS=\"... ckpt_path=last hydra.run.dir={shown(checkpoint_dir.parent)}\"")  # fmt: skip
 
 
 def budget_settings(cfg: DictConfig) -> dict | None:
@@ -256,7 +267,12 @@ def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> f
         progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
         protocol = Protocol.of_run(RunFolder(job.run_dir), plain(cfg), devices=trainer.world_size)
         protocol.extra["overrides"] = list(job.overrides)
-        results = protocol.run_on(trainer.strategy.root_device, progress.peak)
+        try:
+            results = protocol.run_on(trainer.strategy.root_device, progress.peak)
+        except Stopped as e:
+            e.kept = (f"in the end of the run; training is complete and its checkpoints kept: finish it with "
+                      f"make finish RUN={shown(job.run_dir)}")  # fmt: skip
+            raise
         for logger in loggers:
             logger.log_metrics(results.metrics(), step=results.updates)
             logger.save()
