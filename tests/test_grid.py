@@ -44,6 +44,22 @@ def test_a_runaway_of_few_words_but_many_characters_is_abandoned_too():
     assert chosen.alpha == 0.6
 
 
+def test_the_first_row_is_guarded_by_the_references_and_no_row_passes_a_bounded_multiple_of_them():
+    """The first row had no guard (only the rows after it were compared with it): a model that runs away at every
+    alpha decoded its first row whole, at 5-9x the references. Now the first row stops after a fifth of the split,
+    and the rows after it, compared with the references alone, too."""
+    references, asked = ["Ein Mann sitzt ."] * 50, []
+
+    def translate(lines, alpha, **settings):
+        asked.append((alpha, len(lines)))
+        return ["Ein Mann Mann " + "." * 56 for _ in lines]
+
+    sources = [f"source {i}" for i in range(50)]
+    chosen, rows = search_grid(translate, sources, references, "de", PAPER, [0.0, 0.6], [4], lambda line: None)
+    assert all(r["bleu"] is None and r["abandoned"].startswith("abandoned: 4.38x the usual length") for r in rows)
+    assert asked == [(0.0, 10), (0.6, 10), (0.6, 10)] and chosen == PAPER  # each row stopped after 10 of 50
+
+
 def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_paired_bootstraps_noise():
     """Issue 43: the grid once kept a length limit for 26.92 against 26.91. Here alpha 1.0 scores a little higher
     than the paper's 0.6 (some sentences better, as many worse), beam 8 clearly higher (a third of them exact):

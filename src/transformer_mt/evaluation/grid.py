@@ -12,8 +12,9 @@ from transformer_mt.scoring import evaluate_translations, paired_bootstrap_p
 
 DETAIL = re.compile(r"BP = ([\d.]+) ratio = ([\d.]+)")
 # A row is abandoned once a fifth of the split (CHUNKS) comes out RUNAWAY times longer than both the references and
-# the first row (a weak model at a strong penalty decoded to the length limit: 7x alpha 0.6's time). Length in
-# characters: a weak model's "Ein Mann Mann......" is 3 words, and rows of it ran at 5-9x the references' length.
+# the first row (the first row: than the references; a weak model at a strong penalty decoded to the length limit: 7x
+# alpha 0.6's time), so no row passes 4x the references' length. Length in characters: a weak model's "Ein Mann
+# Mann......" is 3 words, and rows of it ran at 5-9x the references' length.
 RUNAWAY, CHUNKS = 2.0, 5
 SIGNIFICANCE = 0.05  # a row wins only at paired bootstrap p below this: 26.92 against 26.91 is luck
 TABLE_HEADER = f"{'beam':>4} {'alpha':>5} {'max len':>10} {'sacreBLEU':>9} {'chrF':>6} {'BP':>6} {'ratio':>6} {'s':>6}"
@@ -49,10 +50,9 @@ class Grid:
         self.outputs: list[list[str] | None] = []  # rows[i]'s translations (None: abandoned)
 
     def checked(self, settings: dict, lines: list[str]) -> list:
-        """translate at `settings`; after the first row in CHUNKS parts, raising RunAway if the output runs away."""
-        if not self.outputs:
-            return self.translate(lines, **settings)
-        usual = [max(len(r), len(h)) for r, h in zip(self.references, self.outputs[0])]
+        """translate at `settings` in CHUNKS parts, raising RunAway if the output runs away."""
+        first = self.outputs[0] if self.outputs and self.outputs[0] is not None else self.references
+        usual = [max(len(r), len(h)) for r, h in zip(self.references, first)]
         size, done = max(1, -(-len(lines) // CHUNKS)), []
         for start in range(0, len(lines), size):
             done += self.translate(lines[start : start + size], **settings)
