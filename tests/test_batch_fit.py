@@ -72,6 +72,9 @@ def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path,
         r"data.max_tokens=auto on cpu: ([\d,]+) tokens per batch, .* by batch size: (.*); a smaller", caplog.text
     )
     assert line and int(line.group(1).replace(",", "")) == chosen
+    # before it times anything, it says what (a silent 2 min 19 s on a busy 2-core machine once, issue 57)
+    assert caplog.messages[0].startswith("data.max_tokens=auto on cpu: timing a training step on ")
+    assert caplog.messages[0].endswith("at each batch size (400, 200, 100 tokens), 2 rounds after a warm-up")
     assert [size for size, _ in re.findall(r"([\d,]+): ([\d,]+)", line.group(2))] == ["400", "200", "100"]
     longest = datamodule.longest_training_pair()  # 22 tokens: a batch of 16 would leave pairs out; not tried
     assert batch_fit.fastest_max_tokens(module, datamodule, "32-true", fallback=4 * (longest - 1)) == 4 * (longest - 1)

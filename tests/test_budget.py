@@ -290,3 +290,35 @@ def test_a_budget_of_any_length_reaches_the_peak_rate_whatever_max_steps_is(driv
     assert max(logged.values()) == pytest.approx(schedule.peak)
     short = [r.getMessage() for r in caplog.records if "too short for its warmup" in r.getMessage()]
     assert len(short) == (end < 150), caplog.text[-2000:]
+
+
+def test_the_eta_counts_the_validations_still_due_and_each_validation_says_when_it_starts(
+    driven, tmp_path, caplog, monkeypatch
+):
+    """1 s per update, 100 s per validation (driven), one every 10 updates to 40: at update 20, before its own
+    validation, 20 s of training and 3 validations (20, 30, 40) at the 100 s the first took are left: ETA 0:05:20
+    (training speed alone said 0:00:20, and a wall-clock rate that mixed them in jumped, issue 57)."""
+    clock = driven(lambda update: 1.0)
+
+    class SlowValidation(L.Callback):
+        def on_validation_end(self, trainer, module):
+            if not trainer.sanity_checking:
+                clock.now += 100.0
+
+    make_callbacks = transformer_mt.training.fit.make_callbacks
+    monkeypatch.setattr(
+        transformer_mt.training.fit, "make_callbacks", lambda *args: [SlowValidation(), *make_callbacks(*args)]
+    )
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [
+        f"data.path={corpus}",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=10",
+        "progress_every_n_updates=10",
+    ]
+    with caplog.at_level(logging.INFO):
+        train_in_process(args, tmp_path, tmp_path / "run")
+    etas = dict(re.findall(r"update (\d+)/40 .*\| ETA (\S+)$", caplog.text, flags=re.M))
+    assert etas["20"] == "0:05:20" and etas["30"] == "0:03:30", etas  # 10 s and 2 validations (30, 40) at 100 s
+    starts = re.findall(r"validating after update (\d+): the loss on the validation split and greedy BLEU", caplog.text)
+    assert starts == ["10", "20", "30", "40"]

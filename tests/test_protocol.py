@@ -14,8 +14,9 @@ from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
+from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.evaluation.tuned import tuned_path
-from transformer_mt.files import RunFolderLock
+from transformer_mt.files import RunFolder, RunFolderLock
 
 
 def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_run):
@@ -100,6 +101,18 @@ def test_final_tune_chooses_on_validation_stores_the_choice_and_scores_at_both_s
     assert "chosen on the text validation split by final.tune" in capsys.readouterr().out
     assert log.count("at the settings chosen on the validation split") == 4  # 2 models x 2 splits
     assert log.count("make translate and make evaluate keep the paper's (a gain on validation need not carry") == 4
+
+
+def test_the_start_of_a_run_says_what_its_end_will_do_and_how_to_skip_it(variant_run):
+    """One line as training starts (a 60-update run once spent 19 minutes in an end it had not announced)."""
+    cfg = read_checkpoint(variant_run / "checkpoints" / "last.ckpt")["hyper_parameters"]["config"]
+    plan = Protocol.of_run(RunFolder(variant_run), cfg).plan()
+    assert plan == (
+        "when training ends (final.enabled): average the last 3 periodic checkpoints, decode validation and test at "
+        "beam 4, alpha 0.6, max length 1 x source + 10 and score them; then up to 4 decodes of validation choose beam "
+        "and alpha, validation and test again at them (final.tune); final.enabled=false or final.tune=false skips it "
+        f"(make finish RUN={variant_run} does it later)"
+    )
 
 
 def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_run):

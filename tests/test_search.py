@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from transformer_mt.decoding import Heartbeat
 from transformer_mt.model import Transformer
 from transformer_mt.search import beam_search, greedy, length_penalty, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, source_batch
@@ -157,6 +158,20 @@ def test_translate_ids_restores_input_order_across_batches():
     one_batch = translate_ids(model, sources, beam_size=2, max_len_b=8, tokens_per_batch=10_000)
     many_batches = translate_ids(model, sources, beam_size=2, max_len_b=8, tokens_per_batch=8)
     assert one_batch == many_batches and one_batch[:4] == one_batch[4:8]
+
+
+def test_a_long_decode_reports_how_far_it_got_once_a_minute(monkeypatch):
+    """`report` gets "<done> of <all> sentences decoded" once Heartbeat.EVERY seconds have passed (a log's line
+    at least once a minute, issue 57); here every batch is past it, and the last says nothing (the caller's line)."""
+    model, said = trained_like_model(0), []
+    monkeypatch.setattr(Heartbeat, "EVERY", 0.0)
+    translate_ids(model, SOURCES * 3, beam_size=2, max_len_b=8, tokens_per_batch=8, report=said.append)
+    done = [int(line.split()[0]) for line in said]
+    assert len(said) >= 3 and done == sorted(done) and done[-1] < 12
+    assert all(line.endswith(" of 12 sentences decoded") for line in said)
+    monkeypatch.setattr(Heartbeat, "EVERY", 3600.0)
+    translate_ids(model, SOURCES * 3, beam_size=2, max_len_b=8, tokens_per_batch=8, report=said.append)
+    assert len(said) == len(done)  # within the hour: no line
 
 
 @pytest.mark.slow  # compiles (~1 min on 2 CPU cores)

@@ -1,6 +1,6 @@
-"""The decoding settings of §6.1 as one frozen type, importable without torch: the paper's defaults are written
-here and nowhere else (configs.py stores them as the config decoding=beam; the tune grid's keys read TUNE_GRID
-through ${tune_grid:...}).
+"""The decoding settings of §6.1 as one frozen type, and a long decode's progress line, importable without torch:
+the paper's defaults are written here and nowhere else (configs.py stores them as the config decoding=beam; the tune
+grid's keys read TUNE_GRID through ${tune_grid:...}).
 
 A hypothesis Y scores log P(Y) / ((5 + |Y|) / 6)^alpha, GNMT's length penalty (Wu et al., 2016), as §6.1 uses
 (search.length_penalty). transformers and CTranslate2 divide by |Y|^a instead, a different function (so is
@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from transformer_mt.errors import InputError
@@ -73,3 +74,17 @@ class Decoding:
 PAPER = Decoding()
 # make tune's grid (evaluation/grid.py), conf/tune.yaml and conf/train.yaml's final.tune_* through ${tune_grid:...}
 TUNE_GRID = {"alphas": [0.0, 0.3, 0.6, 1.0, 1.5, 2.0], "beams": [2, 4, 8]}
+
+
+class Heartbeat:
+    """report(how far) once EVERY seconds have passed since the last: a long decode says so in a log, once a minute."""
+
+    EVERY = 60.0
+
+    def __init__(self, report: Callable[[str], None] | None, total: int):
+        self.report, self.total, self.last = report, total, time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        if self.report is not None and done < self.total and time.monotonic() - self.last >= self.EVERY:
+            self.last = time.monotonic()
+            self.report(f"{done:,} of {self.total:,} sentences decoded")

@@ -4,13 +4,14 @@ translating in length-sorted batches."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from transformer_mt.decoding import PAPER
+from transformer_mt.decoding import PAPER, Heartbeat
 from transformer_mt.decoding_state import DecoderState
 from transformer_mt.errors import InputError
 from transformer_mt.model import Transformer
@@ -226,11 +227,12 @@ def translate_ids(
     tokens_per_batch: int = 16384,
     progress: bool = False,
     n_best: int = 0,
+    report: Callable[[str], None] | None = None,
 ) -> list:
     """Translate token-id sequences in length-sorted batches; results come back in input order: each sentence's
     best tokens, or with n_best=K > 0 its K best (tokens, score) pairs, best first (K <= beam_size).
     A batch holds at most `tokens_per_batch` source tokens counted over all beams (sentences x beam x longest).
-    `progress` shows a bar of translated sentences on stderr."""
+    `progress` shows a bar of translated sentences on stderr; `report` gets a line at least every minute (a log's)."""
     if n_best > beam_size:
         raise InputError(f"n_best={n_best} exceeds the beam size {beam_size}: set decoding.beam_size={n_best} or more")
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
@@ -243,7 +245,7 @@ def translate_ids(
     bar = tqdm(
         total=len(sources), desc="translating", unit="sentence", disable=not progress, leave=False, mininterval=every
     )
-    start = 0
+    start, heartbeat = 0, Heartbeat(report, len(sources))
     while start < len(order):
         end = start + 1  # grow the batch while (sentences x beam x longest) fits tokens_per_batch
         while end < len(order) and (end - start + 1) * beam_size * (len(sources[order[end]]) + 1) <= tokens_per_batch:
@@ -257,6 +259,7 @@ def translate_ids(
         for i, hyp in zip(order[start:end], hyps):
             results[i] = hyp
         bar.update(end - start)
+        heartbeat(end)
         start = end
     bar.close()
     if was_training:

@@ -38,7 +38,8 @@ def tune(cfg: DictConfig) -> Decoding:
               f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
               f"up to {decodes} rows", flush=True)  # fmt: skip
         chosen, rows = search_grid(
-            partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch), sources, references,
+            partial(translate_lines, tokens_per_batch=cfg.tokens_per_batch, report=partial(print, " ", flush=True)),
+            sources, references,
             data_cfg.get("tgt_lang", "de"), decoding, alphas, beams, partial(print, flush=True), cfg.significance,
         )  # fmt: skip
     best = next(r for r in rows if Decoding.of(r) == chosen)

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from transformer_mt.decoding import PAPER
+from transformer_mt.decoding import PAPER, Heartbeat
 from transformer_mt.errors import InputError, UserError, required
 from transformer_mt.files import atomic_write, file_digest
 
@@ -83,7 +83,7 @@ class CT2Process:
     def translate_lines(
         self, lines: list[str], warn=None, first_line: int = 1, beam_size: int = PAPER.beam_size,
         alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b,
-        tokens_per_batch: int = 16384, n_best: int = 0, progress: bool = False,
+        tokens_per_batch: int = 16384, n_best: int = 0, progress: bool = False, report=None,
     ) -> list[str]:  # fmt: skip
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
         from tqdm import tqdm  # noqa: PLC0415
@@ -91,7 +91,8 @@ class CT2Process:
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
         penalty = PAPER.but(alpha=alpha).ct2_length_penalty  # 0.45 for 0.6
-        outputs, size = [], self.CHUNK if progress else max(len(lines), 1)
+        size, heartbeat = self.CHUNK if progress or report else max(len(lines), 1), Heartbeat(report, len(lines))
+        outputs = []
         bar = tqdm(total=len(lines), desc="translating", unit="sentence", disable=not progress, leave=False)
         for at in range(0, len(lines), size):
             chunk = lines[at : at + size]
@@ -103,6 +104,7 @@ class CT2Process:
                 warn(f"line {first_line + at + i}: {tokens} tokens, truncated to the model's maximum of {self.limit}")
             outputs += answer["outputs"]
             bar.update(len(chunk))
+            heartbeat(len(outputs))
         bar.close()
         return outputs
 

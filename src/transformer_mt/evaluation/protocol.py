@@ -28,7 +28,7 @@ from transformer_mt.decoding import Decoding
 from transformer_mt.errors import MissingInputError
 from transformer_mt.evaluation.grid import search_grid
 from transformer_mt.evaluation.tuned import RUN_END, save_tuned
-from transformer_mt.files import RunFolder
+from transformer_mt.files import RunFolder, shown
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
 from transformer_mt.results import Results
@@ -69,6 +69,16 @@ class Protocol:
             devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
         )  # fmt: skip
         return cls(**{**settings, **changes})
+
+    def plan(self) -> str:
+        """What the end of the run will do, and how to skip it: said as the run starts."""
+        average = f"average the last {self.average_last} periodic checkpoints, " if self.average_last else ""
+        splits, grid = " and ".join(self.splits), len(self.alphas) + len(self.beams) + 1
+        tune = f"; then up to {grid} decodes of validation choose beam and alpha, {splits} again at them (final.tune)"
+        them = "them" if len(self.splits) > 1 else "it"
+        return (f"when training ends (final.enabled): {average}decode {splits} at {self.decoding.text()} and score "
+                f"{them}{tune * self.tune}; final.enabled=false{' or final.tune=false' * self.tune} skips it "
+                f"(make finish RUN={shown(self.run.path)} does it later)")  # fmt: skip
 
     def split(self, name: str) -> tuple[list[str], list[str]]:
         if name not in self.texts:
@@ -151,7 +161,8 @@ class Protocol:
         )  # fmt: skip
 
     def scores(self, model: Transformer, tokenizer: Tokenizer, split: str, decoding: Decoding) -> dict:
-        translate = partial(translate_lines, model, tokenizer, **decoding.settings())
+        report = partial(log.info, "decoding %s (%s): %s", split, decoding.text())  # once a minute, a long decode
+        translate = partial(translate_lines, model, tokenizer, report=report, **decoding.settings())
         return evaluate_translations(translate, *self.split(split), self.corpus.tgt_lang)[2]
 
     @torch.no_grad()
@@ -175,8 +186,8 @@ class Protocol:
         log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
         start = time.monotonic()
         chosen, rows = search_grid(
-            partial(translate_lines, model, tokenizer), *self.split("validation"), self.corpus.tgt_lang, self.decoding,
-            self.alphas, self.beams, lambda line: log.info("%s", line),
+            partial(translate_lines, model, tokenizer, report=partial(log.info, "  %s")), *self.split("validation"),
+            self.corpus.tgt_lang, self.decoding, self.alphas, self.beams, lambda line: log.info("%s", line),
         )  # fmt: skip
         save_tuned(path, chosen, rows, f"{self.corpus.name} validation", by=RUN_END)
         scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}

@@ -108,6 +108,8 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
         for size in sizes
     }  # fmt: skip
     tokens = sum(sum(b["tgt_lengths"]) for b in batches[sizes[0]])
+    log.info(f"data.max_tokens=auto on cpu: timing a training step on {tokens:,} target tokens at each batch size "
+             f"({', '.join(f'{size:,}' for size in sizes)} tokens), {CPU_ROUNDS} rounds after a warm-up")  # fmt: skip
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=str(precision).startswith("bf16"))
     model, best = module.model, {size: float("inf") for size in sizes}
     with torch.random.fork_rng(devices=[]), autocast:

@@ -60,8 +60,9 @@ class ProgressLog(L.Callback):
             for warning in unreached(trainer):
                 log.warning("%s", warning)
         self.start, self.first_step = bookkeeping.clock(), trainer.global_step
-        self.since = self.clock = module.updates.totals["train_seconds"]  # the update clock at the last line
+        self.since = self.clock = self.clock_start = module.updates.totals["train_seconds"]  # the update clock
         self.since_step, self.loss_sum, self.tokens, self.flops = trainer.global_step, 0.0, 0, 0.0
+        self.validations: list[float] = []  # seconds each validation of this attempt took (for the ETA)
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:
         if self.startup is not None and trainer.is_global_zero:
@@ -77,11 +78,23 @@ class ProgressLog(L.Callback):
         if self.bar is not None:
             self.bar.after_update(trainer, update)
 
-    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        if not trainer.sanity_checking and trainer.state.fn == "fit" and trainer.global_step != self.since_step:
-            self.report(trainer)
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.validation_began = bookkeeping.clock()
+        if trainer.is_global_zero:
+            sentences = module.hparams.get("val_bleu_sentences")
+            bleu = f" and greedy BLEU of its first {sentences:,} sentences" if sentences else ""
+            log.info(f"validating after update {trainer.global_step:,}: the loss on the validation split{bleu}")
 
-    def report(self, trainer: L.Trainer) -> None:
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.validations.append(bookkeeping.clock() - self.validation_began)
+        if trainer.global_step != self.since_step:
+            self.report(trainer, validated=True)
+
+    def report(self, trainer: L.Trainer, validated: bool = False) -> None:
         step, seconds = trainer.global_step, max(self.clock - self.since, 1e-9)  # of training: validations left out
         if trainer.is_global_zero:
             now = bookkeeping.clock()
@@ -101,12 +114,26 @@ class ProgressLog(L.Callback):
             for logger in trainer.loggers:  # throughput reaches the loggers here only, at the lines' pace
                 logger.log_metrics(metrics, step=step - 1)  # Lightning's step: updates before this one
             parts.append(f"elapsed {duration(now - self.start)}")
-            # ETA: until max_steps at the rate so far, or until the time budget runs out
-            rate, budget = (step - self.first_step) / max(now - self.start, 1e-9), trainer.lightning_module.budget
-            left = [max(budget.seconds - budget.clock, 0.0)] if budget is not None else []
-            left += [(trainer.max_steps - step) / rate] if trainer.max_steps > 0 and rate > 0 else []
-            log.info(" | ".join(parts + ([f"ETA {duration(min(left))}"] if left else [])))
+            if (eta := self.eta(trainer, validated)) is not None:
+                parts.append(f"ETA {duration(eta)}")
+            log.info(" | ".join(parts))
         self.since, self.since_step, self.loss_sum, self.tokens, self.flops = self.clock, step, 0.0, 0, 0.0
+
+    def eta(self, trainer: L.Trainer, validated: bool) -> float | None:
+        """Seconds of training left (until max_steps at this attempt's training speed, or the time budget's end), and
+        the validations still due (this update's too, unless `validated`) at the mean time of this attempt's."""
+        step, budget = trainer.global_step, trainer.lightning_module.budget
+        rate = (step - self.first_step) / max(self.clock - self.clock_start, 1e-9)  # updates per second of training
+        left = [max(budget.seconds - budget.clock, 0.0)] if budget is not None else []
+        left += [(trainer.max_steps - step) / rate] if trainer.max_steps > 0 and rate > 0 else []
+        if not left:
+            return None
+        every = trainer.val_check_batch / trainer.accumulate_grad_batches  # updates between validations
+        end = trainer.max_steps if trainer.max_steps > 0 else step
+        done = step if validated else step - 1
+        due = end // every - done // every if trainer.check_val_every_n_epoch is None and every >= 1 else 0
+        mean = sum(self.validations) / len(self.validations) if self.validations else 0.0
+        return min(left) + due * mean
 
     def utilisation(self, flops_per_second: float) -> float | None:
         """MFU of one device's FLOP/s. Near a CPU's peak it is measured again (a busy start measures it low; at most

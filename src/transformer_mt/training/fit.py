@@ -226,6 +226,8 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         if job.record is not None:  # the start's checks passed: its settings become the run's record
             job.record(cfg)
         log.info("run directory: %s", run_dir)
+        if cfg.final.enabled:
+            log.info("%s", Protocol.of_run(RunFolder(run_dir), plain(cfg)).plan())
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
         return after_fit(cfg, job, trainer, loggers)
