@@ -241,6 +241,10 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
     namespace = {}
     exec(compile(snippet, "README.md", "exec"), namespace)
     assert namespace["model"].config.d_model == tiny_config().d_model
+    results = json.loads((tmp_path / "run" / "results.json").read_text())  # a run finished by make finish, once:
+    (tmp_path / "run" / "results.json").write_text(json.dumps({**results, "overrides": None}))  # none recorded
+    card = ModelCard.load(export(str(ckpt), "hf", str(tmp_path / "hf-2")) / "README.md")
+    assert "- command-line overrides: not recorded" in card.text and "(none)" not in card.text
 
 
 def test_an_export_of_a_checkpoint_without_a_run_says_it_has_no_scores(random_checkpoint, tmp_path):
@@ -252,6 +256,14 @@ def test_an_export_of_a_checkpoint_without_a_run_says_it_has_no_scores(random_ch
     assert not card.data.eval_results and "No scores" in card.text and "ctranslate2.Translator" in card.text
     assert "greedy translations of the probe sentences are ours, token for token" in card.text
     assert "logits" not in card.text and card.data.license == "other"
+    snippet = card.text.split("```python\n")[1].split("```")[0]  # its usage code, run on the folder as it says
+    download = f'folder = snapshot_download("{REPOSITORY}")  # or, for the folder itself: folder = "<its path>"'
+    assert download in snippet
+    namespace = {}
+    snippet = snippet.replace(download, f'folder = "{tmp_path / "ct2"}"')
+    snippet = snippet.replace("translate_batch(pieces,", "translate_batch(pieces, max_decoding_length=20,")  # random
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert len(namespace["results"]) == 1
 
 
 @pytest.mark.slow

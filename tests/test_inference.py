@@ -477,6 +477,8 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
         tune(hydra_task("tune", [f"ckpt={ckpt}", "split=test"], tmp_path / "refused"))
     with pytest.raises(InputError, match=r"sentences=-3: the number of the split's first sentences"):  # not [:-3]
         tune(hydra_task("tune", [f"ckpt={ckpt}", "sentences=-3"], tmp_path / "refused"))
+    with pytest.raises(InputError, match=r"n_best=2: make tune scores each setting's best translation only"):
+        tune(hydra_task("tune", [f"ckpt={ckpt}", "n_best=2"], tmp_path / "refused"))
 
 
 @pytest.mark.parametrize(

@@ -295,6 +295,7 @@ def test_a_kill_inside_the_end_of_run_protocol_says_how_to_finish_it_and_make_fi
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = json.loads((run / "results.json").read_text())
     assert results["updates"] == 4 and results["finished_by"] == "make finish" and results["devices"] == 1
+    assert "trainer.max_steps=4" in results["overrides"]  # the training's command line (.hydra/), for the model card
     test = results["models"]["average-last2"]["test"]
     assert test["sentences"] == 30 and test["bleu_signature"].startswith("nrefs:1|") and test["ppl"] > 1
 

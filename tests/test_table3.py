@@ -60,8 +60,14 @@ def test_a_sweep_job_with_a_bad_value_fails_in_one_line_and_the_other_jobs_still
 
 def test_the_collector_names_unfinished_jobs_and_refuses_a_folder_that_is_not_a_sweep(tmp_path, capsys):
     (tmp_path / "sweep" / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "sweep" / "1" / ".hydra").mkdir(parents=True)  # a job run with its end off: not a failure
+    (tmp_path / "sweep" / "1" / ".hydra" / "config.yaml").write_text("seed: 0\nfinal:\n  enabled: false\n")
+    fake_results(tmp_path / "sweep" / "2", "D-drop0.0", "(D)", 0, 30.2, 30.0)
     text = collect(tmp_path / "sweep")
     assert "0: no results.json (still running, failed, or stopped before its end" in text
+    job = tmp_path / "sweep" / "1"
+    assert f"{job}: no results.json (it ran with final.enabled=false: make finish RUN={job} scores it)" in text
+    assert "No base run: no difference from base is given" in text and "One base run" not in text
     with pytest.raises(InputError, match="no job folders"):
         collect(tmp_path / "sweep" / "0")
     with pytest.raises(MissingInputError, match="no such folder"):

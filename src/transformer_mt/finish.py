@@ -10,6 +10,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.errors import CommandParser, InputError, MissingInputError, Stopped, exit_on_user_error
 from transformer_mt.evaluation.protocol import Protocol
@@ -42,6 +44,8 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
         run, checkpoint["hyper_parameters"]["config"], **({"tune": tune} if tune is not None else {})
     )
     protocol.extra["finished_by"] = "make finish"
+    if (overrides := run.path / ".hydra" / "overrides.yaml").is_file():  # the training's command line (model card)
+        protocol.extra["overrides"] = list(OmegaConf.load(overrides))
     try:
         results = protocol.run_on(pick_device(device))
     except Stopped as e:

@@ -25,7 +25,7 @@ print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))
     "ct2": f"""import ctranslate2, sentencepiece
 from huggingface_hub import snapshot_download
 
-folder = snapshot_download("{REPOSITORY}")  # or the folder's path
+folder = snapshot_download("{REPOSITORY}")  # or, for the folder itself: folder = "<its path>"
 sp = sentencepiece.SentencePieceProcessor(model_file=f"{{folder}}/sentencepiece.model")
 translator = ctranslate2.Translator(folder)
 pieces = sp.encode(["A man is riding a bike."], out_type=str)
@@ -84,10 +84,12 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
     ]  # fmt: skip
     if results:
         overrides = [o for o in results.overrides or [] if not o.split("=")[0].endswith(("path", "dir"))]
+        given = f"`{' '.join(overrides) or '(none)'}` (local paths left out)" if results.overrides is not None else (
+            "not recorded")  # fmt: skip
         lines += [
             f"- training: {timedelta(seconds=int(results.train_seconds))}, {results.target_tokens:,} target tokens on "
             f"{results.devices} device(s)" + (f"; {results.peak}" if results.peak else ""),
-            f"- command-line overrides: `{' '.join(overrides) or '(none)'}` (local paths left out)",
+            f"- command-line overrides: {given}",
         ]
     lines += ["", "## Scores"]
     splits = scored_splits(entry or {})  # the paper's settings' scores (a tuned block is the table's extra rows)

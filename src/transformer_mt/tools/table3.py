@@ -41,6 +41,16 @@ def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
     return entries, unfinished
 
 
+def why_unfinished(job: Path) -> str:
+    """Why a job folder has no results.json: its end was off, or it did not reach it."""
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    config = job / ".hydra" / "config.yaml"
+    if config.is_file() and OmegaConf.select(OmegaConf.load(config), "final.enabled") is False:
+        return f"it ran with final.enabled=false: make finish RUN={job} scores it"
+    return f"still running, failed, or stopped before its end; see {job}/train.log, or make finish RUN={job}"
+
+
 def order(entry: dict) -> tuple:
     """Table 3's order: base, (A) ... (E), big; within a group by name ('A-h4' before 'A-h16'), then seed."""
     group = GROUPS.index(entry["row"]) if entry["row"] in GROUPS else len(GROUPS)
@@ -96,7 +106,9 @@ def table(entries: list[dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
     note = f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it."
-    if not shown:
+    if not mean:
+        note = "No base run: no difference from base is given (add the base row, and base with a second seed)."
+    elif not shown:
         note = "One base run only: no run-to-run spread, so no difference is marked (run base with 2 seeds)."
     minutes = sum(e["train_seconds"] for e in entries) / 60
     return "\n".join(lines) + f"\n\n{note}\n{len(entries)} runs, {minutes:.0f} minutes of training in all.\n"
@@ -112,7 +124,7 @@ def collect(*folders: str | Path) -> str:
     runs = Path(folders[0])
     text = table(entries) if entries else ""
     for job in unfinished:
-        text += f"{job}: no {RESULTS} (still running, failed, or stopped before its end; see {job}/train.log)\n"
+        text += f"{job}: no {RESULTS} ({why_unfinished(job)})\n"
     with atomic_write(runs / "table3.md") as tmp:
         tmp.write_text(text, encoding="utf-8")
     print(f"{text}wrote {runs / 'table3.md'}")
