@@ -5,11 +5,12 @@ import json
 import logging
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import hydra_task, run_translate
+from conftest import VARIANT_FINAL, hydra_task, run_translate, train_in_process, write_corpus
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError
@@ -109,10 +110,33 @@ def test_the_start_of_a_run_says_what_its_end_will_do_and_how_to_skip_it(variant
     plan = Protocol.of_run(RunFolder(variant_run), cfg).plan()
     assert plan == (
         "when training ends (final.enabled): average the last 3 periodic checkpoints, decode validation and test at "
-        "beam 4, alpha 0.6, max length 1 x source + 10 and score them; then up to 4 decodes of validation choose beam "
-        "and alpha, validation and test again at them (final.tune); final.enabled=false or final.tune=false skips it "
+        "beam 4, alpha 0.6, max length 1 x source + 10 and score them; then, if the end stays within the training's "
+        "time, up to 4 decodes of validation choose beam and alpha, validation and test again at them (final.tune); "
+        "final.enabled=false or final.tune=false skips it "
         f"(make finish RUN={variant_run} does it later)"
     )
+
+
+def test_final_tune_runs_only_if_its_grid_keeps_the_end_within_the_training_time(variant_run, tmp_path, caplog):
+    """At the speed the splits decoded (0.1 s a sentence here), the grid's 4 decodes of validation's 30 sentences and
+    the 2 splits again (180 sentences, 18 s) after 10 s spent: 28 s, within 100 s of training, not within 20 s. A
+    run of 4 updates (seconds of training) skips it with one warning naming make tune (a 60-update recipe run once
+    spent 19 minutes there)."""
+    cfg = read_checkpoint(variant_run / "checkpoints" / "last.ckpt")["hyper_parameters"]["config"]
+    protocol = Protocol.of_run(RunFolder(variant_run), cfg)
+    decoded = {split: {"seconds": 3.0, "sentences": 30} for split in ("validation", "test")}
+    assert protocol.grid_too_long(SimpleNamespace(models={"m": decoded}, train_seconds=100.0), "m", 10.0) is None
+    why = protocol.grid_too_long(SimpleNamespace(models={"m": decoded}, train_seconds=20.0), "m", 10.0)
+    assert why == "its up to 4 decodes of validation would take ~0:00:18, and the end of the run would pass its " \
+        "0:00:20 of training"  # fmt: skip
+    corpus = write_corpus(tmp_path / "corpus")
+    args = [f"data.path={corpus}", "trainer.max_steps=4", "checkpoint.every_n_train_steps=2", *VARIANT_FINAL[:2]]
+    with caplog.at_level(logging.WARNING):
+        train_in_process([*args, "decoding.max_len_b=10", "final.tune=true"], tmp_path, tmp_path / "run")
+    assert re.search(r"final.tune skipped for average-last2: its up to 10 decodes of validation would take ~\S+, and "
+                     r"the end of the run would pass its \S+ of training; make tune CKPT=\S+average-last2.ckpt chooses "
+                     r"later", caplog.text), caplog.text[-2000:]  # fmt: skip
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["tuned"] is None
 
 
 def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_run):

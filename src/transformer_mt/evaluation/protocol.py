@@ -39,6 +39,7 @@ from transformer_mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 PERPLEXITY_TOKENS = 4096  # a teacher-forced batch's padded tokens per side
+TUNE_WITHIN = 1.0  # final.tune runs only if the end of the run, its grid included, stays within this x its training
 
 
 @dataclass
@@ -74,7 +75,8 @@ class Protocol:
         """What the end of the run will do, and how to skip it: said as the run starts."""
         average = f"average the last {self.average_last} periodic checkpoints, " if self.average_last else ""
         splits, grid = " and ".join(self.splits), len(self.alphas) + len(self.beams) + 1
-        tune = f"; then up to {grid} decodes of validation choose beam and alpha, {splits} again at them (final.tune)"
+        tune = (f"; then, if the end stays within the training's time, up to {grid} decodes of validation choose beam "
+                f"and alpha, {splits} again at them (final.tune)")  # fmt: skip
         them = "them" if len(self.splits) > 1 else "it"
         return (f"when training ends (final.enabled): {average}decode {splits} at {self.decoding.text()} and score "
                 f"{them}{tune * self.tune}; final.enabled=false{' or final.tune=false' * self.tune} skips it "
@@ -105,7 +107,9 @@ class Protocol:
                 log.info("%s on %s: %s sentences decoded (beam %s, alpha %s) and scored in %.1f s: sacreBLEU %.2f",
                          name, split, f"{scores['sentences']:,}", self.decoding.beam_size, self.decoding.alpha,
                          scores["seconds"], scores["bleu"])  # fmt: skip
-            if self.tune:
+            if self.tune and (why := self.grid_too_long(results, name, time.monotonic() - start)):
+                log.warning(f"final.tune skipped for {name}: {why}; make tune CKPT={shown(path)} chooses later")
+            elif self.tune:
                 results.tuned = {**(results.tuned or {}), name: self.tune_and_score(model, tokenizer, path)}
         results.evaluation_seconds = round(time.monotonic() - start, 1)
         if results.evaluation_seconds > results.train_seconds:
@@ -180,6 +184,18 @@ class Protocol:
             sums += torch.stack([value.double() for value in losses]).cpu()
         loss_sum, nll_sum, tokens = sums.tolist()
         return {"loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
+
+    def grid_too_long(self, results: Results, name: str, spent: float) -> str | None:
+        """Why final.tune's grid would make the end of the run longer than its training (a 60-update run spent 19
+        minutes in it), at the speed the splits just decoded; None: it fits."""
+        decoded = [results.models[name][split] for split in self.splits]
+        per_sentence = sum(s["seconds"] for s in decoded) / max(sum(s["sentences"] for s in decoded), 1)
+        rows = len(self.alphas) + len(self.beams) + 1
+        sentences = rows * len(self.split("validation")[0]) + sum(s["sentences"] for s in decoded)
+        if spent + per_sentence * sentences <= results.train_seconds * TUNE_WITHIN:
+            return None
+        return (f"its up to {rows} decodes of validation would take ~{duration(per_sentence * sentences)}, and the end "
+                f"of the run would pass its {duration(results.train_seconds)} of training")  # fmt: skip
 
     def tune_and_score(self, model: Transformer, tokenizer: Tokenizer, path: Path) -> dict:
         """final.tune: make tune's grid on the validation split, its choice stored beside `path`, the splits at it."""
