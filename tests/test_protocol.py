@@ -18,6 +18,7 @@ from transformer_mt.evaluate import evaluate
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.evaluation.tuned import tuned_path
 from transformer_mt.files import RunFolder, RunFolderLock
+from transformer_mt.finish import finish
 
 
 def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_run):
@@ -137,6 +138,8 @@ def test_final_tune_runs_only_if_its_grid_keeps_the_end_within_the_training_time
                      r"the end of the run would pass its \S+ of training; make tune CKPT=\S+average-last2.ckpt chooses "
                      r"later", caplog.text), caplog.text[-2000:]  # fmt: skip
     assert json.loads((tmp_path / "run" / "results.json").read_text())["tuned"] is None
+    finish(tmp_path / "run", device="cpu", tune=True)  # asked for by name (make finish ARGS=--tune): however long
+    assert set(json.loads((tmp_path / "run" / "results.json").read_text())["tuned"]) == {"average-last2"}
 
 
 def test_the_average_is_the_mean_of_the_last_three_periodic_checkpoints(variant_run):
@@ -152,7 +155,6 @@ def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped
     """make finish beside a live training (the folder's lock held) is refused in one line naming the holder, and
     nothing is written; on a run whose training stopped before its schedule's end it says so, and what finishing
     then means (issue 45)."""
-    from transformer_mt.finish import finish  # noqa: PLC0415
 
     run = tmp_path / "run"
     shutil.copytree(variant_run, run)
@@ -174,7 +176,6 @@ def test_make_finish_refuses_a_run_still_training_and_says_when_training_stopped
 def test_make_finish_on_a_finished_run_keeps_its_results_and_their_tuned_block(variant_run, tmp_path, caplog, capsys):
     """make finish on a run that has its results.json (with the dev-set choice of final.tune): the new one is written,
     the earlier kept beside it as results.1.json, tuned block and all, and the log says so; again: results.2.json."""
-    from transformer_mt.finish import finish  # noqa: PLC0415
 
     run = tmp_path / "run"
     shutil.copytree(variant_run, run)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -40,9 +41,8 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
             "schedule planned (killed, stopped, or out of time): finishing now averages and scores those weights, "
             f"not a trained model's. To train to the end first, resume it (ckpt_path=last hydra.run.dir={run.path})"
         )
-    protocol = Protocol.of_run(
-        run, checkpoint["hyper_parameters"]["config"], **({"tune": tune} if tune is not None else {})
-    )
+    asked = {"tune": tune, "tune_within": math.inf} if tune else {"tune": False} if tune is False else {}
+    protocol = Protocol.of_run(run, checkpoint["hyper_parameters"]["config"], **asked)  # --tune: however long
     protocol.extra["finished_by"] = "make finish"
     if (overrides := run.path / ".hydra" / "overrides.yaml").is_file():  # the training's command line (model card)
         protocol.extra["overrides"] = list(OmegaConf.load(overrides))

@@ -57,6 +57,7 @@ class Protocol:
     extra: dict  # Results' table3_row, seed, overrides, finished_by
     devices: int  # how many devices trained (the MFU is per device)
     texts: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict, repr=False)  # read once
+    tune_within: float = field(default_factory=lambda: TUNE_WITHIN)  # make finish --tune: no bound (inf)
 
     @classmethod
     def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
@@ -192,7 +193,7 @@ class Protocol:
         per_sentence = sum(s["seconds"] for s in decoded) / max(sum(s["sentences"] for s in decoded), 1)
         rows = len(self.alphas) + len(self.beams) + 1
         sentences = rows * len(self.split("validation")[0]) + sum(s["sentences"] for s in decoded)
-        if spent + per_sentence * sentences <= results.train_seconds * TUNE_WITHIN:
+        if spent + per_sentence * sentences <= results.train_seconds * self.tune_within:
             return None
         return (f"its up to {rows} decodes of validation would take ~{duration(per_sentence * sentences)}, and the end "
                 f"of the run would pass its {duration(results.train_seconds)} of training")  # fmt: skip
