@@ -110,21 +110,25 @@ def test_the_budget_travels_whole_in_its_checkpoint_field_and_a_resume_continues
 
 class DrivenClock(L.Callback):
     """Each training micro-batch advances the update clock by the seconds `per_batch` gives for the update it
-    belongs to (a machine that slows down: more seconds from some update on)."""
+    belongs to (a machine that slows down: more seconds from some update on); each validation by `validation`."""
 
-    def __init__(self, per_batch):
-        self.per_batch, self.now = per_batch, 0.0
+    def __init__(self, per_batch, validation: float = 0.0):
+        self.per_batch, self.validation, self.now = per_batch, validation, 0.0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self.now += self.per_batch(trainer.global_step + 1)
+
+    def on_validation_end(self, trainer, module) -> None:
+        if not trainer.sanity_checking:
+            self.now += self.validation
 
 
 @pytest.fixture
 def driven(monkeypatch):
     """driven(per_batch): the next run's update clock, driven."""
 
-    def drive(per_batch):
-        clock = DrivenClock(per_batch)
+    def drive(per_batch, validation: float = 0.0):
+        clock = DrivenClock(per_batch, validation)
         monkeypatch.setattr(bookkeeping, "clock", lambda: clock.now)
         make_callbacks = transformer_mt.training.fit.make_callbacks
         monkeypatch.setattr(
@@ -237,19 +241,9 @@ def test_a_machine_that_slows_down_in_the_cool_down_runs_out_of_budget_and_the_r
     assert validated == [15, 30]  # none added at the stop
 
 
-def test_validations_are_not_counted_in_the_budget(driven, tmp_path, caplog, monkeypatch):
+def test_validations_are_not_counted_in_the_budget(driven, tmp_path, caplog):
     """A validation that takes 1,000 driven seconds leaves the budget as it was: the same horizon as without."""
-    clock = driven(lambda update: 1.0)
-
-    class SlowValidation(L.Callback):
-        def on_validation_end(self, trainer, module):
-            if not trainer.sanity_checking:
-                clock.now += 1000.0
-
-    make_callbacks = transformer_mt.training.fit.make_callbacks
-    monkeypatch.setattr(
-        transformer_mt.training.fit, "make_callbacks", lambda *args: [SlowValidation(), *make_callbacks(*args)]
-    )
+    driven(lambda update: 1.0, validation=1000.0)
     corpus = write_corpus(tmp_path / "corpus")
     with caplog.at_level(logging.INFO):
         train_in_process([f"data.path={corpus}", *BUDGET], tmp_path, tmp_path / "run")
@@ -292,23 +286,11 @@ def test_a_budget_of_any_length_reaches_the_peak_rate_whatever_max_steps_is(driv
     assert len(short) == (end < 150), caplog.text[-2000:]
 
 
-def test_the_eta_counts_the_validations_still_due_and_each_validation_says_when_it_starts(
-    driven, tmp_path, caplog, monkeypatch
-):
+def test_the_eta_counts_the_validations_still_due_and_each_validation_says_when_it_starts(driven, tmp_path, caplog):
     """1 s per update, 100 s per validation (driven), one every 10 updates to 40: at update 20, before its own
     validation, 20 s of training and 3 validations (20, 30, 40) at the 100 s the first took are left: ETA 0:05:20
     (training speed alone said 0:00:20, and a wall-clock rate that mixed them in jumped, issue 57)."""
-    clock = driven(lambda update: 1.0)
-
-    class SlowValidation(L.Callback):
-        def on_validation_end(self, trainer, module):
-            if not trainer.sanity_checking:
-                clock.now += 100.0
-
-    make_callbacks = transformer_mt.training.fit.make_callbacks
-    monkeypatch.setattr(
-        transformer_mt.training.fit, "make_callbacks", lambda *args: [SlowValidation(), *make_callbacks(*args)]
-    )
+    driven(lambda update: 1.0, validation=100.0)
     corpus = write_corpus(tmp_path / "corpus")
     args = [
         f"data.path={corpus}",
