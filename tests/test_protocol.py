@@ -15,6 +15,7 @@ from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
+from transformer_mt.evaluation import protocol as protocol_module
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.evaluation.tuned import tuned_path
 from transformer_mt.files import RunFolder, RunFolderLock
@@ -118,11 +119,13 @@ def test_the_start_of_a_run_says_what_its_end_will_do_and_how_to_skip_it(variant
     )
 
 
-def test_final_tune_runs_only_if_its_grid_keeps_the_end_within_the_training_time(variant_run, tmp_path, caplog):
+def test_final_tune_runs_only_if_its_grid_keeps_the_end_within_the_training_time(
+    variant_run, tmp_path, caplog, monkeypatch
+):
     """At the speed the splits decoded (0.1 s a sentence here), the grid's 4 decodes of validation's 30 sentences and
     the 2 splits again (180 sentences, 18 s) after 10 s spent: 28 s, within 100 s of training, not within 20 s. A
-    run of 4 updates (seconds of training) skips it with one warning naming make tune (a 60-update recipe run once
-    spent 19 minutes there)."""
+    run whose grid would not fit skips it with one warning naming make tune (a 60-update recipe run once spent 19
+    minutes there); make finish --tune runs it anyway."""
     cfg = read_checkpoint(variant_run / "checkpoints" / "last.ckpt")["hyper_parameters"]["config"]
     protocol = Protocol.of_run(RunFolder(variant_run), cfg)
     decoded = {split: {"seconds": 3.0, "sentences": 30} for split in ("validation", "test")}
@@ -130,6 +133,7 @@ def test_final_tune_runs_only_if_its_grid_keeps_the_end_within_the_training_time
     why = protocol.grid_too_long(SimpleNamespace(models={"m": decoded}, train_seconds=20.0), "m", 10.0)
     assert why == "its up to 4 decodes of validation would take ~0:00:18, and the end of the run would pass its " \
         "0:00:20 of training"  # fmt: skip
+    monkeypatch.setattr(protocol_module, "TUNE_WITHIN", 0.0)  # whatever this machine's speeds: too long
     corpus = write_corpus(tmp_path / "corpus")
     args = [f"data.path={corpus}", "trainer.max_steps=4", "checkpoint.every_n_train_steps=2", *VARIANT_FINAL[:2]]
     with caplog.at_level(logging.WARNING):

@@ -47,7 +47,11 @@ def tune(cfg: DictConfig) -> Decoding:
     best = next(r for r in rows if Decoding.of(r) == chosen)
     paper = [r for r in rows if Decoding.of(r) == decoding.but(beam_size=PAPER.beam_size, alpha=PAPER.alpha)]
     seconds = time.perf_counter() - start
-    print(f"signature: {rows[0]['bleu_signature']}; {seconds:.0f} s for {len(rows)} rows of the grid")  # row 0: scored
+    if best["bleu"] is None:  # every row ran away (an undertrained model): nothing to choose from
+        print(f"every row's translations ran away ({seconds:.0f} s): no setting chosen, no record written; make "
+              f"translate and make evaluate keep conf/decoding's ({decoding.text()})")  # fmt: skip
+        return decoding
+    print(f"signature: {best['bleu_signature']}; {seconds:.0f} s for {len(rows)} rows of the grid")
     print(f"chosen: {chosen.text()}: sacreBLEU {best['bleu']:.2f}"
           + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu'] or 0:.2f})" if paper else ""))  # fmt: skip
     path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}", by=MAKE_TUNE)
