@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from sacrebleu.dataset import DATASETS
 
 import transformer_mt.evaluate as evaluate_module
+import transformer_mt.tune as tune_module
 from conftest import ROOT, hydra_task, run_translate
 from transformer_mt.averaging import average_run
 from transformer_mt.checkpoint import (
@@ -479,6 +480,18 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
         tune(hydra_task("tune", [f"ckpt={ckpt}", "sentences=-3"], tmp_path / "refused"))
     with pytest.raises(InputError, match=r"n_best=2: make tune scores each setting's best translation only"):
         tune(hydra_task("tune", [f"ckpt={ckpt}", "n_best=2"], tmp_path / "refused"))
+
+
+def test_make_tune_whose_every_row_ran_away_chooses_nothing_and_writes_no_record(
+    trained_run, tmp_path, monkeypatch, capsys
+):
+    """An undertrained model whose every row is abandoned by the runaway guard: one line, no record, conf/decoding's."""
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes((trained_run / "out" / "checkpoints" / "last.ckpt").read_bytes())
+    abandoned = {**PAPER.settings(), "bleu": None, "abandoned": "abandoned: 4.38x the usual length", "seconds": 1.0}
+    monkeypatch.setattr(tune_module, "search_grid", lambda *args: (PAPER, [abandoned]))
+    assert tune(hydra_task("tune", [f"ckpt={ckpt}"], tmp_path / "tune")) == PAPER
+    assert "every row's translations ran away" in capsys.readouterr().out and not tuned_path(ckpt).exists()
 
 
 @pytest.mark.parametrize(
