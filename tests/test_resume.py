@@ -234,18 +234,17 @@ def test_a_signal_stops_at_the_update_boundary_saves_and_exits_nonzero_and_the_r
     assert_same_training_state(accumulated / "step0000012.ckpt", run / "checkpoints" / "step0000012.ckpt", 12)
 
 
-def test_a_sigterm_while_the_run_starts_stops_it_at_the_first_update_with_status_143(tmp_path):
-    """Before training starts (restoring, the sanity validation), Lightning's own handler takes the signal;
-    it is carried over, and the run stops at the first update boundary instead of exiting 0 with nothing."""
+def test_a_sigterm_while_the_run_starts_stops_it_there_in_one_line_with_status_143(tmp_path):
+    """Before training starts (restoring, the sanity validation), Lightning's own handler takes the signal and calls
+    the command's, which stops the start there (issue 57: it used to train one update first, and before that exit 0
+    with nothing): one line, 143, and the new run folder, with nothing trained, removed."""
     corpus = write_corpus(tmp_path / "corpus")
-    run = tmp_path / "run"
+    run = tmp_path / "runs" / "run"
     args = [f"data.path={corpus}", "trainer.num_sanity_val_steps=1", "trainer.max_steps=12", f"hydra.run.dir={run}"]
     kill_at = str(ROOT / "tests" / "kill_at.py")
     stopped = run_train(args, tmp_path, check=False, entry=(kill_at, "signal:SIGTERM:-1"))
-    output = stopped.stdout + stopped.stderr
-    assert stopped.returncode == 143, output[-3000:]
-    assert "stopped by SIGTERM after update 1; last.ckpt holds it" in output
-    assert load(run / "checkpoints" / "last.ckpt")["global_step"] == 1
+    stopped_in_one_line(stopped, signal.SIGTERM, "before the first update: nothing was trained")
+    assert not (tmp_path / "runs").exists()
 
 
 def stopped_in_one_line(proc, signum: int, kept: str) -> None:
