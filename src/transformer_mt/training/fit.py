@@ -177,6 +177,8 @@ def train(cfg: DictConfig, job: Job) -> float | None:
             return fit(cfg, job, trainer_args, startup)
     except BaseException as e:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
+        if isinstance(e, Stopped):  # before training began (UpdateEnd stops it at an update's end)
+            e.kept = e.kept or kept(RunFolder(job.run_dir).checkpoints)
         raise
     finally:
         # Where gloo's threads outlive the Trainer (fsdp), the entry point leaves past finalization (train.py)
@@ -231,9 +233,6 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
         return after_fit(cfg, job, trainer, loggers)
-    except Stopped as e:  # before training began (UpdateEnd stops it at an update's end), or in the end of the run
-        e.kept = e.kept or kept(checkpoint_dir)
-        raise
     finally:
         finish_wandb(loggers)
 
