@@ -9,6 +9,7 @@ Points:
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
   final:0           inside the end-of-run protocol (final.enabled), as it decodes its first split
   final:NAME        no kill: sends itself signal NAME (SIGINT, SIGTERM) there instead
+  probe:NAME        sends itself signal NAME as data.max_tokens=auto's batch-size probe starts (a CPU run)
   after-rank-1:0    no kill: under torchrun/srun, rank 0's end-of-run protocol starts only once rank 1's process
                     has exited (it says so), or after 120 s if it has not (a rank 1 waiting for rank 0)
   signal:NAME:N     sends itself signal NAME (SIGTERM, SIGINT, SIGUSR1) as the micro-batch after update N
@@ -40,6 +41,7 @@ import transformer_mt.checkpoint
 import transformer_mt.evaluation.protocol
 import transformer_mt.launcher
 import transformer_mt.train
+import transformer_mt.training.batch_fit
 import transformer_mt.training.fit
 import transformer_mt.training.update
 
@@ -133,6 +135,14 @@ def main() -> None:
         kill_while_writing(where[0], int(where[1]))
     elif kind == "after-rank-1":
         protocol_after_rank_1()
+    elif kind == "probe":
+        probe = transformer_mt.training.batch_fit.fastest_max_tokens
+
+        def stop_at_start(*args, **kwargs):
+            os.kill(os.getpid(), getattr(signal, where[0]))
+            return probe(*args, **kwargs)
+
+        transformer_mt.training.batch_fit.fastest_max_tokens = stop_at_start
     elif kind == "final":
         stop = die if where[0] == "0" else lambda: os.kill(os.getpid(), getattr(signal, where[0]))
         transformer_mt.evaluation.protocol.Protocol.scores = lambda *args, **kwargs: stop()

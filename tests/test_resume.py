@@ -254,13 +254,16 @@ def stopped_in_one_line(proc, signum: int, kept: str) -> None:
     assert f"stopped by {name}: {kept}" in proc.stderr and output.count(f"stopped by {name}") == 1, proc.stderr
 
 
-def test_a_ctrl_c_while_the_run_starts_ends_in_one_line_and_leaves_no_folder(tmp_path):
-    """SIGINT as the sanity validation starts, before training (Lightning answered "Detected KeyboardInterrupt,
-    attempting graceful shutdown" and exit 1, and left a run folder without a checkpoint)."""
+@pytest.mark.parametrize("point", ["probe:SIGINT", "signal:SIGINT:-1"])
+def test_a_ctrl_c_while_the_run_starts_ends_in_one_line_and_leaves_no_folder(tmp_path, point):
+    """SIGINT as data.max_tokens=auto's batch-size probe starts, or as the sanity validation starts, before training
+    (Lightning answered "Detected KeyboardInterrupt, attempting graceful shutdown" and exit 1, and left a run folder
+    without a checkpoint)."""
     corpus = write_corpus(tmp_path / "corpus")
     run = tmp_path / "runs" / "run"
     args = [f"data.path={corpus}", "trainer.num_sanity_val_steps=1", "trainer.max_steps=12", f"hydra.run.dir={run}"]
-    stopped = run_train(args, tmp_path, check=False, entry=(str(ROOT / "tests" / "kill_at.py"), "signal:SIGINT:-1"))
+    args += ["data.max_tokens=auto"] * point.startswith("probe")
+    stopped = run_train(args, tmp_path, check=False, entry=(str(ROOT / "tests" / "kill_at.py"), point))
     stopped_in_one_line(stopped, signal.SIGINT, "before the first update: nothing was trained")
     assert "graceful shutdown" not in stopped.stdout + stopped.stderr and not (tmp_path / "runs").exists()
 
