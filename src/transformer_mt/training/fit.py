@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import multiprocessing
 import os
 import signal
 import time
@@ -76,7 +77,7 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, s
     progress = ProgressLog(cfg.progress_every_n_updates, cfg.progress_every_seconds, startup, bar)
     ema = ExponentialMovingAverage(cfg.ema_decay) if cfg.ema_decay else None
     run_end = RunEnd(checkpoint_dir, cfg.checkpoint.keep_last, summary_later=cfg.final.enabled)
-    callbacks = [UpdateEnd(progress, ema, saves=checkpoints[-1]), progress, run_end, RandomState()]
+    callbacks = [UpdateEnd(progress, ema, saves=checkpoints[-1]), progress, run_end, RandomState(), SpawnedRankEnd()]
     if cfg.early_stopping_patience:
         best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
         callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
@@ -150,6 +151,15 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
     if name in ("ddp", "ddp_spawn"):
         return DDPStrategy(start_method="spawn" if name == "ddp_spawn" else "popen", broadcast_buffers=False)
     return name
+
+
+class SpawnedRankEnd(L.Callback):
+    """ddp_spawn's ranks (make_strategy: a Hydra multirun of ddp from a shell) end their process group as the Trainer
+    tears down: gloo's threads alive when such a process exits abort it (-6, pytorch/pytorch#190489; 3 sweeps in 12)."""
+
+    def teardown(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        if multiprocessing.parent_process() is not None:  # a spawned rank (ddp's popen ranks end in train())
+            runtime.end_process_group()
 
 
 def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
