@@ -14,7 +14,7 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, required
 from transformer_mt.evaluation.engines import open_engine
-from transformer_mt.evaluation.grid import search_grid
+from transformer_mt.evaluation.grid import grid_rows, search_grid
 from transformer_mt.evaluation.tuned import MAKE_TUNE, save_tuned
 
 
@@ -35,7 +35,7 @@ def tune(cfg: DictConfig) -> Decoding:
             sources, references = sources[: cfg.sentences], references[: cfg.sentences]
         alphas, beams = list(cfg.alphas), list(cfg.beams)
         decoding = Decoding.of(OmegaConf.to_container(cfg.decoding, resolve=True))
-        decodes = len(alphas) + len([b for b in beams if b != decoding.beam_size]) + 1
+        decodes = grid_rows(alphas, beams, decoding)
         print(f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
               f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "
               f"up to {decodes} rows", flush=True)  # fmt: skip

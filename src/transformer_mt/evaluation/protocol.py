@@ -26,7 +26,7 @@ from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import MissingInputError
-from transformer_mt.evaluation.grid import search_grid
+from transformer_mt.evaluation.grid import grid_rows, search_grid
 from transformer_mt.evaluation.tuned import RUN_END, save_tuned
 from transformer_mt.files import RunFolder, shown
 from transformer_mt.model import Transformer
@@ -72,10 +72,14 @@ class Protocol:
         )  # fmt: skip
         return cls(**{**settings, **changes})
 
+    @property
+    def grid_rows(self) -> int:
+        return grid_rows(self.alphas, self.beams, self.decoding)
+
     def plan(self) -> str:
         """What the end of the run will do, and how to skip it: said as the run starts."""
         average = f"average the last {self.average_last} periodic checkpoints, " if self.average_last else ""
-        splits, grid = " and ".join(self.splits), len(self.alphas) + len(self.beams) + 1
+        splits, grid = " and ".join(self.splits), self.grid_rows
         tune = (f"; then, if the end stays within the training's time, up to {grid} decodes of validation choose beam "
                 f"and alpha, {splits} again at them (final.tune)")  # fmt: skip
         them = "them" if len(self.splits) > 1 else "it"
@@ -117,8 +121,8 @@ class Protocol:
             log.warning(
                 "the end of the run took %s, longer than its %s of training%s",
                 duration(results.evaluation_seconds), duration(results.train_seconds),
-                ": final.tune's grid decodes the validation split up to 9 times (final.tune=false, or fewer "
-                "final.tune_alphas / final.tune_beams, shortens it)" if self.tune else "",
+                f": final.tune's grid decodes the validation split up to {self.grid_rows} times (final.tune=false, "
+                "or fewer final.tune_alphas / final.tune_beams, shortens it)" if self.tune else "",
             )  # fmt: skip
         self.run.keep_earlier_results()
         results.write(self.run.results)
@@ -191,7 +195,7 @@ class Protocol:
         minutes in it), at the speed the splits just decoded; None: it fits."""
         decoded = [results.models[name][split] for split in self.splits]
         per_sentence = sum(s["seconds"] for s in decoded) / max(sum(s["sentences"] for s in decoded), 1)
-        rows = len(self.alphas) + len(self.beams) + 1
+        rows = self.grid_rows
         sentences = rows * len(self.split("validation")[0]) + sum(s["sentences"] for s in decoded)
         if spent + per_sentence * sentences <= results.train_seconds * self.tune_within:
             return None
