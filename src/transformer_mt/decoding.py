@@ -3,8 +3,9 @@ the paper's defaults are written here and nowhere else (configs.py stores them a
 grid's keys read TUNE_GRID through ${tune_grid:...}).
 
 A hypothesis Y scores log P(Y) / ((5 + |Y|) / 6)^alpha, GNMT's length penalty (Wu et al., 2016), as §6.1 uses
-(search.length_penalty). transformers and CTranslate2 divide by |Y|^a instead, a different function (so is
-fairseq's --lenpen); the exports and engine=ct2 use the a that comes closest to ours (docs/inference.md).
+(search.length_penalty). fairseq's --lenpen, transformers and CTranslate2 divide by |Y|^alpha instead, a different
+function: length_penalty="fairseq" (alpha 1: the mean log-probability per token). For GNMT's, the exports and
+engine=ct2 use the |Y|^a that comes closest (docs/inference.md).
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ KINDS = {
     "max_len_a": (False, 0, "a number at least 0 (the length limit's factor of the source length)"),
     "max_len_b": (True, 0, "a whole number at least 0 (the length limit's offset)"),
 }
+LENGTH_PENALTIES = ("gnmt", "fairseq")  # ((5 + |Y|) / 6)^alpha (§6.1's), |Y|^alpha (fairseq's --lenpen)
 
 
 @dataclass(frozen=True)
 class Decoding:
-    """§6.1's search: beam 4, length penalty alpha 0.6, at most max_len_a x source length + max_len_b tokens."""
+    """§6.1's search: beam 4, GNMT's length penalty at alpha 0.6, at most max_len_a x source length + max_len_b
+    tokens."""
 
     beam_size: int = 4
     alpha: float = 0.6
     max_len_a: float = 1.0
     max_len_b: int = 50
+    length_penalty: str = "gnmt"
 
     @classmethod
     def of(cls, settings: Mapping, where: str = "decoding") -> Decoding:
@@ -53,7 +57,12 @@ class Decoding:
             number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
             if not number or (whole and not isinstance(value, int)) or value < least:
                 raise InputError(f"{where}: decoding.{key}={json.dumps(value)} is not {what}")
-        return cls(**{key: settings[key] for key in KINDS})
+        penalty = settings.get("length_penalty", "gnmt")  # results.json and tune records before it was a choice
+        if penalty not in LENGTH_PENALTIES:
+            raise InputError(
+                f"{where}: decoding.length_penalty={penalty!r} is not one of {', '.join(LENGTH_PENALTIES)}"
+            )
+        return cls(**{key: settings[key] for key in KINDS}, length_penalty=penalty)
 
     def settings(self) -> dict:
         """The four settings as keyword arguments of search.translate_lines (and as JSON)."""
@@ -64,11 +73,14 @@ class Decoding:
 
     @property
     def ct2_length_penalty(self) -> float:
-        """CTranslate2's |Y|^a exponent closest to our alpha: 0.45 for the paper's 0.6 (HF_LENGTH_PENALTY)."""
-        return HF_LENGTH_PENALTY / PAPER.alpha * self.alpha
+        """CTranslate2's |Y|^a exponent: fairseq's is alpha itself; closest to GNMT's: 0.45 for 0.6 (HF_LENGTH_PENALTY)."""
+        return self.alpha if self.length_penalty == "fairseq" else HF_LENGTH_PENALTY / PAPER.alpha * self.alpha
 
     def text(self) -> str:
-        return f"beam {self.beam_size}, alpha {self.alpha}, max length {self.max_len_a:g} x source + {self.max_len_b}"
+        penalty = "alpha" if self.length_penalty == "gnmt" else "|Y|^"
+        return (
+            f"beam {self.beam_size}, {penalty} {self.alpha}, max length {self.max_len_a:g} x source + {self.max_len_b}"
+        )
 
 
 PAPER = Decoding()

@@ -77,7 +77,7 @@ class Results:
             + (f", {flops_text(flops)}" if flops else "")
             + (f" (MFU {mfu:.1%})" if mfu else "")
             + f", {self.parameters:,} parameters; "
-            + f"beam {self.decoding.get('beam_size')}, alpha {self.decoding.get('alpha')}"
+            + Decoding.of(self.decoding).text()
         ]
         for name, split, s in self.scored():
             if name.endswith("/tuned"):
@@ -92,7 +92,8 @@ class Results:
             lines.append(
                 f"  {name} on {split} ({s['sentences']:,} sentences): sacreBLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}, "
                 f"tokenized compound-split BLEU {s['tokenized_bleu_compound_split']:.2f} (the paper's metric), "
-                f"ppl {s['ppl']:.2f}\n    {s['bleu_signature']}"
+                + (f"BLEU4 on the text's own tokens {s['bleu_tokens']:.2f}, " if "bleu_tokens" in s else "")
+                + f"ppl {s['ppl']:.2f}\n    {s['bleu_signature']}"
             )
         return "\n".join(lines)
 

@@ -54,10 +54,13 @@ def paired_bootstrap_p(baseline: list[str], system: list[str], refs: list[str]) 
 
 
 def score(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict:
-    """corpus_scores with signatures (rounded), plus the labelled tokenized BLEU."""
+    """corpus_scores with signatures (rounded), plus the labelled tokenized BLEU, and bleu_tokens: BLEU over the
+    texts' own whitespace tokens (sacreBLEU tokenize="none"), fairseq generate.py's BLEU4 for pre-tokenized text
+    such as multi30k_mmt's (Wu et al. 2021's metric)."""
     scores = {k: round(v, 2) if isinstance(v, float) else v for k, v in corpus_scores(hyps, refs, True).items()}
     return {
         **scores,
+        "bleu_tokens": round(BLEU(tokenize="none", force=True).corpus_score(hyps, [refs]).score, 2),
         "tokenized_bleu_compound_split": round(tokenized_bleu(hyps, refs, tgt_lang), 2),
         "tokenized_bleu_note": "Moses-tokenized, compounds split (tensor2tensor get_ende_bleu.sh); "
         "the paper's metric, not comparable with sacreBLEU",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -58,9 +59,11 @@ def greedy(model: Transformer, src: Tensor, max_len_a: float = PAPER.max_len_a, 
     return [[i for i in row if i not in (EOS_ID, PAD_ID)] for row in tokens.tolist()]
 
 
-def length_penalty(length: Tensor | int, alpha: float) -> Tensor:
-    """GNMT (Wu et al., 2016) length penalty ((5 + |Y|) / 6)^alpha; |Y| counts the EOS (theirs: decoding.py)."""
-    return ((5.0 + torch.as_tensor(length, dtype=torch.float32)) / 6.0) ** alpha
+def length_penalty(length: Tensor | int, alpha: float, kind: str = PAPER.length_penalty) -> Tensor:
+    """The divisor of a hypothesis' log-probability; |Y| counts the EOS. "gnmt" (Wu et al., 2016; §6.1):
+    ((5 + |Y|) / 6)^alpha; "fairseq" (its --lenpen): |Y|^alpha."""
+    length = torch.as_tensor(length, dtype=torch.float32)
+    return (length if kind == "fairseq" else (5.0 + length) / 6.0) ** alpha
 
 
 def next_token_logprobs(model: Transformer, prev: Tensor, state: DecoderState, at_limit: Tensor | None) -> Tensor:
@@ -132,12 +135,12 @@ class Searching:
     ceilings: Tensor  # (n,)
 
     @classmethod
-    def start(cls, limits: Tensor, alpha: float, width: int) -> Searching:
+    def start(cls, limits: Tensor, penalty: Callable[[Tensor | int], Tensor], width: int) -> Searching:
         B, device = limits.size(0), limits.device
         tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
         floors = torch.full((B,), -torch.inf, device=device)
         return cls(torch.arange(B, device=device), limits, torch.zeros((B, 1), device=device), tokens, floors,
-                   length_penalty(limits + 1, alpha))  # fmt: skip
+                   penalty(limits + 1))  # fmt: skip
 
     def done(self) -> Tensor:
         """(n,) True where no live hypothesis can beat the n_best-th finished one (the best live one, ending at the
@@ -166,9 +169,10 @@ def beam_search(
     max_len_a: float = PAPER.max_len_a,
     max_len_b: int = PAPER.max_len_b,
     n_best: int = 1,
+    length_penalty_kind: str = PAPER.length_penalty,
 ) -> list[Hypotheses]:
     """§6.1 beam search, vectorised over sentences and beams; the first step once per sentence, from BOS, before
-    the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
+    the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|) (GNMT's or fairseq's). A sentence stops when its n_best-th
     best finished hypothesis beats the best any live one could reach (its log-probability only falls, its penalty
     is at most that of the maximum length), so the n best it returns are those of a search that never stops early;
     or at the maximum length, where EOS is forced. Finished sentences leave the batch. Returns each sentence's
@@ -177,7 +181,8 @@ def beam_search(
         raise ValueError(f"n_best={n_best}: must be between 1 and the beam size {beam_size}")
     B, K, device = src.size(0), beam_size, src.device
     state, limits, width = start_decoding(model, src, max_len_a, max_len_b)  # B rows; B * K after step 0
-    alive = Searching.start(limits, alpha, width)
+    penalty = partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
+    alive = Searching.start(limits, penalty, width)
     prev = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
     finished = Finished(torch.full((B, K), -torch.inf, device=device), alive.tokens.new_full((B, K, width), PAD_ID))
     soonest = int(limits.min())  # the first step at which a sentence still searching must end
@@ -192,7 +197,7 @@ def beam_search(
         # Finished: EOS candidates among the top K (as a beam of K would take them; so beam 1 is greedy), merged
         # with those kept so far, the best K kept; most steps end none.
         if ends[:, :K].any():  # the floors follow: each sentence's n_best-th finished score
-            normalised = (top_scores[:, :K] / length_penalty(t + 1, alpha)).masked_fill(~ends[:, :K], -torch.inf)
+            normalised = (top_scores[:, :K] / penalty(t + 1)).masked_fill(~ends[:, :K], -torch.inf)
             history = alive.continued(beam[:, :K], token[:, :K], t)
             alive.floors = finished.add(alive.ids, normalised, history)[:, n_best - 1]
 
@@ -228,6 +233,7 @@ def translate_ids(
     progress: bool = False,
     n_best: int = 0,
     report: Callable[[str], None] | None = None,
+    length_penalty: str = PAPER.length_penalty,
 ) -> list:
     """Translate token-id sequences in length-sorted batches; results come back in input order: each sentence's
     best tokens, or with n_best=K > 0 its K best (tokens, score) pairs, best first (K <= beam_size).
@@ -254,7 +260,7 @@ def translate_ids(
         if beam_size == 1 and not n_best:
             hyps = greedy(model, src, max_len_a, max_len_b)
         else:
-            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, max(n_best, 1))
+            hyps = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, max(n_best, 1), length_penalty)
             hyps = hyps if n_best else [nbest[0][0] for nbest in hyps]
         for i, hyp in zip(order[start:end], hyps):
             results[i] = hyp

@@ -84,13 +84,14 @@ class CT2Process:
         self, lines: list[str], warn=None, first_line: int = 1, beam_size: int = PAPER.beam_size,
         alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b,
         tokens_per_batch: int = 16384, n_best: int = 0, progress: bool = False, report=None,
+        length_penalty: str = PAPER.length_penalty,
     ) -> list[str]:  # fmt: skip
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
         from tqdm import tqdm  # noqa: PLC0415
 
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
-        penalty = PAPER.but(alpha=alpha).ct2_length_penalty  # 0.45 for 0.6
+        penalty = PAPER.but(alpha=alpha, length_penalty=length_penalty).ct2_length_penalty  # gnmt 0.6: 0.45
         size, heartbeat = self.CHUNK if progress or report else max(len(lines), 1), Heartbeat(report, len(lines))
         outputs = []
         bar = tqdm(total=len(lines), desc="translating", unit="sentence", disable=not progress, leave=False)
