@@ -33,17 +33,19 @@ def sequence_logprob(model: Transformer, src_row: torch.Tensor, tokens: list[int
     return logp.gather(-1, tgt_out[..., None]).sum().item()
 
 
-def search(model, src, beam_size=4, alpha=0.6, max_len_a=1.0, max_len_b=50, n_best=1):
+def search(model, src, beam_size=4, alpha=0.6, max_len_a=1.0, max_len_b=50, n_best=1, kind="gnmt"):
     """beam_search: (each sentence's best tokens, its n-best list)."""
-    nbest = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, n_best)
+    nbest = beam_search(model, src, beam_size, alpha, max_len_a, max_len_b, n_best, kind)
     return [hyps[0][0] for hyps in nbest], nbest
 
 
-def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: float, max_len_b: int, n_best: int):
+def reference_beam_search(
+    model: Transformer, source: list[int], K: int, alpha: float, max_len_b: int, n_best: int, kind: str = "gnmt"
+):
     """§6.1 beam search for one sentence, written plainly: Python lists and a full forward pass
     (no cache, no batching) for each live hypothesis at each step. Rules as documented in
     search.beam_search: each step ranks every (hypothesis, token) continuation; among the best 2K,
-    those ending in EOS within the first K finish (score = log P / GNMT penalty), the best K others
+    those ending in EOS within the first K finish (score = log P / length penalty), the best K others
     live on; EOS is forced at the maximum length; the search stops when the n_best-th finished
     hypothesis beats the best any live one could reach, log P / penalty(maximum length + 1)."""
     src = source_batch([source])
@@ -60,24 +62,27 @@ def reference_beam_search(model: Transformer, source: list[int], K: int, alpha: 
         top = sorted(candidates, key=lambda c: -c[1])[: 2 * K]
         for rank, (tokens, logp) in enumerate(top):
             if tokens[-1] == EOS_ID and rank < K:
-                finished.append((tokens[:-1], logp / length_penalty(len(tokens), alpha).item()))
+                finished.append((tokens[:-1], logp / length_penalty(len(tokens), alpha, kind).item()))
         finished = sorted(finished, key=lambda f: -f[1])[:K]
         alive = [(tokens, logp) for tokens, logp in top if tokens[-1] != EOS_ID][:K]
-        bound = alive[0][1] / length_penalty(limit + 1, alpha).item() if alive else -float("inf")
+        bound = alive[0][1] / length_penalty(limit + 1, alpha, kind).item() if alive else -float("inf")
         if len(finished) >= n_best and finished[n_best - 1][1] >= bound:
             break
     return finished[:n_best]
 
 
-@pytest.mark.parametrize("seed, beam, alpha", [(0, 4, 0.6), (1, 4, 0.0), (2, 2, 0.6), (3, 3, 1.0)])
-def test_batched_cached_beam_search_equals_a_plain_reference(seed, beam, alpha):
+@pytest.mark.parametrize(
+    "seed, beam, alpha, kind",
+    [(0, 4, 0.6, "gnmt"), (1, 4, 0.0, "gnmt"), (2, 2, 0.6, "gnmt"), (3, 3, 1.0, "gnmt"), (4, 5, 1.0, "fairseq")],
+)
+def test_batched_cached_beam_search_equals_a_plain_reference(seed, beam, alpha, kind):
     """Same n-best (tokens and scores) as the plain search, for the 1-best (which may stop sooner)
     and for the whole beam."""
     model, src = trained_like_model(seed), source_batch(SOURCES)
     for n_best in (1, beam):
-        best, nbest = search(model, src, beam_size=beam, alpha=alpha, max_len_b=8, n_best=n_best)
+        best, nbest = search(model, src, beam_size=beam, alpha=alpha, max_len_b=8, n_best=n_best, kind=kind)
         for row, source in enumerate(SOURCES):
-            expected = reference_beam_search(model, source, beam, alpha, 8, n_best)
+            expected = reference_beam_search(model, source, beam, alpha, 8, n_best, kind)
             assert [tokens for tokens, _ in nbest[row]] == [tokens for tokens, _ in expected]
             assert [score for _, score in nbest[row]] == pytest.approx([score for _, score in expected], abs=1e-4)
             assert best[row] == expected[0][0]
@@ -89,23 +94,41 @@ def test_beam_of_one_equals_greedy(seed):
     assert search(model, src, beam_size=1, alpha=0.0, max_len_b=10)[0] == greedy(model, src, max_len_b=10)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_scores_equal_length_penalised_recomputed_logprobs_and_nbest_is_sorted(seed):
+@pytest.mark.parametrize("seed, kind", [(0, "gnmt"), (1, "gnmt"), (2, "gnmt"), (3, "fairseq")])
+def test_scores_equal_length_penalised_recomputed_logprobs_and_nbest_is_sorted(seed, kind):
     model, src = trained_like_model(seed), source_batch(SOURCES)
-    best, nbest = search(model, src, beam_size=4, alpha=0.6, max_len_b=10, n_best=4)
+    best, nbest = search(model, src, beam_size=4, alpha=0.6, max_len_b=10, n_best=4, kind=kind)
     for row, hyps in enumerate(nbest):
         assert 1 <= len(hyps) <= 4 and best[row] == hyps[0][0]
         scores = [score for _, score in hyps]
         assert scores == sorted(scores, reverse=True)
         for tokens, score in hyps:
-            expected = sequence_logprob(model, src[row], tokens) / length_penalty(len(tokens) + 1, 0.6).item()
+            expected = sequence_logprob(model, src[row], tokens) / length_penalty(len(tokens) + 1, 0.6, kind).item()
             assert score == pytest.approx(expected, abs=1e-4)
 
 
-def test_length_penalty_is_the_gnmt_formula():
+def test_length_penalty_is_the_gnmt_formula_or_fairseqs_length_power():
     assert length_penalty(1, 0.6).item() == pytest.approx(1.0)
     assert length_penalty(11, 0.6).item() == pytest.approx((16 / 6) ** 0.6)
     assert length_penalty(30, 0.0).item() == 1.0
+    assert length_penalty(11, 1.0, "fairseq").item() == 11.0  # --lenpen 1: the mean log-probability per token
+    assert length_penalty(11, 0.6, "fairseq").item() == pytest.approx(11**0.6)
+
+
+@pytest.mark.parametrize("seed, alpha, kind", [(0, 1.0, "fairseq"), (1, 0.5, "fairseq"), (2, 0.6, "gnmt")])
+def test_beam_search_ranks_every_output_as_a_brute_force_search_does(seed, alpha, kind):
+    """Brute force: every output of at most 1 token (then EOS) over a 6-word vocabulary, 5 in all, scored from a full
+    forward pass as log P / length penalty. A beam of 5 keeps all of them (PAD is never an output), so its 5 best
+    must be all 5, in the brute force's order, with its scores: outputs of 1 and 2 tokens ranked by the penalty."""
+    torch.manual_seed(seed)
+    model = Transformer(tiny_config(vocab_size=6, max_positions=16, dropout=0.0)).eval().requires_grad_(False)
+    src = source_batch([[4, 5, 1]])
+    outputs = [[]] + [[w] for w in range(6) if w not in (PAD_ID, EOS_ID)]
+    scores = [sequence_logprob(model, src[0], ys) / length_penalty(len(ys) + 1, alpha, kind).item() for ys in outputs]
+    best = sorted(zip(scores, outputs), key=lambda pair: -pair[0])
+    _, nbest = search(model, src, beam_size=5, alpha=alpha, max_len_a=0.0, max_len_b=1, n_best=5, kind=kind)
+    assert [tokens for tokens, _ in nbest[0]] == [ys for _, ys in best]
+    assert [score for _, score in nbest[0]] == pytest.approx([score for score, _ in best], abs=1e-5)
 
 
 def test_beam_is_no_worse_than_greedy_under_its_own_objective():

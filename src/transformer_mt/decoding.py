@@ -73,7 +73,7 @@ class Decoding:
 
     @property
     def ct2_length_penalty(self) -> float:
-        """CTranslate2's |Y|^a exponent: fairseq's is alpha itself; closest to GNMT's: 0.45 for 0.6 (HF_LENGTH_PENALTY)."""
+        """CTranslate2's |Y|^a exponent: fairseq's alpha, or the closest to GNMT's (0.45 for 0.6, HF_LENGTH_PENALTY)."""
         return self.alpha if self.length_penalty == "fairseq" else HF_LENGTH_PENALTY / PAPER.alpha * self.alpha
 
     def text(self) -> str:

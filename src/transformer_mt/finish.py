@@ -57,7 +57,11 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
 
 
 def stopped_early(checkpoint: dict) -> int | None:
-    """The schedule's last update (a time budget's horizon, else max_steps) if the checkpoint is short of it."""
+    """The schedule's last update (a time budget's horizon, else max_steps) if the checkpoint is short of it and
+    early stopping did not end it (its patience used up)."""
+    stopping = [s for key, s in checkpoint.get("callbacks", {}).items() if key.startswith("EarlyStopping")]
+    if any(s["wait_count"] >= s["patience"] for s in stopping):
+        return None
     max_steps = checkpoint["hyper_parameters"]["config"]["trainer"]["max_steps"]
     planned = getattr(TimeBudget.of(checkpoint), "horizon", None) or max_steps
     return planned if planned > 0 and checkpoint["global_step"] < planned else None

@@ -172,7 +172,7 @@ def beam_search(
     length_penalty_kind: str = PAPER.length_penalty,
 ) -> list[Hypotheses]:
     """§6.1 beam search, vectorised over sentences and beams; the first step once per sentence, from BOS, before
-    the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|) (GNMT's or fairseq's). A sentence stops when its n_best-th
+    the beam expands to K. A hypothesis Y scores log P(Y) / length_penalty(|Y|). A sentence stops when its n_best-th
     best finished hypothesis beats the best any live one could reach (its log-probability only falls, its penalty
     is at most that of the maximum length), so the n best it returns are those of a search that never stops early;
     or at the maximum length, where EOS is forced. Finished sentences leave the batch. Returns each sentence's

@@ -80,7 +80,8 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, s
     callbacks = [UpdateEnd(progress, ema, saves=checkpoints[-1]), progress, run_end, RandomState(), SpawnedRankEnd()]
     if cfg.early_stopping_patience:
         best = dict(monitor=cfg.checkpoint.best_monitor, mode=cfg.checkpoint.best_mode)
-        callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, **best))
+        # checked as each validation ends (not at the epoch's end, after last.ckpt was written): its state is saved
+        callbacks.append(EarlyStopping(patience=cfg.early_stopping_patience, check_on_train_epoch_end=False, **best))
     if cfg.data.max_tokens == "auto":
         callbacks.append(FitBatch(saved_max_tokens))
     return callbacks + [c for c in (ema, bar) if c is not None] + checkpoints

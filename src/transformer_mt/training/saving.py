@@ -41,6 +41,9 @@ def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
     common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
     keep, every, minutes = cfg["keep_last"], cfg["every_n_train_steps"], cfg["train_time_interval_minutes"]
     periodic = [UpdateCheckpoint(filename="step{step:07d}", every=every, save_top_k=keep, **common)] if every else []
+    if epochs := cfg["every_n_epochs"]:
+        periodic.append(UpdateCheckpoint(filename="epoch{epoch:03d}-step{step:07d}", epochs=epochs, save_top_k=keep,
+                                         **common))  # fmt: skip
     if minutes:
         periodic.append(UpdateCheckpoint(filename="time-step{step:07d}", minutes=minutes, save_top_k=keep, **common))
     best = BestCheckpoint(filename="best", save_top_k=1, monitor=cfg["best_monitor"], mode=cfg["best_mode"], **common)
@@ -79,10 +82,11 @@ class BestCheckpoint(MovedFolder, ModelCheckpoint):
 
 class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
     """The newest `save_top_k` kept, written when Saves finds it due: every `every` updates (a time budget's spacing),
-    or every `minutes` on the update clock (Lightning's time check broadcasts at every update: a wait of its own)."""
+    every `minutes` on the update clock (Lightning's time check broadcasts at every update: a wait of its own), or
+    at the end of every `epochs`-th epoch (after its validation, as fairseq's --save-interval)."""
 
-    def __init__(self, every: int | None = None, minutes: float | None = None, **kwargs):
-        self.every, self.interval, self.saved_at = every, 60 * minutes if minutes else None, 0.0
+    def __init__(self, every: int | None = None, minutes: float | None = None, epochs: int | None = None, **kwargs):
+        self.every, self.interval, self.epochs, self.saved_at = every, 60 * minutes if minutes else None, epochs, 0.0
         # every_n_train_steps=1: Lightning saves whenever write() calls it; save_on_train_epoch_end: right after the
         # update, never deferred to a later validation (which it does at an epoch's last batch, with a monitor).
         super().__init__(every_n_train_steps=1, monitor="step", mode="max", save_on_train_epoch_end=True, **kwargs)
@@ -95,7 +99,10 @@ class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
         super().on_train_start(trainer, module)
         self.saved_at = module.updates.totals["train_seconds"]  # the update clock at the last time-based save
 
-    def due(self, update: Update, budget: TimeBudget | None) -> bool:
+    def due(self, update: Update, budget: TimeBudget | None, epoch_end: int | None) -> bool:
+        """epoch_end: the epoch (from 0) this update ends, else None."""
+        if self.epochs:
+            return epoch_end is not None and (epoch_end + 1) % self.epochs == 0
         if not self.every:
             return update.clock - self.saved_at >= self.interval
         every, end = (budget.every, budget.horizon) if budget is not None and budget.horizon else (self.every, 0)
@@ -118,7 +125,9 @@ class Saves(Checkpoint):
         self.waiting: tuple | None = None  # (update, the periodic checkpoints due) until the validation's end
 
     def after_update(self, trainer: L.Trainer, update: Update) -> None:
-        due = [c for c in self.periodic if c.due(update, getattr(trainer.lightning_module, "budget", None))]
+        budget = getattr(trainer.lightning_module, "budget", None)
+        epoch_end = trainer.current_epoch if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else None
+        due = [c for c in self.periodic if c.due(update, budget, epoch_end)]
         if due or trainer.should_stop or 0 < trainer.max_steps <= update.step:
             if validation_follows(trainer):
                 self.waiting = (update, due)
