@@ -75,7 +75,7 @@ def test_the_grid_keeps_the_current_setting_unless_a_row_beats_it_beyond_the_pai
     ]
     clear = [r if i % 3 == 0 else h for i, (r, h) in enumerate(zip(references, paper))]
 
-    def translate(lines, beam_size, alpha, max_len_a, max_len_b):
+    def translate(lines, beam_size, alpha, max_len_a, max_len_b, length_penalty):
         out = clear if beam_size == 8 else close if alpha == 1.0 else paper
         return [out[int(line.split()[1])] for line in lines]
 

@@ -518,5 +518,5 @@ def test_a_hand_edited_tune_record_is_refused_in_one_line_naming_the_setting(edi
     with pytest.raises(InputError) as error:
         decoding_for(ckpt, PAPER, "auto", False, print)
     assert str(error.value).startswith(f"{tuned_path(ckpt)}: {message}") and "\n" not in str(error.value)
-    save_tuned(ckpt, Decoding(beam_size=4, alpha=1, max_len_a=1, max_len_b=50), [], "text validation", "make tune")
+    save_tuned(ckpt, Decoding(beam_size=4, alpha=1, max_len_a=1, max_len_b=50), [], "text validation")
     assert decoding_for(ckpt, PAPER, "auto", False, print).alpha == 1  # whole numbers are numbers too

@@ -31,8 +31,13 @@ def test_the_recipe_is_the_published_one():
     assert (cfg.data.max_tokens, cfg.data.tokens_per_update, cfg.trainer.max_steps) == (4096, 8192, 8000)
     assert cfg.early_stopping_patience == 10 and cfg.checkpoint.best_monitor == "val/loss"
     assert cfg.checkpoint.every_n_epochs == 1 and cfg.final.average_last == 10
-    assert dict(cfg.decoding) == {"beam_size": 5, "alpha": 1.0, "max_len_a": 1.0, "max_len_b": 50,
-                                  "length_penalty": "fairseq"}  # fmt: skip
+    assert dict(cfg.decoding) == {
+        "beam_size": 5,
+        "alpha": 1.0,
+        "max_len_a": 1.0,
+        "max_len_b": 50,
+        "length_penalty": "fairseq",
+    }
     assert (ROOT / cfg.data.path).resolve() == (ROOT.parent / "shared" / "data" / "multi30k-mmt").resolve()
 
 
@@ -42,8 +47,17 @@ def test_the_recipe_stops_early_averages_its_last_epochs_and_scores_bleu4(tmp_pa
     corpus = tmp_path / "corpus"
 
     write_corpus(corpus)
-    args = [*RECIPE, f"data.path={corpus}", "data.max_tokens=300", "data.tokens_per_update=600", "optim.lr_factor=0",
-            "early_stopping_patience=2", "checkpoint.keep_last=3", "decoding.max_len_b=5", "final.splits=[test]"]  # fmt: skip
+    args = [
+        *RECIPE,
+        f"data.path={corpus}",
+        "data.max_tokens=300",
+        "data.tokens_per_update=600",
+        "optim.lr_factor=0",
+        "early_stopping_patience=2",
+        "checkpoint.keep_last=3",
+        "decoding.max_len_b=5",
+        "final.splits=[test]",
+    ]
     run = tmp_path / "run"
     train_in_process(args, tmp_path, run)
     last = read_checkpoint(run / "checkpoints" / "last.ckpt")

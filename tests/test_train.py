@@ -188,7 +188,6 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
         "data.tokens_per_update=2048",
         "trainer.max_steps=300",
         "trainer.val_check_interval=150",
-        "final.tune=false",  # the recipe's dev-set grid (9 decodes of 1,014 sentences): tested on test_protocol's run
         "val_bleu_sentences=300",
         "trainer.enable_progress_bar=false",
         f"hydra.run.dir={tmp_path / 'run'}",

@@ -84,7 +84,7 @@ class Decoding:
 
 
 PAPER = Decoding()
-# make tune's grid (evaluation/grid.py), conf/tune.yaml and conf/train.yaml's final.tune_* through ${tune_grid:...}
+# make tune's grid (evaluation/grid.py), conf/tune.yaml through ${tune_grid:...}
 TUNE_GRID = {"alphas": [0.0, 0.3, 0.6, 1.0, 1.5, 2.0], "beams": [2, 4, 8]}
 
 

@@ -6,9 +6,7 @@ settings in its last.ckpt, without Lightning (no MFU: the training devices' peak
 
 from __future__ import annotations
 
-import argparse
 import logging
-import math
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -22,7 +20,7 @@ from transformer_mt.runtime import pick_device
 from transformer_mt.training.budget import TimeBudget
 
 
-def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) -> Results:
+def finish(run_dir: str | Path, device: str = "auto") -> Results:
     run = RunFolder(Path(run_dir))
     last = run.last
     if not last.is_file():
@@ -41,8 +39,7 @@ def finish(run_dir: str | Path, device: str = "auto", tune: bool | None = None) 
             "schedule planned (killed, stopped, or out of time): finishing now averages and scores those weights, "
             f"not a trained model's. To train to the end first, resume it (ckpt_path=last hydra.run.dir={run.path})"
         )
-    asked = {"tune": tune, "tune_within": math.inf} if tune else {"tune": False} if tune is False else {}
-    protocol = Protocol.of_run(run, checkpoint["hyper_parameters"]["config"], **asked)  # --tune: however long
+    protocol = Protocol.of_run(run, checkpoint["hyper_parameters"]["config"])
     protocol.extra["finished_by"] = "make finish"
     if (overrides := run.path / ".hydra" / "overrides.yaml").is_file():  # the training's command line (model card)
         protocol.extra["overrides"] = list(OmegaConf.load(overrides))
@@ -71,11 +68,9 @@ def main() -> None:
     parser = CommandParser(__doc__)
     parser.add_argument("run_dir", help="a training run's folder (holding checkpoints/last.ckpt)")
     parser.add_argument("--device", default="auto", help="auto (a CUDA GPU if there is one), cpu or cuda")
-    tune = "choose decoding on the validation split first (final.tune)"
-    parser.add_argument("--tune", action=argparse.BooleanOptionalAction, help=tune)
     args = parser.parse()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    exit_on_user_error(finish, args.run_dir, args.device, args.tune)
+    exit_on_user_error(finish, args.run_dir, args.device)
 
 
 if __name__ == "__main__":

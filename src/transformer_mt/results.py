@@ -33,7 +33,6 @@ class Results:
     overrides: list[str] | None = None
     finished_by: str | None = None
     models: dict[str, dict] = field(default_factory=dict)  # average-last5/last/ema -> checkpoint path, split scores
-    tuned: dict[str, dict] | None = None  # the same at the settings make tune chose on validation (final.tune)
     evaluation_seconds: float | None = None
 
     @classmethod
@@ -42,6 +41,7 @@ class Results:
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
                 raise TypeError(f"it holds a {type(data).__name__}, not an object")
+            data.pop("tuned", None)  # final.tune's block, written until issue 61 (2026-12)
             return cls(**data)
         except (ValueError, TypeError) as e:
             raise InputError(f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it "
@@ -52,15 +52,12 @@ class Results:
             tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     def scored(self) -> list[tuple[str, str, dict]]:
-        """(model, split, scores) of every scored split; a tuned one as model "<name>/tuned"."""
+        """(model, split, scores) of every scored split."""
         found = [(name, split, s) for name, splits in self.models.items() for split, s in splits.items()]
-        found += [
-            (f"{name}/tuned", split, s) for name, splits in (self.tuned or {}).items() for split, s in splits.items()
-        ]
         return [(name, split, s) for name, split, s in found if isinstance(s, dict) and "bleu" in s]
 
     def metrics(self) -> dict[str, float]:
-        """final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>, for the loggers (a tuned split has no ppl)."""
+        """final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>, for the loggers."""
         return {
             f"final/{name}/{split}/{short}": scores[key]
             for name, split, scores in self.scored()
@@ -80,15 +77,6 @@ class Results:
             + Decoding.of(self.decoding).text()
         ]
         for name, split, s in self.scored():
-            if name.endswith("/tuned"):
-                chosen, paper = Decoding.of(self.tuned[name[:-6]]["decoding"]), self.models[name[:-6]][split]["bleu"]
-                lines.append(
-                    f"  {name[:-6]} on {split} at the settings chosen on the validation split ({chosen.text()}): "
-                    f"sacreBLEU {s['bleu']:.2f} ({s['bleu'] - paper:+.2f} over the paper's), chrF {s['chrf']:.2f}; "
-                    "make translate and make evaluate keep the paper's (a gain on validation need not carry over): "
-                    "tuned=true for these"
-                )
-                continue
             lines.append(
                 f"  {name} on {split} ({s['sentences']:,} sentences): sacreBLEU {s['bleu']:.2f}, chrF {s['chrf']:.2f}, "
                 f"tokenized compound-split BLEU {s['tokenized_bleu_compound_split']:.2f} (the paper's metric), "
@@ -98,9 +86,5 @@ class Results:
         return "\n".join(lines)
 
     def entry(self, ckpt: Path) -> dict | None:
-        """The scores of the model from `ckpt` (by file name: a moved run finds them), tuned ones under "tuned"."""
-        for name, entry in self.models.items():
-            if Path(entry.get("checkpoint", "")).name == ckpt.name:
-                tuned = (self.tuned or {}).get(name)
-                return {**entry, **({"tuned": tuned} if tuned else {})}
-        return None
+        """The scores of the model from `ckpt` (by file name: a moved run finds them)."""
+        return next((e for e in self.models.values() if Path(e.get("checkpoint", "")).name == ckpt.name), None)

@@ -15,7 +15,7 @@ from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, required
 from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.evaluation.grid import grid_rows, search_grid
-from transformer_mt.evaluation.tuned import MAKE_TUNE, save_tuned
+from transformer_mt.evaluation.tuned import save_tuned
 
 
 def tune(cfg: DictConfig) -> Decoding:
@@ -54,7 +54,7 @@ def tune(cfg: DictConfig) -> Decoding:
     print(f"signature: {best['bleu_signature']}; {seconds:.0f} s for {len(rows)} rows of the grid")
     print(f"chosen: {chosen.text()}: sacreBLEU {best['bleu']:.2f}"
           + (f" (the paper's beam 4, alpha 0.6: {paper[0]['bleu'] or 0:.2f})" if paper else ""))  # fmt: skip
-    path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}", by=MAKE_TUNE)
+    path = save_tuned(required(cfg, "ckpt"), chosen, rows, f"{corpus.name} {cfg.split}")
     print(f"wrote {path}: make translate and make evaluate use these settings for this checkpoint (tuned=false: not)")
     return chosen
 

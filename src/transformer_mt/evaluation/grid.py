@@ -1,4 +1,4 @@
-"""Decoding settings chosen on the development set (§6.1), for make tune and final.tune: alpha, beam, length limit."""
+"""Decoding settings chosen on the development set (§6.1), for make tune: alpha, beam, length limit."""
 
 from __future__ import annotations
 

@@ -26,20 +26,17 @@ from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import MissingInputError
-from transformer_mt.evaluation.grid import grid_rows, search_grid
-from transformer_mt.evaluation.tuned import RUN_END, save_tuned
 from transformer_mt.files import RunFolder, shown
 from transformer_mt.model import Transformer
 from transformer_mt.objective import sequence_losses
 from transformer_mt.results import Results
-from transformer_mt.runtime import Peak, duration, use_tf32
+from transformer_mt.runtime import Peak, use_tf32
 from transformer_mt.scoring import evaluate_translations
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 PERPLEXITY_TOKENS = 4096  # a teacher-forced batch's padded tokens per side
-TUNE_WITHIN = 1.0  # final.tune runs only if the end of the run, its grid included, stays within this x its training
 
 
 @dataclass
@@ -49,15 +46,11 @@ class Protocol:
     corpus: Corpus
     splits: list[str]
     average_last: int
-    tune: bool
-    alphas: list[float]
-    beams: list[int]
     label_smoothing: float
     ema: bool
     extra: dict  # Results' table3_row, seed, overrides, finished_by
     devices: int  # how many devices trained (the MFU is per device)
     texts: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict, repr=False)  # read once
-    tune_within: float = field(default_factory=lambda: TUNE_WITHIN)  # make finish --tune: no bound (inf)
 
     @classmethod
     def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
@@ -65,27 +58,20 @@ class Protocol:
         settings = dict(
             run=run, decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
             corpus=Corpus.from_config(cfg["data"]), splits=list(final["splits"]), average_last=final["average_last"],
-            tune=final["tune"], alphas=list(final["tune_alphas"]), beams=list(final["tune_beams"]),
             label_smoothing=cfg["label_smoothing"], ema=bool(cfg["ema_decay"]),
             extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"]},
             devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
         )  # fmt: skip
         return cls(**{**settings, **changes})
 
-    @property
-    def grid_rows(self) -> int:
-        return grid_rows(self.alphas, self.beams, self.decoding)
-
     def plan(self) -> str:
         """What the end of the run will do, and how to skip it: said as the run starts."""
         average = f"average the last {self.average_last} periodic checkpoints, " if self.average_last else ""
-        splits, grid = " and ".join(self.splits), self.grid_rows
-        tune = (f"; then, if the end stays within the training's time, up to {grid} decodes of validation choose beam "
-                f"and alpha, {splits} again at them (final.tune)")  # fmt: skip
-        them = "them" if len(self.splits) > 1 else "it"
-        return (f"when training ends (final.enabled): {average}decode {splits} at {self.decoding.text()} and score "
-                f"{them}{tune * self.tune}; final.enabled=false{' or final.tune=false' * self.tune} skips it "
-                f"(make finish RUN={shown(self.run.path)} does it later)")  # fmt: skip
+        splits, them = " and ".join(self.splits), "them" if len(self.splits) > 1 else "it"
+        return (
+            f"when training ends (final.enabled): {average}decode {splits} at {self.decoding.text()} and score "
+            f"{them}; final.enabled=false skips it (make finish RUN={shown(self.run.path)} does it later)"
+        )
 
     def split(self, name: str) -> tuple[list[str], list[str]]:
         if name not in self.texts:
@@ -109,21 +95,16 @@ class Protocol:
             for split in self.splits:
                 scores = self.scores(model, tokenizer, split, self.decoding) | self.perplexity(model, tokenizer, split)
                 results.models[name][split] = scores
-                log.info("%s on %s: %s sentences decoded (beam %s, alpha %s) and scored in %.1f s: sacreBLEU %.2f",
-                         name, split, f"{scores['sentences']:,}", self.decoding.beam_size, self.decoding.alpha,
-                         scores["seconds"], scores["bleu"])  # fmt: skip
-            if self.tune and (why := self.grid_too_long(results, name, time.monotonic() - start)):
-                log.warning(f"final.tune skipped for {name}: {why}; make tune CKPT={shown(path)} chooses later")
-            elif self.tune:
-                results.tuned = {**(results.tuned or {}), name: self.tune_and_score(model, tokenizer, path)}
+                log.info(
+                    "%s on %s: %s sentences decoded (%s) and scored in %.1f s: sacreBLEU %.2f",
+                    name,
+                    split,
+                    f"{scores['sentences']:,}",
+                    self.decoding.text(),
+                    scores["seconds"],
+                    scores["bleu"],
+                )
         results.evaluation_seconds = round(time.monotonic() - start, 1)
-        if results.evaluation_seconds > results.train_seconds:
-            log.warning(
-                "the end of the run took %s, longer than its %s of training%s",
-                duration(results.evaluation_seconds), duration(results.train_seconds),
-                f": final.tune's grid decodes the validation split up to {self.grid_rows} times (final.tune=false, "
-                "or fewer final.tune_alphas / final.tune_beams, shortens it)" if self.tune else "",
-            )  # fmt: skip
         self.run.keep_earlier_results()
         results.write(self.run.results)
         log.info("%s", results.block(self.run.results))
@@ -189,28 +170,3 @@ class Protocol:
             sums += torch.stack([value.double() for value in losses]).cpu()
         loss_sum, nll_sum, tokens = sums.tolist()
         return {"loss": round(loss_sum / tokens, 4), "ppl": round(math.exp(nll_sum / tokens), 3)}
-
-    def grid_too_long(self, results: Results, name: str, spent: float) -> str | None:
-        """Why final.tune's grid would make the end of the run longer than its training (a 60-update run spent 19
-        minutes in it), at the speed the splits just decoded; None: it fits."""
-        decoded = [results.models[name][split] for split in self.splits]
-        per_sentence = sum(s["seconds"] for s in decoded) / max(sum(s["sentences"] for s in decoded), 1)
-        rows = self.grid_rows
-        sentences = rows * len(self.split("validation")[0]) + sum(s["sentences"] for s in decoded)
-        if spent + per_sentence * sentences <= results.train_seconds * self.tune_within:
-            return None
-        return (f"its up to {rows} decodes of validation would take ~{duration(per_sentence * sentences)}, and the end "
-                f"of the run would pass its {duration(results.train_seconds)} of training")  # fmt: skip
-
-    def tune_and_score(self, model: Transformer, tokenizer: Tokenizer, path: Path) -> dict:
-        """final.tune: make tune's grid on the validation split, its choice stored beside `path`, the splits at it."""
-        log.info("choosing beam and length penalty on the validation split for %s (final.tune):", path.name)
-        start = time.monotonic()
-        chosen, rows = search_grid(
-            partial(translate_lines, model, tokenizer, report=partial(log.info, "  %s")), *self.split("validation"),
-            self.corpus.tgt_lang, self.decoding, self.alphas, self.beams, lambda line: log.info("%s", line),
-        )  # fmt: skip
-        save_tuned(path, chosen, rows, f"{self.corpus.name} validation", by=RUN_END)
-        scores = {split: self.scores(model, tokenizer, split, chosen) for split in self.splits}
-        seconds = round(time.monotonic() - start, 1)
-        return {"decoding": chosen.settings(), "chosen_on": "validation", "tune_seconds": seconds, **scores}

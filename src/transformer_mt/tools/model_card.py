@@ -92,16 +92,12 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
             f"- command-line overrides: {given}",
         ]
     lines += ["", "## Scores"]
-    splits = scored_splits(entry or {})  # the paper's settings' scores (a tuned block is the table's extra rows)
+    splits = scored_splits(entry or {})
     if results:
         decoding, first = Decoding.of(results.decoding, where=str(path)), next(iter(splits.values()))
         header = "| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |\n|---|---|---|---|---|"
-        lines += [f"From {path.name} (beam {decoding.beam_size}, alpha {decoding.alpha}):", "", header]
+        lines += [f"From {path.name} ({decoding.text()}):", "", header]
         lines += [score_row(split, s) for split, s in splits.items()]
-        if "tuned" in entry:
-            chosen = entry["tuned"]["decoding"]
-            label = f"beam {chosen['beam_size']} and alpha {chosen['alpha']}, chosen on validation"
-            lines += [score_row(f"{split}, {label}", t) for split, t in scored_splits(entry["tuned"]).items()]
         lines += [
             "", f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.", "",
             "sacreBLEU is detokenized BLEU with its standard 13a tokenization, comparable across papers that state the "
