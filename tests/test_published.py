@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT, train_in_process, write_corpus
 from transformer_mt.checkpoint import read_checkpoint, run_checkpoints
 from transformer_mt.configs import compose
+from transformer_mt.data.corpus import Corpus
 from transformer_mt.finish import stopped_early
 from transformer_mt.objective import noam_lr
 
@@ -39,6 +40,16 @@ def test_the_recipe_is_the_published_one():
         "length_penalty": "fairseq",
     }
     assert (ROOT / cfg.data.path).resolve() == (ROOT.parent / "shared" / "data" / "multi30k-mmt").resolve()
+
+
+@pytest.mark.real_data
+def test_the_recipes_data_is_the_published_text():
+    """test2016 as Wu et al. scored it: 1,000 sentences, 12,103 reference tokens (their reflen), lowercased."""
+    cfg = compose("train", ["experiment=multi30k_tiny"])
+    corpus = Corpus.from_config(cfg.data, path=str(ROOT / cfg.data.path))
+    sources, references = corpus.texts("test")
+    assert len(sources) == 1000 and sum(len(r.split()) for r in references) == 12_103
+    assert all(r == r.lower() for r in references) and len(corpus.texts("validation")[0]) == 1014
 
 
 def test_the_recipe_stops_early_averages_its_last_epochs_and_scores_bleu4(tmp_path):
