@@ -65,7 +65,7 @@ class Decoding:
         return cls(**{key: settings[key] for key in KINDS}, length_penalty=penalty)
 
     def settings(self) -> dict:
-        """The four settings as keyword arguments of search.translate_lines (and as JSON)."""
+        """The settings as keyword arguments of search.translate_lines (and as JSON)."""
         return dataclasses.asdict(self)
 
     def but(self, **changes) -> Decoding:
@@ -77,10 +77,8 @@ class Decoding:
         return self.alpha if self.length_penalty == "fairseq" else HF_LENGTH_PENALTY / PAPER.alpha * self.alpha
 
     def text(self) -> str:
-        penalty = "alpha" if self.length_penalty == "gnmt" else "|Y|^"
-        return (
-            f"beam {self.beam_size}, {penalty} {self.alpha}, max length {self.max_len_a:g} x source + {self.max_len_b}"
-        )
+        penalty = f"alpha {self.alpha}" if self.length_penalty == "gnmt" else f"length penalty |Y|^{self.alpha:g}"
+        return f"beam {self.beam_size}, {penalty}, max length {self.max_len_a:g} x source + {self.max_len_b}"
 
 
 PAPER = Decoding()

@@ -12,7 +12,13 @@ from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write
 from transformer_mt.runtime import duration, flops_text
 
-SCORES = {"bleu": "bleu", "chrf": "chrf", "tokenized_bleu_compound_split": "tokenized_bleu", "ppl": "ppl"}
+SCORES = {  # results.json's score -> the loggers' final/<model>/<split>/<name>
+    "bleu": "bleu",
+    "chrf": "chrf",
+    "tokenized_bleu_compound_split": "tokenized_bleu",
+    "bleu_tokens": "bleu_tokens",
+    "ppl": "ppl",
+}
 
 
 @dataclass
