@@ -42,8 +42,8 @@ def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
     keep, every, minutes = cfg["keep_last"], cfg["every_n_train_steps"], cfg["train_time_interval_minutes"]
     periodic = [UpdateCheckpoint(filename="step{step:07d}", every=every, save_top_k=keep, **common)] if every else []
     if epochs := cfg["every_n_epochs"]:
-        periodic.append(UpdateCheckpoint(filename="epoch{epoch:03d}-step{step:07d}", epochs=epochs, save_top_k=keep,
-                                         **common))  # fmt: skip
+        name = "epoch{epoch:03d}-step{step:07d}"
+        periodic.append(UpdateCheckpoint(filename=name, epochs=epochs, save_top_k=keep, **common))
     if minutes:
         periodic.append(UpdateCheckpoint(filename="time-step{step:07d}", minutes=minutes, save_top_k=keep, **common))
     best = BestCheckpoint(filename="best", save_top_k=1, monitor=cfg["best_monitor"], mode=cfg["best_mode"], **common)
