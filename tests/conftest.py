@@ -53,7 +53,7 @@ MICRO_SHAPE = dict(vocab_size=20, d_model=16, d_ff=32, n_heads=2, n_encoder_laye
 
 
 def micro_batches(seed: int = 0) -> list[dict]:
-    """6 micro-batches (2 updates of 3 at accumulate_grad_batches=3) of random sentences, targets 1 longer."""
+    """6 micro-batches (2 updates of 3 at module.accumulation=3) of random sentences, targets 1 longer."""
     g, batches, index = torch.Generator().manual_seed(seed), [], 0
     for lengths in [[5, 3], [2, 7, 4], [6], [3, 3], [4, 2, 8], [5]]:
         items = []

@@ -111,8 +111,8 @@ def test_a_resumed_cpu_run_keeps_its_runs_choice_and_measures_nothing(monkeypatc
     _, datamodule, trainer = recipe_setup("base", "cpu", 1, monkeypatch)
     monkeypatch.setattr(batch_fit, "fastest_max_tokens", lambda *args: pytest.fail("measured again"))
     with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
-        FitBatch(saved=2048).setup(trainer, None, "fit")
-    assert datamodule.max_tokens == 2048 and trainer.accumulate_grad_batches == math.ceil(25_000 / 2048)
+        FitBatch(saved=2048).setup(trainer, trainer.lightning_module, "fit")
+    assert datamodule.max_tokens == 2048 and trainer.lightning_module.accumulation == math.ceil(25_000 / 2048)
     assert "data.max_tokens=auto on cpu: 2,048 tokens per batch, as the run chose at its start" in caplog.text
 
 
@@ -144,7 +144,7 @@ def recipe_setup(experiment: str, device: str, devices: int, monkeypatch, longes
     monkeypatch.setattr(datamodule, "longest_training_pair", lambda: longest)
     trainer = SimpleNamespace(
         datamodule=datamodule, strategy=SimpleNamespace(root_device=torch.device(device)), precision="bf16-mixed",
-        world_size=devices, is_global_zero=True, accumulate_grad_batches=1,
+        world_size=devices, is_global_zero=True, lightning_module=mock.Mock(accumulation=1),
         val_check_interval=cfg.trainer.val_check_interval,
     )  # fmt: skip
     return cfg, datamodule, trainer
@@ -165,11 +165,11 @@ def test_the_recipes_fit_their_batch_to_the_gpu_and_keep_the_update(experiment, 
     monkeypatch.setattr(batch_fit, "measure_step_bytes", lambda module, device, precision, n, length: step(n))
     monkeypatch.setattr(batch_fit, "least_over_ranks", lambda tokens, device: tokens)  # every rank found the same
     with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
-        FitBatch().setup(trainer, mock.Mock(), "fit")
+        FitBatch().setup(trainer, trainer.lightning_module, "fit")
     found = datamodule.max_tokens
     assert found == largest_fitting(step, gpu_gib * GiB, ceiling=2**20 // 251) * 251  # the probe's batch
     batch_tokens, accumulation = datamodule.update_shape(devices)
-    assert trainer.accumulate_grad_batches == accumulation == math.ceil(25_000 / (found * devices))
+    assert trainer.lightning_module.accumulation == accumulation == math.ceil(25_000 / (found * devices))
     update = accumulation * batch_tokens * devices
     assert batch_tokens <= found and 25_000 <= update < 25_000 + accumulation * devices
     assert trainer.val_check_interval == 5_000 * accumulation  # still every 5,000 updates
@@ -191,11 +191,11 @@ def test_the_recipes_on_a_cpu_take_the_fastest_batch_and_keep_the_update(experim
         return fallback // 2
 
     monkeypatch.setattr(batch_fit, "fastest_max_tokens", probe)
-    FitBatch().setup(trainer, None, "fit")
+    FitBatch().setup(trainer, trainer.lightning_module, "fit")
     assert probed["fallback"] == fallback and datamodule.max_tokens == fallback // 2
     accumulation = math.ceil(25_000 / (fallback // 2))  # base 13, big 25
     assert datamodule.update_shape(1) == (math.ceil(25_000 / accumulation), accumulation)
-    assert trainer.accumulate_grad_batches == accumulation
+    assert trainer.lightning_module.accumulation == accumulation
 
 
 # ---------------------------------------------------------------- trainer.compile

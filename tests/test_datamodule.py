@@ -183,7 +183,7 @@ def test_a_launched_job_has_one_run_folder_name(monkeypatch):
 WORKER_SCRIPT = """
 import os, time, torch
 from torch.utils.data import DataLoader
-from transformer_mt.runtime import die_with_parent
+from transformer_mt.stops import die_with_parent
 
 class Slow(torch.utils.data.Dataset):
     def __len__(self):
@@ -229,7 +229,7 @@ for pid in sorted(workers):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: PR_SET_PDEATHSIG, a subreaper, /proc")
 def test_data_loader_workers_die_with_the_training_process_even_by_sigkill(tmp_path):
-    """runtime.die_with_parent: SIGINT and SIGTERM are the training process's to handle (the worker ignores them),
+    """stops.die_with_parent: SIGINT and SIGTERM are the training process's to handle (the worker ignores them),
     and a training process killed by SIGKILL takes its workers with it at once, by the kernel's SIGKILL; torch's own
     workers would notice a dead parent later, by a poll, and exit by themselves (status 0), which this tells apart."""
     proc = run_process([sys.executable, "-c", REAPER, WORKER_SCRIPT], tmp_path)

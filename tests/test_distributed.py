@@ -301,9 +301,8 @@ def test_ddp_update_over_ranks_and_micro_batches_has_the_gradient_of_one_batch_o
     micro_batches = [collate(items[:1]), collate(items[1:3]), collate(items[3:8]), collate(items[8:])]
     torch.manual_seed(0)
     module = SaveGradients(model_cfg, val_bleu_sentences=0)
-    trainer = quiet_trainer(
-        devices=WORLD, strategy="ddp_spawn", max_steps=1, accumulate_grad_batches=2, default_root_dir=tmp_path
-    )
+    trainer = quiet_trainer(devices=WORLD, strategy="ddp_spawn", max_steps=1, default_root_dir=tmp_path)
+    module.accumulation = 2
     trainer.fit(module, DataLoader(micro_batches, batch_size=None))
     torch.manual_seed(0)
     reference = Transformer(TransformerConfig(**model_cfg))

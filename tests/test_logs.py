@@ -149,11 +149,15 @@ def test_a_slow_machine_shows_a_progress_line_with_an_eta_after_its_first_update
 
 def test_the_start_warns_once_when_no_validation_or_checkpoint_comes_before_max_steps():
     def trainer(val_every: int, checkpoint_every: int | None = None, step: int = 0, accumulation: int = 2):
-        periodic = [UpdateCheckpoint(every=checkpoint_every, dirpath=".")] if checkpoint_every else []
+        periodic = [UpdateCheckpoint(".", "step{step:07d}", 5, every=checkpoint_every)] if checkpoint_every else []
         return SimpleNamespace(
-            global_step=step, max_steps=200, val_check_interval=val_every * accumulation,  # micro-batches
-            accumulate_grad_batches=accumulation, limit_val_batches=1.0, checkpoint_callbacks=periodic,
-        )  # fmt: skip
+            global_step=step,
+            max_steps=200,
+            val_check_interval=val_every * accumulation,  # micro-batches
+            lightning_module=SimpleNamespace(accumulation=accumulation),
+            limit_val_batches=1.0,
+            checkpoint_callbacks=[SimpleNamespace(periodic=periodic)],
+        )
 
     (warning,) = unreached(trainer(300, checkpoint_every=50))
     assert warning.startswith("no validation before trainer.max_steps=200 (trainer.val_check_interval=300 updates)")

@@ -1,8 +1,6 @@
 """training/module.py: the learning rate of update n follows Noam under accumulation, and trainer.compile's
 compiled training step gives eager's loss and gradients and eager checkpoints."""
 
-import logging
-import re
 from unittest import mock
 
 import lightning as L
@@ -39,9 +37,8 @@ def test_learning_rate_at_update_n_follows_noam_under_accumulation(accumulation)
     pairs = [(torch.randint(4, 20, (n,)).numpy(), torch.randint(4, 20, (n,)).numpy(), i) for i, n in enumerate(lengths)]
     loader = DataLoader(pairs, batch_sampler=TokenBucketSampler(lengths, lengths, max_tokens=40), collate_fn=collate)
     record = RecordLR()
-    trainer = quiet_trainer(
-        max_steps=6, accumulate_grad_batches=accumulation, callbacks=[record], use_distributed_sampler=False
-    )
+    module.accumulation = accumulation
+    trainer = quiet_trainer(max_steps=6, callbacks=[record], use_distributed_sampler=False)
     trainer.fit(module, loader)
     assert trainer.global_step == 6 and record.steps == list(range(6))  # 6 updates ...
     assert trainer.fit_loop.epoch_loop.batch_progress.total.completed == 6 * accumulation  # ... of N batches
@@ -121,15 +118,11 @@ def test_an_epoch_of_wmt14_like_batches_compiles_the_training_step_twice_not_per
 
 
 @pytest.mark.slow  # compiles
-def test_a_compiled_run_trains_logs_its_compile_time_and_writes_eager_checkpoints(tmp_path, caplog):
+def test_a_compiled_run_trains_and_writes_eager_checkpoints(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     args = [f"data.path={corpus}", "trainer.compile=true", "trainer.max_steps=3", "checkpoint.every_n_train_steps=3"]
     args.append("final.enabled=false")  # the end decodes with the compiled decoder: compiled and tested in test_search
-    with caplog.at_level(logging.INFO):
-        train_in_process(args, tmp_path, tmp_path / "run")
-    assert re.search(
-        r"trainer.compile: the first training micro-batch took [\d.]+ s, compilation included", caplog.text
-    )
+    train_in_process(args, tmp_path, tmp_path / "run")
     weights = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert weights and not [key for key in weights if "_orig_mod" in key]  # the keys of an eager run
     model, _, _ = load_for_inference(tmp_path / "run" / "checkpoints" / "step0000003.ckpt")  # every tool reads it

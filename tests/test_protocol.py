@@ -1,4 +1,4 @@
-"""The end of a run (evaluation/protocol.py, results.py, finish.py): averaging, beam search on the splits, final.tune,
+"""The end of a run (evaluation/protocol.py, results.py, finish.py): averaging, beam search on the splits,
 results.json and the log block, make finish; on conftest's variant_run (every switch on, a moving average)."""
 
 import json
@@ -9,16 +9,14 @@ import shutil
 import pytest
 import torch
 
-from conftest import hydra_task, run_translate
+from conftest import hydra_task
 from transformer_mt.checkpoint import read_checkpoint
 from transformer_mt.decoding import PAPER
 from transformer_mt.errors import InputError
 from transformer_mt.evaluate import evaluate
 from transformer_mt.evaluation.protocol import Protocol
-from transformer_mt.evaluation.tuned import save_tuned, tuned_path
 from transformer_mt.files import RunFolder, RunFolderLock
 from transformer_mt.finish import finish
-from transformer_mt.results import Results
 
 
 def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_run):
@@ -73,23 +71,6 @@ def test_the_results_equal_make_evaluate_on_the_same_checkpoint(variant_run, cap
     ours = results["models"]["average-last3"]["test"]
     for key in ("bleu", "chrf", "tokenized_bleu_compound_split", "bleu_signature", "sentences"):
         assert scores[key] == ours[key], key
-
-
-def test_a_choice_the_end_of_a_run_stored_before_issue_61_is_not_used(variant_run, tmp_path, capsys, monkeypatch):
-    """Runs before issue 61 could end with final.tune: its choice beside the average (chosen_by "final.tune") and a
-    tuned block in results.json. make translate decodes at conf/decoding and says so; results.json still reads."""
-    ckpt = tmp_path / "average-last3.ckpt"
-    shutil.copy(variant_run / "checkpoints" / "average-last3.ckpt", ckpt)
-    save_tuned(ckpt, PAPER.but(beam_size=2), [], "text validation")
-    record = json.loads(tuned_path(ckpt).read_text())
-    tuned_path(ckpt).write_text(json.dumps(record | {"chosen_by": "final.tune"}))
-    _, said = run_translate(ckpt, "the cat sees a dog .\n", monkeypatch=monkeypatch, capsys=capsys)
-    assert said.startswith(
-        f"decoding: {PAPER.text()} (conf/decoding); {tuned_path(ckpt)} is final.tune's, not make "
-    ), said
-    old = json.loads((variant_run / "results.json").read_text()) | {"tuned": {"average-last3": {}}}
-    (tmp_path / "results.json").write_text(json.dumps(old))
-    assert Results.read(tmp_path / "results.json").models == old["models"]
 
 
 def test_the_start_of_a_run_says_what_its_end_will_do_and_how_to_skip_it(variant_run):

@@ -342,7 +342,12 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tmp_path):
     )
     line = resume("ckpt_path=last", f"hydra.run.dir={tmp_path / 'fresh'}")
     assert "ckpt_path=last: no complete checkpoint in" in line and "hydra.run.dir=<the run's folder>" in line
-    assert not any((tmp_path / name).exists() for name in ("a", "b", "fresh"))  # failed starts leave no folder
+    older = load(last)  # as Lightning's automatic optimization counted updates, before TranslationModule.update
+    older["loops"]["fit_loop"]["epoch_loop.manual_optimization.optim_step_progress"]["total"]["completed"] = 0
+    torch.save(older, tmp_path / "older.ckpt")
+    line = resume(f"ckpt_path={tmp_path / 'older.ckpt'}", f"hydra.run.dir={tmp_path / 'c'}")
+    assert "written before the update moved into the module" in line and "the commit that wrote it" in line
+    assert not any((tmp_path / name).exists() for name in ("a", "b", "c", "fresh"))  # failed starts leave no folder
     # Nothing was written into the run that the refused resume named.
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
 

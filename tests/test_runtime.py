@@ -3,17 +3,18 @@ FLOP/s behind the MFU."""
 
 import os
 import re
+import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from transformer_mt import runtime
 from transformer_mt.errors import InputError
 from transformer_mt.runtime import device_peak, end_process_group, use_tf32
+from transformer_mt.stops import exit_after_training
 from transformer_mt.training.fit import make_strategy
 from transformer_mt.training.sharding import LayerFSDP, mixed_precision_policy
 
@@ -148,14 +149,14 @@ def test_training_bounds_onednns_primitive_cache_unless_the_environment_says_oth
 
 
 def test_fsdp_skips_the_gradient_sync_inside_an_accumulation_as_ddps_no_sync(monkeypatch):
-    """Lightning's loop enters strategy.block_backward_sync() for each micro-batch of an update but the last; for
-    trainer=fsdp that turns FSDP2's gradient sync off for its backward (test_distributed: nothing reduced, then the
-    sum of both micro-batches reduced at the next synchronised backward)."""
+    """TranslationModule.training_step enters strategy.block_backward_sync() for each micro-batch but the update's
+    last; for trainer=fsdp that turns FSDP2's gradient sync off for its backward (test_distributed: nothing reduced,
+    then the sum of both micro-batches reduced at the next synchronised backward)."""
     calls = []
     model = SimpleNamespace(set_requires_gradient_sync=calls.append)
     strategy = make_strategy("fsdp", "bf16-mixed")
     monkeypatch.setattr(LayerFSDP, "lightning_module", property(lambda self: SimpleNamespace(model=model)))
-    with _block_parallel_sync_behavior(strategy, block=True):
+    with strategy.block_backward_sync():
         assert calls == [False]
     assert calls == [False, True]
     with pytest.raises(RuntimeError), strategy.block_backward_sync():
@@ -171,3 +172,22 @@ def test_the_cpu_peak_probe_draws_nothing_from_the_global_random_generator():
     before = torch.random.get_rng_state()
     runtime.matmul_peak(torch.float32, n=64, repeats=1, seconds=0)
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_slurm_stop_requeues_the_job_and_exits_128_plus_sigusr1(tmp_path, monkeypatch, caplog, fails):
+    """SLURM's SIGUSR1 (its time limit near): the training stopped after an update, `scontrol requeue <job>` (a
+    job array's task by its array name), status 138; a refused requeue is one warning naming the way on."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/called\n' + ('echo "no such job" >&2; exit 1\n' * fails))
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7003")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "70")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
+        exit_after_training(signal.SIGUSR1, global_zero=True)
+    assert stop.value.code == 128 + signal.SIGUSR1
+    assert (tmp_path / "called").read_text() == "requeue 70_3\n"
+    said = "could not requeue SLURM job 70_3 (no such job)" if fails else "requeued SLURM job 70_3"
+    assert said in caplog.text

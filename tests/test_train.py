@@ -212,23 +212,3 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     assert results["models"]["average-last5"]["test"]["bleu"] > 6.0 and results["decoding"]["beam_size"] == 4
     saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
     assert saved == [f"step{step:07d}.ckpt" for step in (280, 285, 290, 295, 300)]  # every round(0.08 x 300 / 5)
-
-
-def test_a_finite_divergence_is_warned_about_once_and_training_goes_on(corpus, tmp_path, caplog):
-    # fp32 on every CPU (precision auto picks bf16 where it is native): a rate 30x the paper's diverges to a finite
-    # loss there (at update 4), 300x already to NaN (which stops the run: the divergence test above). 8 updates and
-    # no validation keep it cheap on a busy machine (20 updates and 5 validations once ran past the 300 s timeout)
-    args = [f"data.path={corpus}", "optim.lr_factor=30", "progress_every_n_updates=2", "trainer.max_steps=8"]
-    args += ["trainer.precision=32-true", "trainer.val_check_interval=100"]
-    with caplog.at_level("INFO"):
-        train_in_process(args, tmp_path, tmp_path / "run")
-    losses = [float(loss) for loss in re.findall(r"update \d/8 \(\d+%\) \| loss ([\d.]+)", caplog.text)]
-    warnings = re.findall(r"the training loss \(([\d.]+) at update (\d+)\) is ([\d.]+)x its best", caplog.text)
-    assert len(warnings) == 1, caplog.text[-3000:]
-    assert float(warnings[0][2]) > 3 and "finished after 8 updates" in caplog.text
-    later = losses[losses.index(float(warnings[0][0])) + 1 :]
-    assert later and all(loss > 3 * min(losses) for loss in later)  # still diverged at the later lines: no 2nd warning
-    caplog.clear()
-    with caplog.at_level("INFO"):  # the shipped rate: no warning
-        train_in_process([args[0], *args[2:]], tmp_path, tmp_path / "calm")
-    assert "finished after 8 updates" in caplog.text and "may be diverging" not in caplog.text

@@ -36,7 +36,8 @@ def test_an_accumulated_update_has_the_gradient_of_one_batch_holding_its_sentenc
     module = KeepGradients(model_cfg, val_bleu_sentences=0)
     torch.manual_seed(0)
     reference = Transformer(TransformerConfig(**model_cfg))
-    trainer = quiet_trainer(max_steps=1, accumulate_grad_batches=3)
+    module.accumulation = 3
+    trainer = quiet_trainer(max_steps=1)
     trainer.fit(module, DataLoader(micro_batches, batch_size=None))
     whole = collate(items)
     loss_sum, _, n_tokens = sequence_losses(reference, whole["src"], whole["tgt_in"], whole["tgt_out"], 0.1)
@@ -73,8 +74,9 @@ def test_a_whole_training_run_waits_for_the_device_once_per_update(corpus, tmp_p
 def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
     batches = micro_batches()
     module = TranslationModule(MICRO_SHAPE, val_bleu_sentences=0)
+    module.accumulation = 3
     trainer = quiet_trainer(
-        max_steps=2, accumulate_grad_batches=3, use_distributed_sampler=False, default_root_dir=tmp_path,
+        max_steps=2, use_distributed_sampler=False, default_root_dir=tmp_path,
         callbacks=[UpdateEnd()],  # reads each update: its totals (the parts fit.make_callbacks adds are not needed)
     )  # fmt: skip
     trainer.fit(module, DataLoader(batches, batch_size=None))
@@ -92,9 +94,10 @@ def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
 
 
 class NaNAtUpdate2(TranslationModule):
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        return loss * float("nan") if batch_idx == 4 else loss  # inside update 2's window
+    def _losses(self, batch, losses=sequence_losses):
+        loss_sum, nll_sum, n_tokens = super()._losses(batch, losses)
+        self.micro_batches = getattr(self, "micro_batches", 0) + 1
+        return loss_sum * float("nan") if self.micro_batches == 5 else loss_sum, nll_sum, n_tokens  # in update 2
 
 
 class KeepState(L.Callback):
@@ -110,10 +113,11 @@ def test_a_non_finite_update_stops_the_run_with_weights_and_adam_as_the_update_b
     the last finite update."""
     keep = KeepState()
     trainer = quiet_trainer(
-        max_steps=2, accumulate_grad_batches=3, use_distributed_sampler=False, callbacks=[keep, UpdateEnd()],
+        max_steps=2, use_distributed_sampler=False, callbacks=[keep, UpdateEnd()],
         default_root_dir=tmp_path,
     )  # fmt: skip
     module = NaNAtUpdate2(MICRO_SHAPE, val_bleu_sentences=0)
+    module.accumulation = 3
     with pytest.raises(TrainingDiverged, match="training diverged at update 2: the gradient norm is nan"):
         trainer.fit(module, DataLoader(micro_batches(), batch_size=None))
     for name, value in module.state_dict().items():

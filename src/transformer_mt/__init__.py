@@ -15,6 +15,7 @@ core
     scoring.py              sacreBLEU, chrF and the paper's tokenized BLEU
     results.py              results.json, the end-of-run protocol's record, as one type (Results)
     errors.py               errors a user can act on, reported in one line; the option commands' parser
+    stops.py                the stop signals, their handlers, the exit status; Lightning's loop state (only here)
     files.py                atomic writes, stale temporaries, UTF-8 line reading, a run's folder (RunFolder)
     runtime.py              devices, threads, CPU features, glibc's allocator, the process's end
     launcher.py             which launcher started the process (torchrun, srun), its job's name, the Hydra job,

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable
 from difflib import get_close_matches
 from typing import NoReturn
 
+from transformer_mt.stops import SIGNALS, Stopped, raise_stopped
+
 
 class UserError(Exception):
     """Bad input or configuration; the message names the file, line or key and the fix."""
@@ -29,27 +31,11 @@ class MissingInputError(UserError, FileNotFoundError):
 WRITE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-class Stopped(BaseException):
-    """SIGINT or SIGTERM outside a training's own handling (update.UpdateEnd): a BaseException, so that no `except
-    Exception` takes it; the command ends in one line saying what was kept, with status 128 + the signal."""
-
-    def __init__(self, signum: int, kept: str | None = None):
-        super().__init__(signum, kept)
-        self.signum, self.kept = signum, kept
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def raise_stopped(signum: int, frame) -> None:
-    raise Stopped(signum)
-
-
 def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, failed: Callable | None = None):
     """fn(*args); a UserError or refused write: `cleanup`, one `error:` line, status 1 (or `failed()` raised); a stop
     signal (Ctrl+C, SIGTERM): `cleanup`, one `stopped` line, status 128 + it."""
     main = threading.current_thread() is threading.main_thread()
-    before = {s: signal.signal(s, raise_stopped) for s in STOP_SIGNALS} if main else {}
+    before = {s: signal.signal(s, raise_stopped) for s in SIGNALS} if main else {}
     try:
         try:
             return fn(*args)

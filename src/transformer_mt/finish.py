@@ -12,11 +12,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from transformer_mt.checkpoint import read_checkpoint
-from transformer_mt.errors import CommandParser, InputError, MissingInputError, Stopped, exit_on_user_error
+from transformer_mt.errors import CommandParser, InputError, MissingInputError, exit_on_user_error
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, next_commands, remove_stale_temporaries
 from transformer_mt.results import Results
 from transformer_mt.runtime import pick_device
+from transformer_mt.stops import Stopped
 from transformer_mt.training.budget import TimeBudget
 
 

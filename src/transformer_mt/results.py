@@ -47,7 +47,6 @@ class Results:
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
                 raise TypeError(f"it holds a {type(data).__name__}, not an object")
-            data.pop("tuned", None)  # final.tune's block, written until issue 61 (2026-12)
             return cls(**data)
         except (ValueError, TypeError) as e:
             raise InputError(f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it "

@@ -10,7 +10,6 @@ import logging
 import os
 import platform
 import re
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -199,14 +198,6 @@ def flops_text(flops_per_second: float) -> str:
         tera = flops_per_second / 1e12
         return f"{tera:,.{2 if tera < 10 else 1}f} TFLOP/s"
     return f"{flops_per_second / 1e9:.3g} GFLOP/s"
-
-
-def die_with_parent(worker_id: int = 0) -> None:
-    """A loader's worker_init_fn: die with the training process (SIGKILL too), leave the stop signals to it."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG, <linux/prctl.h>
 
 
 def end_process_group() -> list[str]:

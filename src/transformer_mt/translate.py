@@ -11,9 +11,10 @@ from omegaconf import DictConfig
 
 from transformer_mt.commandline import checked_main, chosen_decoding, run_task
 from transformer_mt.configs import CONF_DIR
-from transformer_mt.errors import InputError, Stopped
+from transformer_mt.errors import InputError
 from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import decode_line
+from transformer_mt.stops import Stopped
 
 
 def stderr(message: str) -> None:

@@ -18,7 +18,7 @@ from transformer_mt.data.batching import TokenBucketSampler, TokenizedSplit, col
 from transformer_mt.data.cache import Stage, TokenCache
 from transformer_mt.data.corpus import Corpus, RawSplit
 from transformer_mt.errors import InputError
-from transformer_mt.runtime import die_with_parent
+from transformer_mt.stops import batches_done, die_with_parent
 from transformer_mt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,7 @@ class TranslationDataModule(L.LightningDataModule):
         if split != "train":
             return DataLoader(data, **kwargs)
         self.train_sampler = sampler
-        done = lambda: self.trainer.fit_loop.epoch_loop.batch_progress.current.processed  # noqa: E731
-        return ResumableLoader(data, batches_done=done, **kwargs)
+        return ResumableLoader(data, batches_done=lambda: batches_done(self.trainer), **kwargs)
 
     def train_dataloader(self) -> DataLoader:
         return self.loader("train", shuffle=True)

@@ -1,7 +1,5 @@
 """make tune's record beside a checkpoint, <name>.decoding.json: the chosen settings, the split, the grid's rows and the
-checkpoint's SHA-256. make translate and evaluate use it while those bytes hold (tuned=auto). Runs before issue 61 could
-write one at their end (final.tune, chosen_by "final.tune"): those are not used, a gain on Multi30k's validation split
-did not carry over to its test sets (issue 56: -0.55 BLEU on test2016)."""
+checkpoint's SHA-256. make translate and evaluate use it while those bytes hold (tuned=auto)."""
 
 from __future__ import annotations
 
@@ -19,11 +17,8 @@ def tuned_path(ckpt: str | Path) -> Path:
     return ckpt.with_name(ckpt.name.removesuffix(".ckpt") + ".decoding.json")
 
 
-MAKE_TUNE = "make tune"  # the record's chosen_by
-
-
 def save_tuned(ckpt: str | Path, chosen: Decoding, rows: list[dict], split: str) -> Path:
-    record = {"decoding": chosen.settings(), "chosen_on": split, "chosen_by": MAKE_TUNE,
+    record = {"decoding": chosen.settings(), "chosen_on": split, "chosen_by": "make tune",
               "checkpoint_sha256": file_digest(Path(ckpt))}  # fmt: skip
     with atomic_write(tuned_path(ckpt)) as tmp:
         tmp.write_text(json.dumps(record | {"grid": rows}, indent=2) + "\n", encoding="utf-8")
@@ -54,9 +49,6 @@ def decoding_for(
     except InputError as e:
         raise InputError(f"{e}; correct it, or delete the file to decode as conf/decoding says (make tune writes it "
                          "again)") from None  # fmt: skip
-    if by != MAKE_TUNE:
-        say(f"decoding: {configured.text()} (conf/decoding); {path} is {by}'s, not make tune's: make tune chooses")
-        return configured
     say(f"decoding: {decoding.text()}, chosen on the {split} split by {by} ({path}); tuned=false for "
         "conf/decoding's")  # fmt: skip
     return decoding

@@ -150,7 +150,7 @@ class FitBatch(L.Callback):
         if trainer.world_size > 1:
             tokens = least_over_ranks(tokens, device)
         datamodule.max_tokens = tokens
-        shape_updates(trainer, datamodule)
+        shape_updates(trainer, datamodule, module)
 
 
 def least_over_ranks(tokens: int, device: torch.device) -> int:
@@ -160,15 +160,15 @@ def least_over_ranks(tokens: int, device: torch.device) -> int:
     return int(least.item())
 
 
-def shape_updates(trainer: L.Trainer, datamodule) -> int:
+def shape_updates(trainer: L.Trainer, datamodule, module) -> int:
     """Micro-batches per update, validation's interval in micro-batches; returns the update's padded tokens per side."""
-    batch_tokens, trainer.accumulate_grad_batches = datamodule.update_shape(trainer.world_size)
-    datamodule.update_tokens = trainer.accumulate_grad_batches * batch_tokens * trainer.world_size
+    batch_tokens, module.accumulation = datamodule.update_shape(trainer.world_size)
+    datamodule.update_tokens = module.accumulation * batch_tokens * trainer.world_size
     if isinstance(trainer.val_check_interval, int):
-        trainer.val_check_interval *= trainer.accumulate_grad_batches
+        trainer.val_check_interval *= module.accumulation
     if trainer.is_global_zero:
         log.info(
-            f"tokens per update: accumulation {trainer.accumulate_grad_batches} x {batch_tokens} tokens x "
+            f"tokens per update: accumulation {module.accumulation} x {batch_tokens} tokens x "
             f"{trainer.world_size} device(s) = {datamodule.update_tokens:,} padded tokens per side "
             f"(data.tokens_per_update: {datamodule.tokens_per_update})"
         )

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from transformer_mt.errors import InputError
 from transformer_mt.objective import budget_lr
 from transformer_mt.runtime import duration
+from transformer_mt.stops import end_after
 
 if TYPE_CHECKING:
     import lightning as L
@@ -117,7 +118,7 @@ class TimeBudget:
         """At the start of training: a resumed run's horizon becomes the loop's step limit again."""
         self.clock = clock
         if self.horizon is not None:
-            trainer.fit_loop.epoch_loop.max_steps = self.horizon
+            end_after(trainer, self.horizon)
             end = f"the schedule ends at update {self.horizon:,} (fixed at update {self.fixed[0]:,})"
         else:
             end = f"its end is fixed once {MEASURE_FROM + MEASURE_UPDATES} updates have measured the speed"
@@ -184,7 +185,7 @@ class TimeBudget:
 
     def apply(self, trainer: L.Trainer) -> None:
         """The horizon becomes the loop's max_steps; the next update's rate the schedule's as now fixed."""
-        trainer.fit_loop.epoch_loop.max_steps = self.horizon
+        end_after(trainer, self.horizon)
         scheduler = trainer.lr_scheduler_configs[0].scheduler
         for group, base in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["lr"] = base * self.lr(scheduler.last_epoch)

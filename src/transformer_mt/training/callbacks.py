@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +14,6 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from transformer_mt.files import RunFolder, next_commands, shown
 from transformer_mt.runtime import Peak, device_peak, duration, flops_text
 from transformer_mt.training import update as bookkeeping
-from transformer_mt.training.saving import UpdateCheckpoint
 from transformer_mt.training.update import Update
 
 log = logging.getLogger(__name__)
@@ -38,14 +35,13 @@ class StartupLog:
 
 class ProgressLog(L.Callback):
     """A line every `every` updates or `every_seconds` of training, whichever comes first, and after each validation
-    (update/max, loss, lr, target tok/s, FLOP/s and MFU, elapsed, ETA); a loss RISE x its best is warned about once."""
+    (update/max, loss, lr, target tok/s, FLOP/s and MFU, elapsed, ETA)."""
 
-    RISE = 3.0
     NEAR, REPROBES = 0.9, 3  # a CPU's peak is measured again when training reaches NEAR x it, at most REPROBES times
 
     def __init__(self, every: int, every_seconds: float = 0.0, startup: StartupLog | None = None, bar=None):
         self.every, self.every_seconds, self.startup, self.bar = every, every_seconds, startup, bar
-        self.reprobes, self.best_loss, self.warned = self.REPROBES, float("inf"), False
+        self.reprobes = self.REPROBES
         self.peak: Peak | None = None  # rank 0's, found when training starts (None in ddp_spawn's main process)
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -104,15 +100,13 @@ class ProgressLog(L.Callback):
             if self.tokens:  # the window's mean loss: make plot's training curve
                 metrics["train/loss_window"] = loss = self.loss_sum / self.tokens
                 parts.append(f"loss {loss:.3f}")
-                self.check_divergence(loss, step)
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
             parts.append(f"{speed:,.0f} target tok/s")
             mfu = self.utilisation(self.flops / trainer.world_size / seconds)
             parts.append(flops_text(self.flops / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
             if mfu:
                 metrics["train/mfu"] = mfu
-            for logger in trainer.loggers:  # throughput reaches the loggers here only, at the lines' pace
-                logger.log_metrics(metrics, step=step - 1)  # Lightning's step: updates before this one
+            bookkeeping.log_metrics(trainer, metrics, step - 1)  # throughput: here only, at the lines' pace
             parts.append(f"elapsed {duration(now - self.start)}")
             if (eta := self.eta(trainer, validated)) is not None:
                 parts.append(f"ETA {duration(eta)}")
@@ -128,7 +122,7 @@ class ProgressLog(L.Callback):
         left += [(trainer.max_steps - step) / rate] if trainer.max_steps > 0 and rate > 0 else []
         if not left:
             return None
-        every = trainer.val_check_batch / trainer.accumulate_grad_batches  # updates between validations
+        every = trainer.val_check_batch / trainer.lightning_module.accumulation  # updates between validations
         end = trainer.max_steps if trainer.max_steps > 0 else step
         done = step if validated else step - 1
         due = end // every - done // every if trainer.check_val_every_n_epoch is None and every >= 1 else 0
@@ -153,16 +147,6 @@ class ProgressLog(L.Callback):
             self.peak = self.peak.raised(flops_per_second)
         return self.peak.utilisation(flops_per_second) if self.peak else None
 
-    def check_divergence(self, loss: float, step: int) -> None:
-        self.best_loss = min(self.best_loss, loss)
-        if loss > self.RISE * self.best_loss and not self.warned:
-            self.warned = True
-            log.warning(
-                f"the training loss ({loss:.3f} at update {step:,}) is {loss / self.best_loss:.1f}x its best so far "
-                f"({self.best_loss:.3f}): the run may be diverging (optim.lr_factor too high? fp16 overflow?). "
-                "Training goes on; this warning comes once"
-            )
-
 
 def unreached(trainer: L.Trainer) -> list[str]:
     """Warnings for what will not come before max_steps: a validation, a periodic checkpoint."""
@@ -171,13 +155,13 @@ def unreached(trainer: L.Trainer) -> list[str]:
         return []
     found, suggest = [], max(1, (last - step) // 2)
     if isinstance(trainer.val_check_interval, int) and trainer.limit_val_batches:
-        every = trainer.val_check_interval // trainer.accumulate_grad_batches  # micro-batches -> updates
+        every = trainer.val_check_interval // trainer.lightning_module.accumulation  # micro-batches -> updates
         if last // every == step // every:
             found.append(
                 f"no validation before trainer.max_steps={last} (trainer.val_check_interval={every} updates): no "
                 f"validation curves for make plot, no best.ckpt; to validate, add trainer.val_check_interval={suggest}"
             )
-    periodic = [c for c in trainer.checkpoint_callbacks if isinstance(c, UpdateCheckpoint)]
+    periodic = [p for c in trainer.checkpoint_callbacks for p in getattr(c, "periodic", [])]  # Saves'
     if periodic and all(c.every and last // c.every == step // c.every for c in periodic):
         found.append(
             f"no periodic checkpoint before trainer.max_steps={last} (checkpoint.every_n_train_steps="
@@ -263,22 +247,3 @@ class RunEnd(L.Callback):
                 lines.append(f"  make average RUN={shown(folder.parent)} N={n}")
         lines += next_commands(model)
         log.info("finished after %s updates; next:\n%s", f"{updates:,}", "\n".join(lines))
-
-
-def requeue_slurm_job() -> None:
-    """`scontrol requeue <job>`: the job starts again in the same run folder and continues from last.ckpt."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        log.warning("SIGUSR1 outside a SLURM job: stopped, nothing requeued")
-        return
-    if os.environ.get("SLURM_ARRAY_JOB_ID"):
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-        failed = done.stderr.strip() if done.returncode else None
-    except (OSError, subprocess.TimeoutExpired) as e:
-        failed = str(e)
-    if failed is None:
-        log.info("requeued SLURM job %s: it continues from last.ckpt when it starts again", job)
-    else:
-        log.warning("could not requeue SLURM job %s (%s): continue it by hand with ckpt_path=last", job, failed)

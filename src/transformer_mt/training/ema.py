@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 import lightning as L
-import torch
 from torch import Tensor
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from transformer_mt.checkpoint import EMA_KEY
 
@@ -34,12 +34,11 @@ class ExponentialMovingAverage(L.Callback):
         else:  # restored from a checkpoint (load_state_dict): onto the weights' device
             self.average = {name: value.to(params[name].device) for name, value in self.average.items()}
 
-    @torch.no_grad()
     def after_update(self, module: L.LightningModule) -> None:
-        """ema + (1 - decay) * (weights - ema), every tensor in one call (torch's multi-tensor op: no public name)."""
+        """ema + (1 - decay) * (weights - ema), every tensor in one call (torch's EMA for AveragedModel)."""
         self.updates += 1
         names, weights = zip(*((name, p.detach().float()) for name, p in module.model.named_parameters()))
-        torch._foreach_lerp_([self.average[name] for name in names], list(weights), 1 - self.decay)
+        get_ema_multi_avg_fn(self.decay)([self.average[name] for name in names], list(weights), self.updates)
 
     def state_dict(self) -> dict:
         average = {name: value.cpu() for name, value in (self.average or {}).items()}

@@ -7,7 +7,6 @@ import inspect
 import logging
 import multiprocessing
 import os
-import signal
 import time
 import traceback
 import warnings
@@ -22,16 +21,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt import runtime
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError, Stopped, closest
+from transformer_mt.errors import InputError, closest
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, RunFolderLock, shown
 from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import cpu_has_native_bf16, use_tf32
+from transformer_mt.stops import Stopped, exit_after_training
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
 from transformer_mt.training.budget import budget_seconds
-from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar, requeue_slurm_job
+from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, UpdateProgressBar
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
@@ -63,6 +63,8 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
         args["precision"] = "bf16-mixed" if not on_cpu or cpu_has_native_bf16() else "32-true"
         if args["precision"] == "32-true":
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
+    if str(args.get("precision")).startswith("16"):  # the module's update applies no loss scale
+        raise InputError(f"trainer.precision={args['precision']}: fp16 is not supported; use bf16-mixed or 32-true")
     args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1), sweep)
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() and "32" in str(args["precision"]):
         use_tf32()
@@ -229,7 +231,7 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     trainer = L.Trainer(**trainer_args, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
                         default_root_dir=run_dir, enable_model_summary=False)  # fmt: skip
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
-        now = shape_updates(trainer, datamodule)
+        now = shape_updates(trainer, datamodule, module)
         if resume_path and saved:
             check_update_size(resume_path, saved, now, trainer.world_size, datamodule.tokens_per_update)
     if trainer.is_global_zero:
@@ -268,10 +270,8 @@ def budget_settings(cfg: DictConfig) -> dict | None:
 def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
     """Exits 128 + a stop signal's number; else the end-of-run protocol on rank 0; returns the last validation BLEU."""
     stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # UpdateEnd's (also from ddp_spawn's workers)
-    if stopped_by is not None:  # a scheduler (or `make train && ...`) must not read success
-        if int(stopped_by) == signal.SIGUSR1 and trainer.is_global_zero:
-            requeue_slurm_job()
-        raise SystemExit(128 + int(stopped_by))
+    if stopped_by is not None:
+        exit_after_training(int(stopped_by), trainer.is_global_zero)
     run_end = next(c for c in trainer.callbacks if isinstance(c, RunEnd))
     if cfg.final.enabled and trainer.is_global_zero:
         if torch.distributed.is_initialized():  # (not in ddp_spawn's main process) the other ranks leave

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import time
 from dataclasses import asdict
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import noam_lr, sequence_losses
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
+from transformer_mt.stops import epoch_ends
 from transformer_mt.tokenizer import Tokenizer
 from transformer_mt.training.budget import TimeBudget
 from transformer_mt.training.sharding import LayerFSDP, full_copy
-from transformer_mt.training.update import UpdateBookkeeping
+from transformer_mt.training.update import UpdateBookkeeping, gradient_norm, log_metrics
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +42,13 @@ class TranslationModule(L.LightningModule):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["tokenizer"])  # plain values only: no nn.Module, no DictConfig
+        self.automatic_optimization = False  # the update is written out below (update)
+        self.accumulation = 1  # micro-batches per update: batch_fit.shape_updates sets it from data.tokens_per_update
         self.model = Transformer(TransformerConfig(**model))
         self.tokenizer = tokenizer
         self.updates = UpdateBookkeeping()  # tokens, FLOPs, the gradient's normalisation and norm, totals
         self.budget = TimeBudget(**budget) if budget else None  # its schedule is this module's
         self._training_losses = sequence_losses  # compiled by compile_training (trainer.compile)
-        self._compile_clock: float | None = None  # when the first compiled micro-batch started; 0.0: logged
 
     def compile_training(self, backend="inductor") -> None:
         """trainer.compile: the loss with dynamic shapes (2 graphs an epoch), the model unwrapped (no `_orig_mod.`)."""
@@ -59,18 +62,38 @@ class TranslationModule(L.LightningModule):
     def configure_callbacks(self) -> list[L.Callback]:
         return [self.updates]  # the update's bookkeeping trains with the module, whoever builds the Trainer
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        if self._training_losses is not sequence_losses and self._compile_clock is None:
-            self._compile_clock = time.perf_counter()  # the first compiled micro-batch starts
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """A micro-batch's summed loss, backpropagated; the update's last (or the epoch's) steps."""
         loss_sum, nll_sum, _ = self._losses(batch, self._training_losses)
         self.updates.add(self, batch, loss_sum, nll_sum)
-        return loss_sum  # the sum: UpdateBookkeeping divides the gradient by the update's tokens
+        last = (batch_idx + 1) % self.accumulation == 0 or epoch_ends(self.trainer)
+        strategy = self.trainer.strategy
+        # the ranks' gradients are reduced once, at the update's last backward (DDP's no_sync before it)
+        accumulate = not last and isinstance(strategy, ParallelStrategy)
+        with strategy.block_backward_sync() if accumulate else contextlib.nullcontext():
+            self.manual_backward(loss_sum)
+        if last:
+            self.update()
 
-    def on_train_batch_end(self, outputs, batch: dict[str, Tensor], batch_idx: int) -> None:
-        if self._compile_clock:  # forward and backward compiled by now
-            took, self._compile_clock = time.perf_counter() - self._compile_clock, 0.0
-            if self.trainer.is_global_zero:
-                log.info(f"trainer.compile: the first training micro-batch took {took:.1f} s, compilation included")
+    def update(self) -> None:
+        """One update, as fairseq's: the gradient of the loss summed over every target token of the update (all its
+        micro-batches on all ranks) divided by those tokens, so a token weighs the same however the sentences fall
+        into micro-batches (§5.1 batches by tokens); its norm; Adam's step, skipped on the device where the norm is
+        not finite (found_inf: no wait here; UpdateEnd stops the run); the next update's rate (§5.3)."""
+        trainer, optimizer = self.trainer, self.optimizers()
+        values = self.updates.counts(trainer)  # [target tokens, FLOPs, clock, signals, loss, NLL] on the device
+        if trainer.world_size > 1:
+            torch.distributed.all_reduce(values)  # every rank's
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        # DDP and FSDP averaged the ranks' gradients: times the world size is their sum. torch's multi-tensor ops
+        # (one kernel for every gradient) have no public name yet; its optimizers use them
+        torch._foreach_mul_(grads, (trainer.world_size / values[0].clamp(min=1)).float())
+        self.updates.norm = norm = gradient_norm(self.parameters(), isinstance(trainer.strategy, LayerFSDP))
+        optimizer.optimizer.found_inf = (~norm.isfinite()).float()  # fused Adam then leaves weights and moments
+        optimizer.step()
+        optimizer.zero_grad()
+        self.lr_schedulers().step()
+        self.updates.ended(norm, values)
 
     def configure_optimizers(self):
         h = self.hparams
@@ -83,8 +106,7 @@ class TranslationModule(L.LightningModule):
             budget.peak = noam_lr(h.warmup_steps, d_model, h.warmup_steps, h.lr_factor)
             budget.ceiling, budget.provisional = self.trainer.max_steps, max(h.warmup_steps, 1)
             rate = lambda done: budget.lr(done)  # noqa: E731 (a function: LambdaLR keeps no state of it)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1}}
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, rate)}
 
     def on_validation_epoch_start(self) -> None:
         self._sums = torch.zeros(3, device=self.device)  # smoothed loss, NLL, target tokens
@@ -115,9 +137,11 @@ class TranslationModule(L.LightningModule):
             bleu, chrf, n = scores["bleu"], scores["chrf"], len(self._hyps)
             summary += f", greedy sacreBLEU {bleu:.2f}, chrF {chrf:.2f} ({n} sentences)"
         # Every rank holds the same values (sums reduced, hypotheses gathered): checkpoint monitors agree.
-        shown = {k: metrics.pop(k) for k in ("val/loss", "val/bleu") if k in metrics}
-        self.log_dict(shown, prog_bar=True, sync_dist=True)
-        self.log_dict(metrics, sync_dist=True)
+        shown = {k: metrics[k] for k in ("val/loss", "val/bleu") if k in metrics}
+        self.log_dict(shown, prog_bar=True, sync_dist=True, logger=False)  # checkpoints, early stopping, the bar
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, sync_dist=True, logger=False)
+        if not self.trainer.sanity_checking:  # at the step of the update's own row (Lightning's counts micro-batches)
+            log_metrics(self.trainer, {"epoch": self.current_epoch, **metrics}, self.global_step - 1)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:
             log.info(summary)  # the learning curve in the run's log, whatever the logger
 

@@ -170,6 +170,12 @@ def changed_settings(checkpoint: dict, config: dict, run_dir: Path) -> dict[str,
 
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict, run_dir: Path) -> None:
     """Refuse a checkpoint that the configured run cannot continue; warn about settings that changed."""
+    loop = checkpoint["loops"]["fit_loop"]["epoch_loop.manual_optimization.optim_step_progress"]
+    if loop["total"]["completed"] != checkpoint["global_step"]:  # its updates counted by Lightning's automatic loop
+        raise InputError(
+            f"ckpt_path={path}: written before the update moved into the module (TranslationModule.update, 2026-12); "
+            "continue it with the commit that wrote it, or start a new run without ckpt_path"
+        )
     before, now = comparable_model(checkpoint["hyper_parameters"]["model"]), comparable_model(model)
     if changed := {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}:
         shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))

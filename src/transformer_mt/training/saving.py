@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from transformer_mt.checkpoint import write_checkpoint
 from transformer_mt.evaluation.engines import ct2_folder
 from transformer_mt.files import RunFolder
-from transformer_mt.training.update import validation_follows
+from transformer_mt.stops import epoch_ends, validation_follows
 
 if TYPE_CHECKING:
     from transformer_mt.training.budget import TimeBudget
@@ -38,20 +38,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
     """The `checkpoint` block as callbacks, best.ckpt first (saves after a validation hold its best score)."""
-    common = dict(dirpath=checkpoint_dir, auto_insert_metric_name=False)
     keep, every, minutes = cfg["keep_last"], cfg["every_n_train_steps"], cfg["train_time_interval_minutes"]
-    periodic = [UpdateCheckpoint(filename="step{step:07d}", every=every, save_top_k=keep, **common)] if every else []
+    periodic = [UpdateCheckpoint(checkpoint_dir, "step{step:07d}", keep, every=every)] if every else []
     if epochs := cfg["every_n_epochs"]:
-        name = "epoch{epoch:03d}-step{step:07d}"
-        periodic.append(UpdateCheckpoint(filename=name, epochs=epochs, save_top_k=keep, **common))
+        periodic.append(UpdateCheckpoint(checkpoint_dir, "epoch{epoch:03d}-step{step:07d}", keep, epochs=epochs))
     if minutes:
-        periodic.append(UpdateCheckpoint(filename="time-step{step:07d}", minutes=minutes, save_top_k=keep, **common))
-    best = BestCheckpoint(filename="best", save_top_k=1, monitor=cfg["best_monitor"], mode=cfg["best_mode"], **common)
-    return [*([best] if cfg["best_monitor"] else []), *periodic, Saves(checkpoint_dir / RunFolder.LAST, periodic)]
+        periodic.append(UpdateCheckpoint(checkpoint_dir, "time-step{step:07d}", keep, minutes=minutes))
+    best = BestCheckpoint(dirpath=checkpoint_dir, filename="best", monitor=cfg["best_monitor"], mode=cfg["best_mode"])
+    return [*([best] if cfg["best_monitor"] else []), Saves(checkpoint_dir / RunFolder.LAST, periodic)]
 
 
-class MovedFolder:
-    """A ModelCheckpoint that keeps its files and scores when the run folder was moved (Lightning's forgets them)."""
+class BestCheckpoint(ModelCheckpoint):
+    """best.ckpt: the best validation value of `monitor`, kept with its score in a moved run folder (Lightning's
+    forgets them)."""
 
     def file_exists(self, filepath, trainer) -> bool:
         """Never: a run resumed in place rewrites a killed attempt's file instead of versioning it ("-v1")."""
@@ -71,36 +70,24 @@ class MovedFolder:
                 best_model_path=best, best_model_score=kept[best], kth_best_model_path=kth, kth_value=kept[kth]
             )
         super().load_state_dict({**state, "dirpath": self.dirpath, **restored})
-        if self.monitor != "step" and self.best_model_score is not None and rank_zero_only.rank == 0:  # best.ckpt's
+        if self.best_model_score is not None and rank_zero_only.rank == 0:
             score, was = float(self.best_model_score), Path(state["dirpath"]).parent
             log.info(f"resumed in a moved folder: best.ckpt's {self.monitor} {score:.2f} kept (the run was in {was})")
 
 
-class BestCheckpoint(MovedFolder, ModelCheckpoint):
-    """best.ckpt: the best validation value of `monitor`."""
+class UpdateCheckpoint:
+    """<name>.ckpt, the newest `keep` of them kept (all: -1), written when Saves finds it due: every `every` updates (a
+    time budget's spacing), every `minutes` on the update clock, or at the end of every `epochs`-th epoch (after its
+    validation, as fairseq's --save-interval)."""
 
-
-class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
-    """The newest `save_top_k` kept, written when Saves finds it due: every `every` updates (a time budget's spacing),
-    every `minutes` on the update clock (Lightning's time check broadcasts at every update: a wait of its own), or
-    at the end of every `epochs`-th epoch (after its validation, as fairseq's --save-interval)."""
-
-    def __init__(self, every: int | None = None, minutes: float | None = None, epochs: int | None = None, **kwargs):
+    def __init__(self, folder: Path, name: str, keep: int, every=None, minutes=None, epochs=None):
+        self.folder, self.name, self.keep = Path(folder), name, keep
         self.every, self.interval, self.epochs, self.saved_at = every, 60 * minutes if minutes else None, epochs, 0.0
-        # every_n_train_steps=1: Lightning saves whenever write() calls it; save_on_train_epoch_end: right after the
-        # update, never deferred to a later validation (which it does at an epoch's last batch, with a monitor).
-        super().__init__(every_n_train_steps=1, monitor="step", mode="max", save_on_train_epoch_end=True, **kwargs)
-
-    @property
-    def state_key(self) -> str:
-        return f"UpdateCheckpoint[{self.filename}]"  # by updates and by time: two of them
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        super().on_train_start(trainer, module)
-        self.saved_at = module.updates.totals["train_seconds"]  # the update clock at the last time-based save
 
     def due(self, update: Update, budget: TimeBudget | None, epoch_end: int | None) -> bool:
         """epoch_end: the epoch (from 0) this update ends, else None."""
+        if self.keep == 0:
+            return False
         if self.epochs:
             return epoch_end is not None and (epoch_end + 1) % self.epochs == 0
         if not self.every:
@@ -108,12 +95,13 @@ class UpdateCheckpoint(MovedFolder, ModelCheckpoint):
         every, end = (budget.every, budget.horizon) if budget is not None and budget.horizon else (self.every, 0)
         return update.step % every == end % every
 
-    def on_train_batch_end(self, *args) -> None:
-        pass  # Saves decides when
-
     def write(self, trainer: L.Trainer, update: Update) -> None:
+        """Written (a killed attempt's file of the same update replaced), then the oldest beyond `keep` removed."""
         self.saved_at = update.clock
-        super().on_train_batch_end(trainer, trainer.lightning_module, None, None, 0)
+        trainer.save_checkpoint(self.folder / f"{self.name.format(epoch=trainer.current_epoch, step=update.step)}.ckpt")
+        written = sorted(self.folder.glob(self.name.partition("{")[0] + "[0-9]*.ckpt"))  # zero-padded: by update
+        for old in written[: max(len(written) - self.keep, 0)] if self.keep > 0 else []:
+            trainer.strategy.remove_checkpoint(old)
 
 
 class Saves(Checkpoint):
@@ -124,9 +112,13 @@ class Saves(Checkpoint):
         self.path, self.periodic, self.saved_step = path, periodic, None
         self.waiting: tuple | None = None  # (update, the periodic checkpoints due) until the validation's end
 
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        for checkpoint in self.periodic:  # the update clock at the last time-based save
+            checkpoint.saved_at = module.updates.totals["train_seconds"]
+
     def after_update(self, trainer: L.Trainer, update: Update) -> None:
         budget = getattr(trainer.lightning_module, "budget", None)
-        epoch_end = trainer.current_epoch if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch else None
+        epoch_end = trainer.current_epoch if epoch_ends(trainer) else None
         due = [c for c in self.periodic if c.due(update, budget, epoch_end)]
         if due or trainer.should_stop or 0 < trainer.max_steps <= update.step:
             if validation_follows(trainer):

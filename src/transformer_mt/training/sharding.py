@@ -36,7 +36,7 @@ class LayerFSDP(DDPStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """Lightning's loop enters this for every micro-batch of an update but the last (DDP's no_sync)."""
+        """TranslationModule.training_step enters this for each micro-batch but an update's last (DDP's no_sync)."""
         with no_gradient_sync(self.lightning_module.model):
             yield
 
