@@ -84,6 +84,28 @@ def test_the_package_stays_within_its_ceilings():
     assert total <= 7000, f"the package is {total:,} lines"
 
 
+def package_sources() -> dict[str, str]:
+    return {str(path.relative_to(PACKAGE)): path.read_text(encoding="utf-8") for path in PACKAGE.rglob("*.py")}
+
+
+def test_one_update_one_signal_tuple_and_lightnings_loop_state_in_one_module():
+    """Concept caps (issue 62): the update's arithmetic in one method of at most 80 lines; one tuple of stop signals;
+    Lightning's loop state and private names (at most 2) in stops.py only."""
+    sources = package_sources()
+    module = ast.parse(sources["training/module.py"])
+    (update,) = [n for n in ast.walk(module) if isinstance(n, ast.FunctionDef) and n.name == "update"]
+    assert update.end_lineno - update.lineno + 1 <= 80
+    for word in ("manual_backward", "_foreach_mul_", "found_inf", "optimizer.step()"):
+        assert [name for name, text in sources.items() if word in text] == ["training/module.py"], word
+    signal_tuples = [name for name, text in sources.items() if re.search(r"\(signal\.SIG\w+, signal\.SIG[A-Z]", text)]
+    assert signal_tuples == ["stops.py"]
+    for name, text in sources.items():
+        if name != "stops.py":
+            assert not re.search(r"\.(fit_loop|epoch_loop|batch_progress|_signal_connector)\b", text), name
+    private = set(re.findall(r"(?:trainer|epoch_loop)\.(_\w+)", sources["stops.py"]))
+    assert private == {"_broadcast_sigterm_tensor", "_signal_connector"}
+
+
 # The package's rooms. Front doors: the commands, and the two modules that serve only them (configs.py composes the
 # Hydra configs, commandline.py checks a command line and hands Hydra's job down); Hydra stops there. The core is
 # what every room uses; the wings (data, training, evaluation, tools) build on it.
