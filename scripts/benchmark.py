@@ -60,7 +60,7 @@ from transformer_mt.evaluation.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
-from transformer_mt.runtime import cpu_has_native_bf16, describe_machine, keep_freed_memory, matmul_peak, usable_cores
+from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, matmul_peak, usable_cores
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import export, marian_model, optional
@@ -484,7 +484,10 @@ def main() -> None:
         parser.error(f"--parts {args.parts}: choose from {', '.join(PARTS)}")
     args.alphas = [float(a) for a in args.alphas.split(",")]
     kept = keep_freed_memory()  # as make train does, for every system in this process
-    print(f"{describe_machine()}; glibc malloc: {'no mmap, freed memory kept (runtime.py)' if kept else 'defaults'}")
+    print(
+        f"{host_overhead.describe_machine()}; glibc malloc: "
+        + ("no mmap, freed memory kept (runtime.py)" if kept else "defaults")
+    )
     tokenizer = load_for_inference(args.ckpt)[1] if args.ckpt else None
     if "training" in parts:
         dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -21,10 +21,12 @@ kernels that no dispatch sees, so its count is not comparable and is left out. F
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import tempfile
 import time
 from contextlib import nullcontext
+from importlib import metadata
 from pathlib import Path
 
 import lightning as L
@@ -37,7 +39,7 @@ from transformer_mt.data.batching import collate
 from transformer_mt.launcher import Job
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
-from transformer_mt.runtime import cpu_has_native_bf16, describe_machine
+from transformer_mt.runtime import cpu_has_native_bf16, cpuinfo
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import StartupLog
 from transformer_mt.training.fit import make_callbacks, trainer_arguments
@@ -46,6 +48,18 @@ from transformer_mt.training.module import TranslationModule
 
 SHAPES = {"base": (6, 8), "big": (6, 16)}  # layers per side, heads (§3, Table 3); widths: 4 per head
 ACCUMULATION = 4
+
+
+def describe_machine() -> str:
+    """CPU model and vector extensions, torch threads and version: what every speed figure is stated with."""
+    lines = cpuinfo().split("\n")
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line for line in lines if line.startswith("flags")), "")
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    return (
+        f"{model} ({platform.machine()}, {'/'.join(simd) or 'no AVX2'}), {torch.get_num_threads()} threads, "
+        f"torch {metadata.version('torch')}"
+    )
 
 
 def model_config(shape: str) -> dict:

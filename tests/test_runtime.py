@@ -1,6 +1,7 @@
 """runtime.py and the strategies: TF32, the process group's end, DDP and FSDP settings, the devices' peak
 FLOP/s behind the MFU."""
 
+import contextlib
 import os
 import re
 import signal
@@ -10,10 +11,11 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.attention import SDPBackend
 
 from transformer_mt import runtime
 from transformer_mt.errors import InputError
-from transformer_mt.runtime import device_peak, end_process_group, use_tf32
+from transformer_mt.runtime import device_peak, end_process_group, sentence_attention, use_tf32
 from transformer_mt.stops import exit_after_training
 from transformer_mt.training.fit import make_strategy
 from transformer_mt.training.sharding import LayerFSDP, mixed_precision_policy
@@ -191,3 +193,15 @@ def test_a_slurm_stop_requeues_the_job_and_exits_128_plus_sigusr1(tmp_path, monk
     assert (tmp_path / "called").read_text() == "requeue 70_3\n"
     said = "could not requeue SLURM job 70_3 (no such job)" if fails else "requeued SLURM job 70_3"
     assert said in caplog.text
+
+
+def test_whole_sentences_attend_through_sdpas_math_kernel_on_a_cpu_in_bf16_only():
+    """The caller picks the kernel (runtime.sentence_attention, around training's and validation's losses): in bf16 on
+    a CPU the math backend (faster there for whole sentences), else SDPA's own choice; decoding keeps the default."""
+    q = torch.randn(2, 4, 32, 16)
+    choice = lambda x: SDPBackend(torch._fused_sdp_choice(x, x, x))  # noqa: E731 (torch's dispatch, no public name)
+    with sentence_attention(torch.device("cpu"), "bf16-mixed"):
+        assert choice(q.bfloat16()) == SDPBackend.MATH
+    with sentence_attention(torch.device("cpu"), "32-true"):
+        assert choice(q) == choice(q.bfloat16()) != SDPBackend.MATH
+    assert isinstance(sentence_attention(torch.device("cuda"), "bf16-mixed"), contextlib.nullcontext)

@@ -11,7 +11,6 @@ later work are off by default: d_k / d_v apart from d_model / H (rows A, B), lea
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -19,13 +18,11 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from transformer_mt.attention_recording import explicit_attention
 from transformer_mt.decoding_state import DecoderState, LayerCache
 
 LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
-FEW_QUERIES = 8  # on CPU, attention with at most this many queries per row (decoding) uses SDPA's fused kernel
 
 
 CHOICES = {  # the switches' values; the first is the paper's
@@ -156,13 +153,8 @@ class MultiHeadAttention(nn.Module):
         q, (k, v) = self.split_heads(self.q_proj(query)), kv
         if self.recording:
             out, self.weights = explicit_attention(q, k, v, mask, causal)
-        else:
-            # On a CPU in bf16, SDPA's fused kernel was slower than its math backend for whole sentences (a Multi30k
-            # training step on an AVX512-BF16 CPU: 2,595 vs 3,347 target tok/s); in fp32, and for decoding's few
-            # queries per row, faster (small model, fp32: training +12% target tok/s, greedy decoding +23%).
-            bf16_sentences = q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(-2) > FEW_QUERIES
-            with sdpa_kernel(SDPBackend.MATH) if bf16_sentences else contextlib.nullcontext():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, dv)
+        else:  # SDPA's kernel is the caller's choice (runtime.sentence_attention)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # (B, H, Lq, dv)
         B, H, Lq, d_v = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, Lq, H * d_v))
 

@@ -13,6 +13,7 @@ import torch
 
 from transformer_mt.data.batching import TokenBucketSampler, collate
 from transformer_mt.objective import sequence_losses
+from transformer_mt.runtime import sentence_attention
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
              f"({', '.join(f'{size:,}' for size in sizes)} tokens), {CPU_ROUNDS} rounds after a warm-up")  # fmt: skip
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=str(precision).startswith("bf16"))
     model, best = module.model, {size: float("inf") for size in sizes}
-    with torch.random.fork_rng(devices=[]), autocast:
+    with torch.random.fork_rng(devices=[]), autocast, sentence_attention(torch.device("cpu"), precision):
         model.train()
         for round_ in range(CPU_ROUNDS + 1):  # the first round warms up (allocations, caches): not counted
             for size in sizes:

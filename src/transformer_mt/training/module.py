@@ -13,6 +13,7 @@ from torch import Tensor
 
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import noam_lr, sequence_losses
+from transformer_mt.runtime import sentence_attention
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
 from transformer_mt.stops import epoch_ends
@@ -64,7 +65,8 @@ class TranslationModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """A micro-batch's summed loss, backpropagated; the update's last (or the epoch's) steps."""
-        loss_sum, nll_sum, _ = self._losses(batch, self._training_losses)
+        with sentence_attention(self.device, self.trainer.precision):
+            loss_sum, nll_sum, _ = self._losses(batch, self._training_losses)
         self.updates.add(self, batch, loss_sum, nll_sum)
         last = (batch_idx + 1) % self.accumulation == 0 or epoch_ends(self.trainer)
         strategy = self.trainer.strategy
@@ -116,7 +118,8 @@ class TranslationModule(L.LightningModule):
         self._decoder = full_copy(self.model) if sharded else self.model
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss_sum, nll_sum, n_tokens = self._losses(batch)
+        with sentence_attention(self.device, self.trainer.precision):
+            loss_sum, nll_sum, n_tokens = self._losses(batch)
         self._sums += torch.stack([loss_sum, nll_sum, n_tokens.to(loss_sum.dtype)]).detach()
         if self.hparams.val_bleu_sentences and not self.trainer.sanity_checking:
             rows = batch["index"] < self.hparams.val_bleu_sentences
