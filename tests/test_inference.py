@@ -121,7 +121,12 @@ def test_average_of_a_real_run_loads_like_any_checkpoint(trained_run, tmp_path):
     model, tokenizer, checkpoint = load_for_inference(out)
     expected = sum(read_checkpoint(p)["state_dict"]["model.embed.tokens.weight"] for p in checkpoints[-3:]) / 3
     torch.testing.assert_close(model.embed.tokens.weight, expected)
-    assert len(checkpoint["averaged_from"]) == 3 and len(tokenizer) == 400
+    assert checkpoint["averaged_from"] == [p.name for p in checkpoints[-3:]] and len(tokenizer) == 400
+    # The same bytes however the run's folder is spelled (a relative path, an absolute one through a link)
+    link = tmp_path / "link"
+    link.symlink_to(trained_run / "out")
+    again = average_run(Path(os.path.relpath(link)), 3, tmp_path / "again" / "average-last3.ckpt")
+    assert again.read_bytes() == out.read_bytes()  # (torch.save names the archive after the file: the same name)
     # Without an output path: beside the checkpoints, as `make average` writes it, and not itself averaged later
     assert average_run(trained_run / "out", 2) == trained_run / "out" / "checkpoints" / "average-last2.ckpt"
     assert run_checkpoints(trained_run / "out") == checkpoints

@@ -137,7 +137,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
     dtypes = {k: v.dtype for k, v in reference["state_dict"].items()}
     averaged = {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in total.items()}
     keep = {k: reference[k] for k in ("hyper_parameters", "sentencepiece", "global_step", "epoch") if k in reference}
-    return {**keep, "state_dict": averaged, "averaged_from": [str(p) for p in paths]}
+    return {**keep, "state_dict": averaged, "averaged_from": [Path(p).name for p in paths]}  # however spelled
 
 
 def ema_state(checkpoint: dict) -> dict[str, torch.Tensor]:
