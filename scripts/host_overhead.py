@@ -39,7 +39,7 @@ from transformer_mt.data.batching import collate
 from transformer_mt.launcher import Job
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
-from transformer_mt.runtime import cpu_has_native_bf16, cpuinfo
+from transformer_mt.runtime import cpu_has_native_bf16, cpuinfo, sentence_attention
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.callbacks import StartupLog
 from transformer_mt.training.fit import make_callbacks, trainer_arguments
@@ -139,7 +139,7 @@ def bare_loop(cfg: dict, batches: list[dict], marks: Marks, precision: str) -> N
     ended = False
     for index, batch in enumerate(batches):
         marks.start(ended)
-        with autocast(precision):
+        with autocast(precision), sentence_attention(torch.device("cpu"), precision):  # training's kernel
             loss_sum, _, _ = sequence_losses(
                 model, batch["src"], batch["tgt_in"], batch["tgt_out"], 0.1, batch["target_positions"]
             )
@@ -173,10 +173,11 @@ def trainer_loop(cfg: dict, batches: list[dict], marks: Marks, compiled: bool, r
     config = compose("train", ["trainer=cpu", f"trainer.compile={str(compiled).lower()}"])
     torch.manual_seed(0)
     module = TranslationModule(model=cfg, val_bleu_sentences=0)
+    module.accumulation = ACCUMULATION
     if compiled:
         module.compile_training()
     args = trainer_arguments(config.trainer)
-    args.update(max_steps=len(batches) // ACCUMULATION, accumulate_grad_batches=ACCUMULATION, limit_val_batches=0)
+    args.update(max_steps=len(batches) // ACCUMULATION, limit_val_batches=0)
     args.update(num_sanity_val_steps=0)  # the bar disables itself off a terminal, as in a logged run
     callbacks = [Stamp(marks), *make_callbacks(config, run_dir / "checkpoints", StartupLog(time.monotonic()))]
     trainer = L.Trainer(

@@ -70,9 +70,11 @@ class TranslationModule(L.LightningModule):
         self.updates.add(self, batch, loss_sum, nll_sum)
         last = (batch_idx + 1) % self.accumulation == 0 or epoch_ends(self.trainer)
         strategy = self.trainer.strategy
-        # the ranks' gradients are reduced once, at the update's last backward (DDP's no_sync before it)
+        # the ranks' gradients are reduced once, at the update's last backward (DDP's no_sync before it); backward
+        # outside Lightning's autocast, as in its automatic optimization (and torch's advice)
         accumulate = not last and isinstance(strategy, ParallelStrategy)
-        with strategy.block_backward_sync() if accumulate else contextlib.nullcontext():
+        sync = strategy.block_backward_sync() if accumulate else contextlib.nullcontext()
+        with sync, torch.autocast(self.device.type, enabled=False):
             self.manual_backward(loss_sum)
         if last:
             self.update()

@@ -98,7 +98,8 @@ class UpdateCheckpoint:
     def write(self, trainer: L.Trainer, update: Update) -> None:
         """Written (a killed attempt's file of the same update replaced), then the oldest beyond `keep` removed."""
         self.saved_at = update.clock
-        trainer.save_checkpoint(self.folder / f"{self.name.format(epoch=trainer.current_epoch, step=update.step)}.ckpt")
+        name = self.name.format(epoch=trainer.current_epoch, step=update.step)
+        trainer.save_checkpoint(self.folder / f"{name}.ckpt", weights_only=False)
         written = sorted(self.folder.glob(self.name.partition("{")[0] + "[0-9]*.ckpt"))  # zero-padded: by update
         for old in written[: max(len(written) - self.keep, 0)] if self.keep > 0 else []:
             trainer.strategy.remove_checkpoint(old)
