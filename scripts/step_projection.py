@@ -41,7 +41,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-import transformer_mt.model
 from transformer_mt.configs import model_preset
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import label_smoothed_nll, linear_smoothed_nll, sequence_losses
@@ -211,7 +210,6 @@ def main() -> None:
     parser.add_argument("--loss", default="chunked,reference", help="chunked (linear_smoothed_nll), reference, or both")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager counts only")
     args = parser.parse_args()
-    transformer_mt.model.FEW_QUERIES = 1 << 30  # the fused attention kernel, as on a GPU (model.py uses math on a CPU)
     bandwidth, peak = GPUS[args.gpu]
     bandwidth, peak = bandwidth * args.bandwidth_efficiency, peak * args.matmul_efficiency
     sentences = args.tokens / args.length  # in the micro-batch asked for

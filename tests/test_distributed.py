@@ -282,7 +282,7 @@ def test_a_ddp_run_waits_for_the_device_once_per_update_on_every_rank(corpus, tm
 
 class SaveGradients(TranslationModule):
     def on_before_optimizer_step(self, optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)  # normalises the update's gradient over micro-batches and ranks
+        super().on_before_optimizer_step(optimizer)  # after update() normalised it over micro-batches and ranks
         grads = {name: p.grad.clone() for name, p in self.named_parameters()}
         grads["norm"] = self.updates.norm.clone()  # what this rank logs and decides on
         torch.save(grads, f"{self.trainer.default_root_dir}/grads-{self.global_rank}.pt")

@@ -18,7 +18,7 @@ from transformer_mt.training.update import TrainingDiverged, UpdateEnd
 
 class KeepGradients(TranslationModule):
     def on_before_optimizer_step(self, optimizer) -> None:
-        super().on_before_optimizer_step(optimizer)  # normalises the update's gradient
+        super().on_before_optimizer_step(optimizer)  # after update() normalised the gradient
         self.kept = {name: p.grad.clone() for name, p in self.named_parameters()}
 
 
