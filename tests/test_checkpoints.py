@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -17,6 +18,7 @@ from transformer_mt.checkpoint import read_checkpoint, run_checkpoints, write_ch
 from transformer_mt.errors import InputError
 from transformer_mt.files import RunFolder
 from transformer_mt.tools.plot import read_metrics
+from transformer_mt.training.saving import UpdateCheckpoint
 
 
 def test_accumulated_runs_validate_and_checkpoint_every_n_updates(corpus, tmp_path):
@@ -245,3 +247,25 @@ def test_a_second_training_in_one_slurm_job_does_not_continue_the_firsts_folder(
     shutil.copytree(run_dir, copied)  # logger.save_dir, derived from the folder, is not a changed setting
     train_in_process([args[0], "trainer.max_steps=4", "seed=0"], tmp_path, copied)
     assert load(copied / "checkpoints" / "last.ckpt")["global_step"] == 4
+
+
+def test_periodic_checkpoints_keep_the_newest_by_update_past_epoch_999_and_only_their_own_names(tmp_path):
+    """UpdateCheckpoint prunes its own files (one name pattern) by update number, not by name: epoch 1000's file
+    sorts before epoch 999's as text. Other names in the folder (another pattern, averages, last.ckpt) stay."""
+    (tmp_path / "average-last2.ckpt").touch()
+    (tmp_path / "step0000007.ckpt").touch()
+    trainer = SimpleNamespace(
+        current_epoch=0,
+        save_checkpoint=lambda path, weights_only: path.touch(),
+        strategy=SimpleNamespace(remove_checkpoint=lambda path: path.unlink()),
+    )
+    periodic = UpdateCheckpoint(tmp_path, "epoch{epoch:03d}-step{step:07d}", keep=2, epochs=1)
+    for epoch in (998, 999, 1000):
+        trainer.current_epoch = epoch
+        periodic.write(trainer, SimpleNamespace(step=epoch + 1, clock=0.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "average-last2.ckpt",
+        "epoch1000-step0001001.ckpt",
+        "epoch999-step0001000.ckpt",
+        "step0000007.ckpt",
+    ]

@@ -100,7 +100,8 @@ class UpdateCheckpoint:
         self.saved_at = update.clock
         name = self.name.format(epoch=trainer.current_epoch, step=update.step)
         trainer.save_checkpoint(self.folder / f"{name}.ckpt", weights_only=False)
-        written = sorted(self.folder.glob(self.name.partition("{")[0] + "[0-9]*.ckpt"))  # zero-padded: by update
+        written = self.folder.glob(self.name.partition("{")[0] + "[0-9]*.ckpt")
+        written = sorted(written, key=lambda path: int(path.stem.rpartition("step")[2]))  # by update
         for old in written[: max(len(written) - self.keep, 0)] if self.keep > 0 else []:
             trainer.strategy.remove_checkpoint(old)
 
