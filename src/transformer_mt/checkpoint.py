@@ -126,8 +126,7 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
         state = reference["state_dict"]
         if state.keys() != total.keys():
             diff = sorted(state.keys() ^ total.keys())[:5]
-            raise InputError(f"{path} and {first} hold different parameters (e.g. {diff}); average checkpoints of "
-                             "one run only")  # fmt: skip
+            raise InputError(f"{path} and {first} hold different parameters (e.g. {diff}): average one run's only")
         for key, value in state.items():
             if value.shape != total[key].shape:
                 raise InputError(f"{path}: {key} has shape {tuple(value.shape)}, {first} has "

@@ -214,6 +214,5 @@ class RunFolder:
         while (kept := self.results.with_name(f"{self.results.stem}.{n}{self.results.suffix}")).exists():
             n += 1
         self.results.rename(kept)
-        log.warning("%s was there already (an earlier end of this run): kept as %s, beside the new one", self.results,
-                    kept.name)  # fmt: skip
+        log.warning("%s was there already (an earlier end of this run): kept as %s", self.results, kept.name)
         return kept

@@ -49,8 +49,7 @@ class Results:
                 raise TypeError(f"it holds a {type(data).__name__}, not an object")
             return cls(**data)
         except (ValueError, TypeError) as e:
-            raise InputError(f"{path}: not a results.json of the end-of-run protocol ({e}); make finish writes it "
-                             "again") from None  # fmt: skip
+            raise InputError(f"{path}: not a results.json of a run's end ({e}); make finish rewrites it") from None
 
     def write(self, path: Path) -> None:
         with atomic_write(path) as tmp:

@@ -155,8 +155,8 @@ class Searching:
 
     def keep(self, index: Tensor) -> None:
         """Only the sentences `index` (n',) go on searching, in that order."""
-        self.ids, self.limits, self.scores, self.tokens = (x[index] for x in (self.ids, self.limits, self.scores,
-                                                                              self.tokens))  # fmt: skip
+        kept = (x[index] for x in (self.ids, self.limits, self.scores, self.tokens))
+        self.ids, self.limits, self.scores, self.tokens = kept
         self.floors, self.ceilings = self.floors[index], self.ceilings[index]
 
 

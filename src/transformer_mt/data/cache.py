@@ -197,8 +197,8 @@ class TokenCache:
 
     def sentences(self, train: RawSplit) -> Iterator[str]:
         """Both sides of every training pair with text on both sides, stripped, read in chunks."""
-        with tqdm(desc=f"SentencePiece sample from {self.corpus.name} train", unit=" pairs", disable=None,
-                  leave=False) as bar:  # fmt: skip
+        desc = f"SentencePiece sample from {self.corpus.name} train"
+        with tqdm(desc=desc, unit=" pairs", disable=None, leave=False) as bar:
             for src, tgt in train.batches(self.chunk_size):
                 src, tgt, _ = drop_empty(src, tgt)
                 for pair in zip(src, tgt):

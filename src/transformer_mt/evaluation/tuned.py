@@ -47,8 +47,6 @@ def decoding_for(
     try:
         decoding = Decoding.of(chosen, where=str(path))
     except InputError as e:
-        raise InputError(f"{e}; correct it, or delete the file to decode as conf/decoding says (make tune writes it "
-                         "again)") from None  # fmt: skip
-    say(f"decoding: {decoding.text()}, chosen on the {split} split by {by} ({path}); tuned=false for "
-        "conf/decoding's")  # fmt: skip
+        raise InputError(f"{e}; correct it, or delete it for conf/decoding's (make tune rewrites it)") from None
+    say(f"decoding: {decoding.text()}, chosen on the {split} split by {by} ({path}); tuned=false for conf/decoding's")
     return decoding
