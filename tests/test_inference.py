@@ -105,6 +105,10 @@ def test_unreadable_checkpoints_are_named_in_one_line_without_unsafe_advice(tmp_
             assert text.startswith(f"{tmp_path / name}: {message}") and "\n" not in text, text
             assert "weights_only" not in text  # torch's advice to switch the protection off is not passed on
     assert read_checkpoint(good, mmap=True)["global_step"] == 1
+    # A folder (a run's, as CKPT=outputs/<run> is typed) is named as one, with the checkpoints in it
+    with pytest.raises(InputError, match=r"is a folder: give a checkpoint file in it \(the first .ckpt files there: "):
+        read_checkpoint(tmp_path)
+    assert "foreign.ckpt, good.ckpt, pickle.ckpt" in str(pytest.raises(InputError, read_checkpoint, tmp_path).value)
 
 
 @pytest.mark.parametrize("n", [0, -1])

@@ -40,6 +40,9 @@ def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -
     if not str(path).strip():
         raise MissingInputError("no checkpoint given: set ckpt=<path to a .ckpt file> (make ... CKPT=...)")
     path = Path(path)
+    if path.is_dir():  # e.g. a run folder
+        found = ", ".join(str(p.relative_to(path)) for p in sorted(path.glob("**/*.ckpt"))[:3]) or "none"
+        raise InputError(f"{path} is a folder: give a checkpoint file in it (the first .ckpt files there: {found})")
     if not path.is_file():
         raise MissingInputError(f"checkpoint not found: {path}")
     with open(path, "rb") as f:
