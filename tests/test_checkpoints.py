@@ -1,6 +1,7 @@
 """training/saving.py and the run folder: which checkpoints a run writes and when (right after an
 update, after a due validation), resuming refuses non-finite weights, one training per run folder."""
 
+import errno
 import re
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import transformer_mt.training.fit
 import transformer_mt.training.update
 from conftest import load, run_train, train_in_process
 from transformer_mt.checkpoint import read_checkpoint, run_checkpoints, write_checkpoint
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, UserError
 from transformer_mt.files import RunFolder
 from transformer_mt.tools.plot import read_metrics
 from transformer_mt.training.saving import UpdateCheckpoint
@@ -269,3 +270,19 @@ def test_periodic_checkpoints_keep_the_newest_by_update_past_epoch_999_and_only_
         "epoch999-step0001000.ckpt",
         "step0000007.ckpt",
     ]
+
+
+def test_a_refused_checkpoint_write_names_the_cause_and_suits_every_command(tmp_path, monkeypatch):
+    """A read-only folder is not called a full disk, and make average's or make finish's user is not told to resume
+    a training; nothing partial stays behind."""
+
+    def refuse(obj, f) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(torch, "save", refuse)
+    with pytest.raises(UserError) as error:
+        write_checkpoint({"state_dict": {}}, tmp_path / "average-last5.ckpt")
+    text = str(error.value)
+    assert text.startswith(f"could not write {tmp_path / 'average-last5.ckpt'}: [Errno 30] Read-only file system (")
+    assert "a folder that cannot be written" in text and "run the command again" in text and "\n" not in text
+    assert list(tmp_path.iterdir()) == []

@@ -28,9 +28,9 @@ def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:
         free = shutil.disk_usage(path.parent).free / 2**20
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(
-            f"could not write {path}: the write failed ({cause}), as it does on a full disk; {free:,.0f} MiB "
-            "are free there. Nothing partial was left behind: free space (or point hydra.run.dir at a larger "
-            "disk) and resume with ckpt_path=last"
+            f"could not write {path}: {cause} ({free:,.0f} MiB free there: a full disk, or a folder that cannot be "
+            "written). Nothing partial was left behind: free space or write elsewhere and run the command again (a "
+            "training continues with ckpt_path=last)"
         ) from e
     return path
 
