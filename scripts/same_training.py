@@ -11,13 +11,15 @@ whose losses differ in their 4 significant digits; it exits 1 when either bar is
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from transformer_mt.checkpoint import read_checkpoint
+from transformer_mt.tools.plot import read_metrics
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 RUN = [
@@ -46,13 +48,6 @@ def train(src: Path, run_dir: Path, data: Path, updates: int) -> None:
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd=src.parent)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """train/loss by update, from the CSV logger's rows."""
-    (metrics,) = run_dir.glob("csv/**/metrics.csv")
-    with metrics.open() as f:
-        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
-
-
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
 
@@ -71,7 +66,7 @@ def main() -> int:
     }
     for src, run_dir in runs.values():
         train(src, run_dir, args.data.resolve(), args.updates)
-    ref, new = (torch.load(d / "checkpoints/last.ckpt", weights_only=False) for _, d in runs.values())
+    ref, new = (read_checkpoint(d / "checkpoints" / "last.ckpt") for _, d in runs.values())
     weights = max(relative(new["state_dict"][k], v) for k, v in ref["state_dict"].items())
     moments = {
         name: max(relative(new["optimizer_states"][0]["state"][i][name], s[name]) for i, s in state.items())
@@ -82,7 +77,7 @@ def main() -> int:
     print(f"weights: largest relative difference {weights:.2e}")
     for name, value in moments.items():
         print(f"Adam {name}: largest relative difference {value:.2e}")
-    ref_losses, new_losses = losses(runs["reference"][1]), losses(runs["this"][1])
+    ref_losses, new_losses = (dict(read_metrics(d)["train/loss"]) for _, d in runs.values())
     differ = [step for step in ref_losses if f"{ref_losses[step]:.4g}" != f"{new_losses.get(step, float('nan')):.4g}"]
     print(f"per-update losses: {len(ref_losses)} compared, {len(differ)} differ in 4 significant digits {differ[:10]}")
     same = ref["global_step"] == new["global_step"] == args.updates and not differ
