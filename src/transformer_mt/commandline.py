@@ -117,15 +117,16 @@ def hydra_job() -> Job:
         sweep_dir=hydra.sweep.dir if sweep else None,
         number=hydra.job.num if sweep else None,
         instantiate=instantiate,
-        record=lambda cfg: write_record(cfg, hydra),
+        record=lambda cfg, code: write_record(cfg, code, hydra),
     )
 
 
-def write_record(cfg: DictConfig, hydra: DictConfig) -> None:
-    """<run>/.hydra/{config,hydra,overrides}.yaml as Hydra writes them, by the training once its start's checks
-    passed (train.yaml sets hydra.output_subdir=null): a refused start leaves a run's record as it was."""
+def write_record(cfg: DictConfig, code: dict, hydra: DictConfig) -> None:
+    """<run>/.hydra/{config,hydra,overrides}.yaml as Hydra writes them, and code.yaml (runtime.code_record), by the
+    training once its start's checks passed (hydra.output_subdir=null): a refused start leaves a record as it was."""
     folder = Path(hydra.runtime.output_dir) / ".hydra"
     nodes = {"config": cfg, "hydra": OmegaConf.create({"hydra": hydra}), "overrides": hydra.overrides.task}
+    nodes["code"] = OmegaConf.create(code)
     for name, node in nodes.items():
         with atomic_write(folder / f"{name}.yaml") as tmp:
             tmp.write_text(OmegaConf.to_yaml(node), encoding="utf-8")

@@ -64,13 +64,15 @@ def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
 def evaluate(cfg: DictConfig) -> dict:
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})
+        code = config.get("code", "not recorded (a checkpoint written before runtime.code_record)")
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding.settings())
         translate = partial(translate_lines, warn=log.warning, progress=True, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
-    result = dict(checkpoint=str(cfg.ckpt), test_set=name, decoding=decoding.settings(), engine=engine) | scores
+    result = dict(checkpoint=str(cfg.ckpt), code=code, test_set=name, decoding=decoding.settings(), engine=engine)
+    result |= scores
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -46,7 +46,7 @@ class Job:
     sweep_dir: str | None = None
     number: int | None = None
     instantiate: Callable | None = None
-    record: Callable | None = None  # record(cfg): the run's .hydra/ record, written once its start's checks passed
+    record: Callable | None = None  # record(cfg, code): the run's .hydra/ record, once its start's checks passed
 
 
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")  # NVIDIA's driver, or ROCm's

@@ -36,6 +36,7 @@ class Results:
     decoding: dict = field(default_factory=dict)  # Decoding.settings() of the splits' scores in `models`
     table3_row: dict | None = None
     seed: int | None = None
+    code: dict | None = None  # runtime.code_record() of the training (None: a run before it was recorded)
     overrides: list[str] | None = None
     finished_by: str | None = None
     models: dict[str, dict] = field(default_factory=dict)  # average-last5/last/ema -> checkpoint path, split scores

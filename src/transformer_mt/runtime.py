@@ -9,10 +9,12 @@ import gc
 import logging
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -181,6 +183,34 @@ def cpu_measured(fmt: str, probe: tuple[float, float]) -> Peak:
 def cpu_peak(fmt: str) -> tuple[float, float]:
     """matmul_peak in `fmt` (bf16 or fp32), once per process (a sweep's next job reuses it)."""
     return matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
+
+
+def code_record() -> dict:
+    """What code runs: the git commit of the package's checkout and whether its tracked files differ from it (or "not
+    a git checkout": an installed copy), where it lies, and the versions of the package, torch and Lightning."""
+    source = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=source, capture_output=True, text=True, timeout=30, check=True).stdout
+
+    try:  # an installed copy inside a checkout (a .venv) is not what that checkout's commit holds
+        commit = git("rev-parse", "HEAD").strip() if git("ls-files", "__init__.py").strip() else None
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = None
+    versions = {}
+    for name in ("transformer-mt", "torch", "lightning"):
+        with contextlib.suppress(PackageNotFoundError):  # the package run from its source folder (PYTHONPATH)
+            versions[name] = version(name)
+    return {"commit": commit or "not a git checkout", "dirty": dirty, "source": str(source), **versions}
+
+
+def code_text(code: dict) -> str:
+    """The code record in one line, as a training says it at its start."""
+    commit = code["commit"] if code["dirty"] is None else f"commit {code['commit'][:12]}"
+    changes = ", with uncommitted changes" if code["dirty"] else ""
+    versions = ", ".join(f"{name} {code[name]}" for name in ("transformer-mt", "torch", "lightning") if name in code)
+    return f"{code['source']} ({commit}{changes}); {versions}"
 
 
 def duration(seconds: float) -> str:

@@ -48,7 +48,7 @@ class Protocol:
     average_last: int
     label_smoothing: float
     ema: bool
-    extra: dict  # Results' table3_row, seed, overrides, finished_by
+    extra: dict  # Results' table3_row, seed, code, overrides, finished_by
     devices: int  # how many devices trained (the MFU is per device)
     texts: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict, repr=False)  # read once
 
@@ -59,7 +59,7 @@ class Protocol:
             run=run, decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
             corpus=Corpus.from_config(cfg["data"]), splits=list(final["splits"]), average_last=final["average_last"],
             label_smoothing=cfg["label_smoothing"], ema=bool(cfg["ema_decay"]),
-            extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"]},
+            extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"], "code": cfg.get("code")},
             devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
         )  # fmt: skip
         return cls(**{**settings, **changes})

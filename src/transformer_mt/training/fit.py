@@ -26,7 +26,7 @@ from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, RunFolderLock, shown
 from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
-from transformer_mt.runtime import cpu_has_native_bf16, use_tf32
+from transformer_mt.runtime import code_record, code_text, cpu_has_native_bf16, use_tf32
 from transformer_mt.stops import Stopped, exit_after_training
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
@@ -35,7 +35,13 @@ from transformer_mt.training.callbacks import ProgressLog, RunEnd, StartupLog, U
 from transformer_mt.training.ema import ExponentialMovingAverage
 from transformer_mt.training.logs import finish_wandb, make_loggers, setup_logging
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.resume import RandomState, check_resume, check_update_size, resume_checkpoint
+from transformer_mt.training.resume import (
+    RandomState,
+    check_resume,
+    check_update_size,
+    refuse_another_runs_folder,
+    resume_checkpoint,
+)
 from transformer_mt.training.saving import AtomicCheckpointIO, checkpoint_callbacks
 from transformer_mt.training.sharding import LayerFSDP
 from transformer_mt.training.update import UpdateEnd
@@ -178,6 +184,7 @@ def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
 
 def train(cfg: DictConfig, job: Job) -> float | None:
     """Fit one run in job.run_dir; returns the last validation BLEU (the objective of hparams_search)."""
+    refuse_another_runs_folder(cfg.ckpt_path, job.run_dir)  # before anything in the folder is touched
     startup = StartupLog(time.monotonic())
     setup_logging()
     check_config(cfg)
@@ -203,7 +210,8 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     """The run in its folder: what to resume from, the data, the module, the Trainer, fit."""
     run_dir = job.run_dir
     checkpoint_dir = RunFolder(run_dir).checkpoints
-    resume_path, resumed = resume_checkpoint(cfg.ckpt_path, run_dir, plain(cfg))  # a bad file fails here, first
+    config = {**plain(cfg), "code": code_record()}  # every checkpoint's, the run's record's and results.json's
+    resume_path, resumed = resume_checkpoint(cfg.ckpt_path, run_dir, config)  # a bad file fails here, first
     saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
     if launched_rank() == 0:
@@ -215,12 +223,12 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
         model_cfg, cfg.label_smoothing, **plain(cfg.optim), val_bleu_sentences=cfg.val_bleu_sentences,
-        budget=budget_settings(cfg), config=plain(cfg), tokenizer=datamodule.tokenizer,
+        budget=budget_settings(cfg), config=config, tokenizer=datamodule.tokenizer,
     )  # fmt: skip
     if compiles_training(cfg.trainer, trainer_args.get("accelerator", "auto")):
         module.compile_training()
     if resume_path:
-        check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, plain(cfg), run_dir)
+        check_resume(resume_path, resumed, model_cfg, datamodule.tokenizer.proto, config, run_dir)
         log.info("resuming from %s (update %s)", resume_path, f"{resumed['global_step']:,}")
         if resume_path.parent.resolve() == checkpoint_dir.resolve():  # continuing in place, as documented
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
@@ -237,15 +245,16 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     if trainer.is_global_zero:
         params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
         log.info(f"model: {params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
+        log.info("code: %s", code_text(config["code"]))
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         if job.record is not None:  # the start's checks passed: its settings become the run's record
-            job.record(cfg)
+            job.record(cfg, config["code"])
         log.info("run directory: %s", run_dir)
         if cfg.final.enabled:
-            log.info("%s", Protocol.of_run(RunFolder(run_dir), plain(cfg)).plan())
+            log.info("%s", Protocol.of_run(RunFolder(run_dir), config).plan())
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume_path)
-        return after_fit(cfg, job, trainer, loggers)
+        return after_fit(config, job, trainer, loggers)
     finally:
         finish_wandb(loggers)
 
@@ -267,17 +276,17 @@ def budget_settings(cfg: DictConfig) -> dict | None:
                 average_span=b.average_span, keep_last=cfg.checkpoint.keep_last)  # fmt: skip
 
 
-def after_fit(cfg: DictConfig, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
+def after_fit(config: dict, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
     """Exits 128 + a stop signal's number; else the end-of-run protocol on rank 0; returns the last validation BLEU."""
     stopped_by = trainer.callback_metrics.get("stopped_by_signal")  # UpdateEnd's (also from ddp_spawn's workers)
     if stopped_by is not None:
         exit_after_training(int(stopped_by), trainer.is_global_zero)
     run_end = next(c for c in trainer.callbacks if isinstance(c, RunEnd))
-    if cfg.final.enabled and trainer.is_global_zero:
+    if config["final"]["enabled"] and trainer.is_global_zero:
         if torch.distributed.is_initialized():  # (not in ddp_spawn's main process) the other ranks leave
             log.info(f"the end of the run on rank 0 alone: the other {trainer.world_size - 1} rank(s) exit now")
         progress = next(c for c in trainer.callbacks if isinstance(c, ProgressLog))
-        protocol = Protocol.of_run(RunFolder(job.run_dir), plain(cfg), devices=trainer.world_size)
+        protocol = Protocol.of_run(RunFolder(job.run_dir), config, devices=trainer.world_size)
         protocol.extra["overrides"] = list(job.overrides)
         try:
             results = protocol.run_on(trainer.strategy.root_device, progress.peak)

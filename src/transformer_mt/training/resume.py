@@ -132,6 +132,16 @@ def resume_checkpoint(ckpt_path: str | None, run_dir: Path, config: dict) -> tup
     return Path(ckpt_path), read_checkpoint(ckpt_path, mmap=True)
 
 
+def refuse_another_runs_folder(ckpt_path: str | None, run_dir: Path) -> None:
+    """One run per folder: a new training (no ckpt_path) into a folder that holds a run's checkpoints is refused before
+    anything there is touched; a launched job restarted into its folder continues it (resume_checkpoint)."""
+    if ckpt_path is None and not launch_id() and any(RunFolder(run_dir).checkpoints.glob("*.ckpt")):
+        raise InputError(
+            f"{run_dir} holds another run's checkpoints: continue it with ckpt_path=last hydra.run.dir={run_dir}, or "
+            "start this one in a new folder (another hydra.run.dir, or none: outputs/<date>/<time>)"
+        )
+
+
 def refuse_lightnings_own_resume(run_dir: Path) -> None:
     """Under SLURM, Lightning would restore <run>/hpc_ckpt_<N>.ckpt by itself, past this project's checks: refused."""
     from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: PLC0415
@@ -158,14 +168,17 @@ def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str)
         )
 
 
+IGNORED = ("ckpt_path", "code")  # not settings: where to resume from, and the code that ran (said at each start)
+
+
 def changed_settings(checkpoint: dict, config: dict, run_dir: Path) -> dict[str, tuple]:
-    """Flattened keys whose values differ between a checkpoint's run and `config`; ckpt_path and the settings derived
+    """Flattened keys whose values differ between a checkpoint's run and `config`; IGNORED and the settings derived
     from the run's folder (logger.save_dir: a copied or moved folder) aside."""
     before, now = flatten(checkpoint["hyper_parameters"].get("config") or {}), flatten(config)
     folder = str(run_dir.absolute())
     derived = {k for k, v in now.items() if isinstance(v, str) and (v == folder or v.startswith(folder + os.sep))}
-    keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k != "ckpt_path")
-    return {k: (before.get(k), now.get(k)) for k in keys if k not in derived}
+    keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in derived)
+    return {k: (before.get(k), now.get(k)) for k in keys if k.split(".")[0] not in IGNORED}
 
 
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict, run_dir: Path) -> None:
