@@ -136,6 +136,24 @@ def test_average_of_a_real_run_loads_like_any_checkpoint(trained_run, tmp_path):
     assert run_checkpoints(trained_run / "out") == checkpoints
 
 
+def test_an_average_replaced_by_the_same_bytes_keeps_its_records_and_by_other_weights_names_them(
+    trained_run, tmp_path, capsys
+):
+    out = average_run(trained_run / "out", 3, tmp_path / "average.ckpt")
+    tuned = save_tuned(out, PAPER.but(beam_size=2), rows=[], split="validation")
+    (tmp_path / "average.ct2").mkdir()  # engine=ct2's export folder (engines.ct2_folder)
+    capsys.readouterr()
+    average_run(trained_run / "out", 3, out)  # the same inputs: the same bytes, make tune's choice still holds
+    assert "no longer apply" not in capsys.readouterr().out
+    assert decoding_for(out, PAPER, "auto", given=False, say=lambda line: None).beam_size == 2
+    average_run(trained_run / "out", 2, out)  # other weights under the same name
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"{out} now holds other weights: {tuned} and {tmp_path / 'average.ct2'} were made for the ones it replaced "
+        "and no longer apply (make tune again; engine=ct2 exports again when next used)"
+    )
+    assert decoding_for(out, PAPER, "auto", given=False, say=lambda line: None) == PAPER
+
+
 # ---------------------------------------------------------------- scoring
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from transformer_mt.checkpoint import average_checkpoints, run_checkpoints, write_checkpoint
 from transformer_mt.errors import CommandParser, InputError, exit_on_user_error
-from transformer_mt.files import RunFolder, remove_stale_temporaries
+from transformer_mt.evaluation.engines import ct2_folder
+from transformer_mt.evaluation.tuned import tuned_path
+from transformer_mt.files import RunFolder, file_digest, remove_stale_temporaries
 
 
 def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -> Path:
@@ -18,8 +20,15 @@ def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -
     output = Path(output) if output else paths[-1].parent / RunFolder.average_name(len(paths))
     for stale in remove_stale_temporaries(output.parent):
         print(f"removed {stale} (the unfinished write of a killed command)")
+    before = file_digest(output) if output.is_file() else None
     write_checkpoint(average_checkpoints(paths), output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {output}")
+    made_for_before = [path for path in (tuned_path(output), ct2_folder(output)) if path.exists()]
+    if before not in (None, file_digest(output)) and made_for_before:  # (identical bytes: they stay valid)
+        print(
+            f"{output} now holds other weights: {' and '.join(map(str, made_for_before))} were made for the ones it "
+            "replaced and no longer apply (make tune again; engine=ct2 exports again when next used)"
+        )
     return output
 
 

@@ -135,7 +135,8 @@ def resume_checkpoint(ckpt_path: str | None, run_dir: Path, config: dict) -> tup
 def refuse_another_runs_folder(ckpt_path: str | None, run_dir: Path) -> None:
     """One run per folder: a new training (no ckpt_path) into a folder that holds a run's checkpoints is refused before
     anything there is touched; a launched job restarted into its folder continues it (resume_checkpoint)."""
-    if ckpt_path is None and not launch_id() and any(RunFolder(run_dir).checkpoints.glob("*.ckpt")):
+    folder = RunFolder(run_dir)  # (one in use: RunFolderLock refuses the start, naming who holds it)
+    if ckpt_path is None and not launch_id() and any(folder.checkpoints.glob("*.ckpt")) and not folder.in_use():
         raise InputError(
             f"{run_dir} holds another run's checkpoints: continue it with ckpt_path=last hydra.run.dir={run_dir}, or "
             "start this one in a new folder (another hydra.run.dir, or none: outputs/<date>/<time>)"
