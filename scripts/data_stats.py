@@ -13,9 +13,19 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.configs import compose
-from transformer_mt.data.batching import padding_efficiency
+from transformer_mt.data.batching import TokenBucketSampler
 from transformer_mt.data.corpus import SPLITS
 from transformer_mt.data.datamodule import TranslationDataModule
+
+
+def padding_efficiency(sampler: TokenBucketSampler) -> float:
+    """Real tokens / padded tokens over both sides of every batch of the current epoch."""
+    real = padded = 0
+    for batch in sampler.rank_batches():
+        s, t = sampler.src_lens[batch], sampler.tgt_lens[batch]
+        real += s.sum() + t.sum()
+        padded += len(batch) * (s.max() + t.max())
+    return float(real / padded)
 
 
 def build(cfg: DictConfig) -> tuple[TranslationDataModule, float]:

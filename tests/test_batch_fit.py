@@ -1,6 +1,7 @@
 """training/batch_fit.py: data.max_tokens=auto's probe finds the largest micro-batch that fits, the recipes
 fit their batch to the GPU and keep the update, and a CPU keeps the fallback."""
 
+import json
 import logging
 import math
 import re
@@ -78,6 +79,40 @@ def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path,
     assert [size for size, _ in re.findall(r"([\d,]+): ([\d,]+)", line.group(2))] == ["400", "200", "100"]
     longest = datamodule.longest_training_pair()  # 22 tokens: a batch of 16 would leave pairs out; not tried
     assert batch_fit.fastest_max_tokens(module, datamodule, "32-true", fallback=4 * (longest - 1)) == 4 * (longest - 1)
+
+
+def test_the_cpu_probes_choice_is_kept_per_cpu_model_and_precision_and_reused_by_later_starts(
+    tmp_path, monkeypatch, caplog
+):
+    corpus = write_corpus(tmp_path / "corpus")
+    datamodule = TranslationDataModule(
+        name="text",
+        path=str(corpus),
+        vocab_size=400,
+        max_tokens="auto",
+        text_files={"train": "train", "validation": "valid", "test": "test"},
+        cache_dir=str(tmp_path / "cache"),
+    )
+    datamodule.build()
+    module = SimpleNamespace(model=Transformer(tiny_config(vocab_size=len(datamodule.tokenizer))))
+    steps = mock.Mock(wraps=batch_fit.sequence_losses)
+    monkeypatch.setattr(batch_fit, "sequence_losses", steps)
+    chosen = batch_fit.fastest_max_tokens(module, datamodule, "32-true", fallback=200)
+    measured = steps.call_count
+    assert measured > 0 and json.loads((tmp_path / "cache" / batch_fit.PROBES).read_text()).popitem()[1] == chosen
+    with caplog.at_level(logging.INFO, logger="transformer_mt.training.batch_fit"):
+        assert batch_fit.fastest_max_tokens(module, datamodule, "32-true", fallback=200) == chosen  # a later start
+    assert steps.call_count == measured  # nothing timed again, and it says so in one line
+    assert caplog.messages == [
+        f"data.max_tokens=auto on cpu: {chosen:,} tokens per batch, measured fastest on this CPU for this model and "
+        f"precision at an earlier start (kept in {tmp_path / 'cache' / batch_fit.PROBES}; data.max_tokens=<tokens> "
+        "skips the probe)"
+    ]
+    batch_fit.fastest_max_tokens(module, datamodule, "16-mixed", fallback=200)  # another precision: measured
+    wider = SimpleNamespace(model=Transformer(tiny_config(vocab_size=len(datamodule.tokenizer), d_ff=96)))
+    batch_fit.fastest_max_tokens(wider, datamodule, "32-true", fallback=200)  # another model's shape: measured
+    assert steps.call_count == 3 * measured
+    assert len(json.loads((tmp_path / "cache" / batch_fit.PROBES).read_text())) == 3
 
 
 def test_the_cpu_probe_pads_no_batch_size_more_than_another(tmp_path):

@@ -122,7 +122,7 @@ def test_second_build_reads_the_cache(tmp_path):
         for a, b in zip(again.splits[split], dm.splits[split], strict=True):
             np.testing.assert_array_equal(a[0], b[0])
             np.testing.assert_array_equal(a[1], b[1])
-    assert again.splits["test"].texts("tgt_text") == dm.splits["test"].texts("tgt_text")
+    assert again.splits["test"].dataset["tgt_text"] == dm.splits["test"].dataset["tgt_text"]
     # Changing the data invalidates the cache.
     (tmp_path / "corpus" / "test.de").write_text("anders\n" * 30, encoding="utf-8")
     (tmp_path / "corpus" / "test.en").write_text("other\n" * 30, encoding="utf-8")
@@ -152,7 +152,7 @@ def test_the_cache_written_in_chunks_holds_each_kept_pair_as_the_tokenizer_encod
         assert list(tgt_ids) == dm.tokenizer.encode([tgt[row].strip()])[0]
         assert train.src_lens[index] == len(src_ids) and train.tgt_lens[index] == len(tgt_ids)
     test = dm.splits["test"]
-    assert test.texts("src_text") == [s.strip() for s in read_text_pair(corpus / "test.en", corpus / "test.de")[0]]
+    assert test.dataset["src_text"] == [s.strip() for s in read_text_pair(corpus / "test.en", corpus / "test.de")[0]]
 
 
 # ---------------------------------------------------------------- real data (../shared/data)

@@ -213,8 +213,8 @@ def test_wmt14_code_path_end_to_end_on_a_local_copy(tmp_path):
     # newstest2013 / newstest2014, whole: length filters apply to training pairs only
     assert len(dm.splits["validation"]) == 3000 and len(dm.splits["test"]) == 3003
     raw_valid = read_lines(wmt / "newstest2013.de")
-    assert len(raw_valid) == 3000 and dm.splits["validation"].texts("tgt_text")[0] == raw_valid[0].strip()
-    assert dm.splits["test"].texts("src_text") == [s.strip() for s in read_lines(wmt / "newstest2014.en")]
+    assert len(raw_valid) == 3000 and dm.splits["validation"].dataset["tgt_text"][0] == raw_valid[0].strip()
+    assert dm.splits["test"].dataset["src_text"] == [s.strip() for s in read_lines(wmt / "newstest2014.en")]
     assert 12_000 < len(dm.splits["train"]) <= 13_071
     # The same copy read as the Hub is read (data.path unset, data.hub_name = a repository in the Hub's
     # layout): datasets.load_dataset(name, "de-en", split=...) finds the files through the README's configs.

@@ -111,7 +111,7 @@ def test_loaders_pin_their_batches_for_a_gpu(tmp_path, device, pinned):
     dm.trainer = SimpleNamespace(
         global_rank=0, world_size=1, strategy=SimpleNamespace(root_device=torch.device(device))
     )
-    loaders = [dm.train_dataloader(), dm.val_dataloader(), dm.test_dataloader()]
+    loaders = [dm.train_dataloader(), dm.val_dataloader(), dm.loader("test")]
     assert [loader.pin_memory for loader in loaders] == [pinned] * 3
 
 

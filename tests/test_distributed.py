@@ -41,7 +41,7 @@ from transformer_mt.objective import sequence_losses
 from transformer_mt.search import greedy, translate_lines
 from transformer_mt.tools.export import export
 from transformer_mt.training.module import TranslationModule
-from transformer_mt.training.sharding import full_copy, local, mixed_precision_policy, no_gradient_sync, shard
+from transformer_mt.training.sharding import full_copy, mixed_precision_policy, shard
 from transformer_mt.training.update import gradient_norm
 
 pytestmark = pytest.mark.slow  # processes
@@ -81,20 +81,21 @@ def sharded_step(rank: int, port: int, results: dict) -> None:
     try:
         model = fresh_model()
         shard(model, "cpu", WORLD, policy=None)  # as trainer=fsdp does, in fp32
-        local_size = sum(local(p).numel() for p in model.parameters())  # this rank's shards only
+        local_size = sum(p.to_local().numel() for p in model.parameters())  # this rank's shards only
         src, tgt_in, tgt_out = batch()
         rows = slice(2 * rank, 2 * rank + 2)  # each rank its half of the batch
         loss = Step(model)(src[rows], tgt_in[rows], tgt_out[rows])
         loss.backward()  # FSDP averages the gradients of the ranks
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        grad_norm = gradient_norm(model.parameters(), sharded=True).item()  # this rank's shards, then summed
+        grad_norm = gradient_norm(model.parameters()).item()  # this rank's shards, then reduced
         decoded = Step(full_copy(model)).eval()(src)  # what validation decodes with
         # Accumulation (LayerFSDP.block_backward_sync): a micro-batch without gradient sync reduces nothing; the
         # next one reduces the sum of both. Each rank takes its half, then the other half.
         model = fresh_model()
         shard(model, "cpu", WORLD, policy=None)
-        with no_gradient_sync(model):
-            Step(model)(src[rows], tgt_in[rows], tgt_out[rows]).backward()
+        model.set_requires_gradient_sync(False)
+        Step(model)(src[rows], tgt_in[rows], tgt_out[rows]).backward()
+        model.set_requires_gradient_sync(True)
         unreduced = [n for n, p in model.named_parameters() if p.grad is None]
         other = slice(2 - 2 * rank, 4 - 2 * rank)
         Step(model)(src[other], tgt_in[other], tgt_out[other]).backward()
@@ -150,7 +151,7 @@ def test_fsdp_on_two_processes_gives_one_process_loss_gradients_norm_and_transla
             torch.testing.assert_close(results[rank]["grads"][name], param.grad, atol=1e-6, rtol=1e-4, msg=name)
         assert results[rank]["decoded"] == step.eval()(src)
         # The gradient norm of the whole model on every rank, not of its shard (train/grad_norm, the NaN stop)
-        assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters(), sharded=False).item())
+        assert results[rank]["grad_norm"] == pytest.approx(gradient_norm(step.parameters()).item())
         assert results[rank]["bf16"] == ({torch.bfloat16}, {torch.bfloat16}, {torch.float32})
     # Accumulated without sync, then synced: nothing reduced after the first micro-batch, then the mean over the
     # ranks of each rank's two halves: the gradient of the sum of both halves' losses.

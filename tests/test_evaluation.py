@@ -2,6 +2,7 @@
 Decoding and Results types."""
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -12,12 +13,13 @@ from conftest import hydra_task, run_process
 from transformer_mt.checkpoint import load_for_inference, read_checkpoint
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
-from transformer_mt.errors import InputError
+from transformer_mt.errors import InputError, exit_on_user_error
 from transformer_mt.evaluate import evaluate
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.evaluation.tuned import tuned_path
 from transformer_mt.files import RunFolder
 from transformer_mt.results import Results
+from transformer_mt.stops import Stopped
 from transformer_mt.tune import tune
 
 
@@ -104,3 +106,26 @@ def test_a_stop_during_make_evaluate_ends_in_one_line_and_leaves_no_folder(train
     assert proc.returncode == 128 + signum and "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == f"stopped by {name}: nothing was written", proc.stderr
     assert not (tmp_path / "outputs").exists()  # outputs/evaluate/<date>_<time>-<pid>/ went with it
+
+
+def test_a_second_signal_while_a_stop_is_handled_changes_nothing_of_its_outcome(capsys):
+    """make forwards SIGTERM to its child, so `timeout` and job systems deliver two: the second, arriving while the
+    first one's cleanup runs (removing the command's folder), neither cuts it short nor adds a line or a traceback."""
+    cleaned = []
+
+    def cleanup():
+        os.kill(os.getpid(), signal.SIGTERM)  # the second signal, now
+        cleaned.append(True)
+
+    def command():
+        raise Stopped(signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            exit_on_user_error(command, cleanup=cleanup)
+        assert stop.value.code == 143 and cleaned == [True]
+        assert capsys.readouterr().err == "stopped by SIGTERM: nothing was written\n"
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # the process is ending: later ones too
+    finally:
+        signal.signal(signal.SIGTERM, before)

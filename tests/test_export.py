@@ -29,7 +29,7 @@ from transformer_mt.model import Transformer, sinusoidal_positions
 from transformer_mt.results import Results
 from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids, translate_lines
-from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizer
+from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_tokenizer
 from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
@@ -124,7 +124,7 @@ def test_hf_export_gives_our_ids_and_logits(random_checkpoint, tmp_path_factory)
     assert hf.model.encoder.embed_scale == pytest.approx(model.cfg.d_model**0.5) == hf.model.decoder.embed_scale
     assert not hf.final_logits_bias.any()
     assert hf.lm_head.weight.data_ptr() == hf.model.shared.weight.data_ptr()  # one shared matrix (§3.4)
-    assert hf_tokenizer.pad_token_id == PAD_ID and hf_tokenizer.unk_token_id == tokenizer.unk_id
+    assert hf_tokenizer.pad_token_id == PAD_ID and hf_tokenizer.unk_token_id == UNK_ID
     for side in ("source", "target"):  # the checkpoint's own SentencePiece model
         assert (Path(hf_tokenizer.name_or_path) / f"{side}.spm").read_bytes() == tokenizer.proto
 

@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -18,9 +17,8 @@ from conftest import hydra_task, load, run_train, train_in_process, train_overri
 from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import compose as compose_config
 from transformer_mt.runtime import Peak, duration
-from transformer_mt.training.callbacks import ProgressLog, unreached
+from transformer_mt.training.callbacks import ProgressLog
 from transformer_mt.training.logs import make_logger
-from transformer_mt.training.saving import UpdateCheckpoint
 
 
 def test_wandb_without_a_key_warns_once_per_run_not_once_per_rank(tmp_path, monkeypatch, caplog):
@@ -142,33 +140,7 @@ def test_a_slow_machine_shows_a_progress_line_with_an_eta_after_its_first_update
         train_in_process([*args, "progress_every_n_updates=100", "progress_every_seconds=60"], tmp_path, tmp_path / "r")
     lines = re.findall(r"update (\d)/3 \(.*\| ETA (\S+)$", caplog.text, flags=re.M)
     assert lines == [("1", "0:02:02"), ("2", "0:01:01"), ("3", "0:00:00")]  # a line every 61 s, at 61 s per update
-    assert caplog.text.count("no validation before trainer.max_steps=3") == 1
-    assert "add trainer.val_check_interval=1" in caplog.text
     assert caplog.text.count("the peak FLOP/s probe looked disturbed (its products took up to 3.0x") == 1
-
-
-def test_the_start_warns_once_when_no_validation_or_checkpoint_comes_before_max_steps():
-    def trainer(val_every: int, checkpoint_every: int | None = None, step: int = 0, accumulation: int = 2):
-        periodic = [UpdateCheckpoint(".", "step{step:07d}", 5, every=checkpoint_every)] if checkpoint_every else []
-        return SimpleNamespace(
-            global_step=step,
-            max_steps=200,
-            val_check_interval=val_every * accumulation,  # micro-batches
-            lightning_module=SimpleNamespace(accumulation=accumulation),
-            limit_val_batches=1.0,
-            checkpoint_callbacks=[SimpleNamespace(periodic=periodic)],
-        )
-
-    (warning,) = unreached(trainer(300, checkpoint_every=50))
-    assert warning.startswith("no validation before trainer.max_steps=200 (trainer.val_check_interval=300 updates)")
-    assert warning.endswith("add trainer.val_check_interval=100")
-    assert unreached(trainer(100, checkpoint_every=50)) == []
-    assert unreached(trainer(150, step=160)) == [  # resumed past the only validation
-        "no validation before trainer.max_steps=200 (trainer.val_check_interval=150 updates): no validation curves "
-        "for make plot, no best.ckpt; to validate, add trainer.val_check_interval=20"
-    ]
-    (warning,) = unreached(trainer(100, checkpoint_every=500))
-    assert warning.startswith("no periodic checkpoint before trainer.max_steps=200 (checkpoint.every_n_train_steps=500")
 
 
 def test_mfu_never_reads_above_100_percent_the_peak_is_raised_and_that_said_once(caplog):

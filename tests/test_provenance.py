@@ -37,7 +37,7 @@ def test_the_code_record_names_the_commit_the_dirty_tree_or_a_copy_outside_git(t
     assert clean["commit"] == git(tmp_path / "repo", "rev-parse", "HEAD") and clean["dirty"] is False
     (package / "__init__.py").write_text("x = 2\n")
     assert runtime.code_record()["dirty"] is True
-    assert f"commit {clean['commit'][:12]}, with uncommitted changes" in runtime.code_text(runtime.code_record())
+    assert f"commit {clean['commit']}, dirty True, source {package}, " in runtime.code_text(runtime.code_record())
 
 
 def test_results_json_the_runs_record_its_checkpoints_and_scores_json_hold_the_code_that_trained(variant_run, tmp_path):

@@ -15,7 +15,7 @@ from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.runtime import bound_onednn_cache, keep_freed_memory, pick_device, set_threads, use_tf32
 from transformer_mt.tokenizer import Tokenizer
 
-EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a checkpoint
+EMA_KEY = "ExponentialMovingAverage"  # training/ema.py's callback state in a checkpoint (Lightning: its class name)
 
 
 def write_checkpoint(checkpoint: dict, path: str | Path) -> Path:

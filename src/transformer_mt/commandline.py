@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.configs import compose, hydra_on_conf
+from transformer_mt.configs import CONF_DIR, compose, hydra_on_conf
 from transformer_mt.decoding import Decoding
 from transformer_mt.errors import InputError, closest, exit_on_user_error, required
 from transformer_mt.evaluation.tuned import decoding_for
@@ -85,9 +86,21 @@ def misspelled(given, cfg: DictConfig, added: bool = False) -> str | None:
     return f"{key}: no such setting (a new key takes a plus: +{key}={value}); {parent or 'the top level'} has {listed}"
 
 
-def checked_main(config_name: str, run: Callable[[], None]) -> None:
-    exit_on_user_error(check_command_line, config_name, sys.argv[1:])
-    exit_on_user_error(run)  # a stop signal (Ctrl+C) anywhere: one line, 128 + it
+def hydra_command(config_name: str, task: Callable[[DictConfig], object]) -> Callable[[], None]:
+    """The entry point of make <config_name>: the command line checked before Hydra makes a folder, then `task` on
+    the composed config as a Hydra task (run_task); a stop signal (Ctrl+C) anywhere: one line, 128 + it."""
+    import hydra  # noqa: PLC0415
+
+    @hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")
+    @functools.wraps(task)  # Hydra names the job (its log file) after the task's module
+    def run(cfg: DictConfig) -> None:
+        run_task(task, cfg)
+
+    def main() -> None:
+        exit_on_user_error(check_command_line, config_name, sys.argv[1:])
+        exit_on_user_error(run)
+
+    return main
 
 
 def run_task(fn: Callable, *args):

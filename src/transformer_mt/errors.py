@@ -59,6 +59,9 @@ def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, fai
             raise failed() from None
         raise SystemExit(1) from None
     except Stopped as e:
+        for signum in before:  # a second signal (make forwards one, timeout sends another) changes nothing now
+            signal.signal(signum, signal.SIG_IGN)
+        before = {}
         if cleanup is not None:
             cleanup()
         print(f"stopped by {signal.Signals(e.signum).name}: {e.kept or 'nothing was written'}", file=sys.stderr,

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from functools import partial
 from pathlib import Path
 from urllib.error import URLError
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from transformer_mt.commandline import checked_main, chosen_decoding, run_task
-from transformer_mt.configs import CONF_DIR
+from transformer_mt.commandline import chosen_decoding, hydra_command
 from transformer_mt.data.corpus import Corpus, read_text_pair
 from transformer_mt.errors import InputError
 from transformer_mt.evaluation.engines import open_engine
@@ -64,15 +63,15 @@ def sacrebleu_test_set(name: str, langpair: str) -> tuple[list[str], list[str]]:
 def evaluate(cfg: DictConfig) -> dict:
     with open_engine(cfg) as (translate_lines, config):
         data_cfg = config.get("data", {})
-        code = config.get("code", "not recorded (a checkpoint written before runtime.code_record)")
         name, sources, references = test_set(cfg, data_cfg)
         decoding = chosen_decoding(cfg, say=print)
         options = dict(n_best=cfg.n_best, tokens_per_batch=cfg.tokens_per_batch, **decoding.settings())
-        translate = partial(translate_lines, warn=log.warning, progress=True, **options)
+        report = None if sys.stderr.isatty() else print  # in a log or a pipe, a line at least once a minute (no bar)
+        translate = partial(translate_lines, warn=log.warning, progress=report is None, report=report, **options)
         outputs, hyps, scores = evaluate_translations(translate, sources, references, data_cfg.get("tgt_lang", "de"))
     engine = f"ct2 {cfg.ct2_compute_type}" if cfg.engine == "ct2" else "torch compiled" if cfg.compile else "torch"
-    result = dict(checkpoint=str(cfg.ckpt), code=code, test_set=name, decoding=decoding.settings(), engine=engine)
-    result |= scores
+    result = dict(checkpoint=str(cfg.ckpt), test_set=name, decoding=decoding.settings(), engine=engine) | scores
+    result["code"] = config.get("code")  # the training's code record (runtime.code_record; None: written before it)
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "hypotheses.txt").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
     (out / "scores.json").write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -87,14 +86,7 @@ def evaluate(cfg: DictConfig) -> dict:
     return result
 
 
-@hydra.main(config_path=CONF_DIR, config_name="evaluate", version_base="1.3")
-def run(cfg: DictConfig) -> None:
-    run_task(evaluate, cfg)
-
-
-def main() -> None:
-    """`make evaluate`, `transformer-mt-evaluate`."""
-    checked_main("evaluate", run)
+main = hydra_command("evaluate", evaluate)  # make evaluate, transformer-mt-evaluate
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -102,12 +102,14 @@ def read_lines(path: str | Path) -> list[str]:
     return list(iter_lines(path))
 
 
-def file_digest(path: Path) -> str:
-    """A file's SHA-256 (which checkpoint an export or make tune's record was made from)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
+def file_digest(*paths: Path, algorithm: Callable = hashlib.sha256) -> str:
+    """The files' bytes, one after the other, hashed: by default a SHA-256 (which checkpoint an export or make tune's
+    record was made from)."""
+    digest = algorithm()
+    for path in paths:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
     return digest.hexdigest()
 
 
@@ -169,9 +171,6 @@ class RunFolder:
     @staticmethod
     def average_name(n: int) -> str:
         return f"{RunFolder.AVERAGE}last{n}.ckpt"
-
-    def average(self, n: int) -> Path:
-        return self.checkpoints / self.average_name(n)
 
     def in_use(self) -> bool:
         """Whether a training holds the folder's lock."""

@@ -22,9 +22,6 @@ from torch import Tensor, nn
 from transformer_mt.attention_recording import explicit_attention
 from transformer_mt.decoding_state import DecoderState, LayerCache
 
-LAYER_NORM_EPS = 1e-5  # the paper does not say; torch.nn.Transformer's default
-
-
 CHOICES = {  # the switches' values; the first is the paper's
     "positions": ("sinusoidal", "learned"),
     "norm": ("post", "pre"),
@@ -179,7 +176,7 @@ class Residual(nn.Module):
         super().__init__()
         self.pre = cfg.norm == "pre"
         self.dropout = nn.Dropout(cfg.dropout)
-        self.norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
+        self.norm = nn.LayerNorm(cfg.d_model)  # eps 1e-5: the paper does not say; torch.nn.Transformer's default
 
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre:
@@ -258,8 +255,8 @@ class Transformer(nn.Module):
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         if cfg.norm == "pre":
-            self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
-            self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=LAYER_NORM_EPS)
+            self.encoder_norm = nn.LayerNorm(cfg.d_model)
+            self.decoder_norm = nn.LayerNorm(cfg.d_model)
         if cfg.share_embeddings == "none":
             self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()

@@ -90,6 +90,7 @@ class Results:
             )
         return "\n".join(lines)
 
-    def entry(self, ckpt: Path) -> dict | None:
-        """The scores of the model from `ckpt` (by file name: a moved run finds them)."""
-        return next((e for e in self.models.values() if Path(e.get("checkpoint", "")).name == ckpt.name), None)
+    def scores_of(self, ckpt: Path) -> dict[str, dict]:
+        """The scored splits of the model from `ckpt` (by file name: a moved run finds them)."""
+        of_ckpt = [name for name, entry in self.models.items() if Path(entry.get("checkpoint", "")).name == ckpt.name]
+        return {split: scores for name, split, scores in self.scored() if name in of_ckpt}

@@ -207,10 +207,7 @@ def code_record() -> dict:
 
 def code_text(code: dict) -> str:
     """The code record in one line, as a training says it at its start."""
-    commit = code["commit"] if code["dirty"] is None else f"commit {code['commit'][:12]}"
-    changes = ", with uncommitted changes" if code["dirty"] else ""
-    versions = ", ".join(f"{name} {code[name]}" for name in ("transformer-mt", "torch", "lightning") if name in code)
-    return f"{code['source']} ({commit}{changes}); {versions}"
+    return ", ".join(f"{key} {value}" for key, value in code.items())
 
 
 def duration(seconds: float) -> str:

@@ -21,18 +21,14 @@ from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, source_b
 Hypotheses = list[tuple[list[int], float]]  # one sentence's n best (tokens without BOS/EOS, score), best first
 
 
-def max_output_lengths(src: Tensor, a: float = PAPER.max_len_a, b: int = PAPER.max_len_b) -> Tensor:
-    """§6.1: at most a * input length + b output tokens before EOS (paper: a = 1, b = 50); src as source_batch's."""
-    return (a * (src.ne(PAD_ID).sum(1) - 1) + b).long()
-
-
 def start_decoding(model: Transformer, src: Tensor, max_len_a: float, max_len_b: int) -> tuple:
     """The encoder's pass and the decoder's state for a batch: (state, each sentence's length limit, the width of
     the longest output with its EOS)."""
     if model.training:  # dropout would make every translation a draw
         raise ValueError("decoding runs in eval mode: call model.eval() first (translate_ids does)")
     memory, src_pad = model.encode(src)
-    limits = max_output_lengths(src, max_len_a, max_len_b).clamp(max=model.cfg.max_positions - 1)
+    # §6.1: at most a x input length + b output tokens before EOS (paper: a = 1, b = 50); the input's EOS not counted
+    limits = (max_len_a * (src.ne(PAD_ID).sum(1) - 1) + max_len_b).long().clamp(max=model.cfg.max_positions - 1)
     return model.start_decoding(memory, src_pad), limits, int(limits.max()) + 1
 
 

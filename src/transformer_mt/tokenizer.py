@@ -42,8 +42,6 @@ def source_batch(sources: Sequence[Sequence[int]], device: torch.device | str = 
 class Tokenizer:
     """Text <-> ids with a trained SentencePiece model (from a .model file or its bytes); the ids exclude BOS/EOS."""
 
-    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
-
     def __init__(self, model_file: str | Path | None = None, *, proto: bytes | None = None, origin: str = ""):
         self.path = Path(model_file) if model_file is not None else None
         if self.path is not None:

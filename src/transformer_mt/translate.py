@@ -6,11 +6,9 @@ import itertools
 import sys
 import time
 
-import hydra
 from omegaconf import DictConfig
 
-from transformer_mt.commandline import checked_main, chosen_decoding, run_task
-from transformer_mt.configs import CONF_DIR
+from transformer_mt.commandline import chosen_decoding, hydra_command
 from transformer_mt.errors import InputError
 from transformer_mt.evaluation.engines import open_engine
 from transformer_mt.files import decode_line
@@ -65,14 +63,7 @@ def translate_stdin(cfg: DictConfig) -> None:
            f"beam {decoding.beam_size}, engine {cfg.engine})")  # fmt: skip
 
 
-@hydra.main(config_path=CONF_DIR, config_name="translate", version_base="1.3")
-def run(cfg: DictConfig) -> None:
-    run_task(translate, cfg)
-
-
-def main() -> None:
-    """`make translate`, `transformer-mt-translate`."""
-    checked_main("translate", run)
+main = hydra_command("translate", translate)  # make translate, transformer-mt-translate
 
 
 if __name__ == "__main__":

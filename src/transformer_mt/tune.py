@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 from functools import partial
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer_mt.commandline import checked_main, run_task
-from transformer_mt.configs import CONF_DIR
+from transformer_mt.commandline import hydra_command
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, required
@@ -59,14 +57,7 @@ def tune(cfg: DictConfig) -> Decoding:
     return chosen
 
 
-@hydra.main(config_path=CONF_DIR, config_name="tune", version_base="1.3")
-def run(cfg: DictConfig) -> None:
-    run_task(tune, cfg)
-
-
-def main() -> None:
-    """`make tune`, `transformer-mt-tune`."""
-    checked_main("tune", run)
+main = hydra_command("tune", tune)  # make tune, transformer-mt-tune
 
 
 if __name__ == "__main__":

@@ -40,10 +40,6 @@ class TokenizedSplit(Dataset):
         (src_offsets, src_values), (tgt_offsets, tgt_values) = self.src_chunks[chunk], self.tgt_chunks[chunk]
         return src_values[src_offsets[j] : src_offsets[j + 1]], tgt_values[tgt_offsets[j] : tgt_offsets[j + 1]], i
 
-    def texts(self, column: str) -> list[str]:
-        """Raw text of the validation/test split ('src_text' or 'tgt_text'), for BLEU."""
-        return self.dataset[column]
-
 
 def collate(items: list[tuple[Sequence[int], Sequence[int], int]], references: list[str] | None = None) -> dict:
     """(x, y, index) items -> src = x + EOS, tgt_in = BOS + y, tgt_out = y + EOS (§3), right-padded, and host counts:
@@ -201,13 +197,3 @@ def update_shape(tokens_per_update: int | None, max_tokens: int, world_size: int
         return max_tokens, 1
     accumulation = math.ceil(tokens_per_update / (max_tokens * world_size))
     return math.ceil(tokens_per_update / (accumulation * world_size)), accumulation
-
-
-def padding_efficiency(sampler: TokenBucketSampler) -> float:
-    """Real tokens / padded tokens over both sides of every batch of the current epoch."""
-    real = padded = 0
-    for batch in sampler.rank_batches():
-        s, t = sampler.src_lens[batch], sampler.tgt_lens[batch]
-        real += s.sum() + t.sum()
-        padded += len(batch) * (s.max() + t.max())
-    return float(real / padded)

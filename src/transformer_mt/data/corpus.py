@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import itertools
@@ -14,9 +15,11 @@ import huggingface_hub
 import numpy as np
 
 from transformer_mt.errors import InputError, MissingInputError
-from transformer_mt.files import iter_lines
+from transformer_mt.files import file_digest, iter_lines
 
 SPLITS = ("train", "validation", "test")
+
+FINGERPRINT = functools.partial(hashlib.blake2b, digest_size=16)  # of a split's files: its cache key's part
 
 
 def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
@@ -47,15 +50,6 @@ def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], l
 
 def read_text_pair(src_path: str | Path, tgt_path: str | Path) -> tuple[list[str], list[str]]:
     return gather(iter_text_pair(src_path, tgt_path, size=1 << 20))
-
-
-def hash_files(paths: list[Path]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for p in paths:
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -101,9 +95,8 @@ class Corpus:
             for p in pair:
                 if not p.is_file():
                     raise MissingInputError(f"data '{self.name}', split {split}: missing {p} (its pair is {pair})")
-            return RawSplit(
-                self, split, hash_files(pair), text_pair=pair, raw_bytes=sum(p.stat().st_size for p in pair)
-            )
+            fingerprint = file_digest(*pair, algorithm=FINGERPRINT)
+            return RawSplit(self, split, fingerprint, text_pair=pair, raw_bytes=sum(p.stat().st_size for p in pair))
         if (root / "dataset_dict.json").exists():  # DatasetDict.save_to_disk
             ds = datasets.load_from_disk(str(root))[split]
             return RawSplit(self, split, ds._fingerprint, dataset=ds, raw_bytes=ds.data.nbytes)
@@ -117,7 +110,7 @@ class Corpus:
             )
         builder = "parquet" if files[0].suffix == ".parquet" else "json"
         return RawSplit(  # opened when read: a start whose caches are present only hashes the files
-            self, split, hash_files(files), raw_bytes=sum(f.stat().st_size for f in files),
+            self, split, file_digest(*files, algorithm=FINGERPRINT), raw_bytes=sum(f.stat().st_size for f in files),
             open_dataset=lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
         )  # fmt: skip
 

@@ -139,7 +139,7 @@ class TranslationDataModule(L.LightningDataModule):
         # Validation and test batches carry their raw references: the module scores BLEU from batches alone.
         kwargs = dict(
             batch_sampler=sampler,
-            collate_fn=collate if split == "train" else partial(collate, references=data.texts("tgt_text")),
+            collate_fn=collate if split == "train" else partial(collate, references=data.dataset["tgt_text"]),
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             # the workers' seed, drawn at each iter(), not from the global generator: a resumed run's dropout matches
@@ -157,9 +157,6 @@ class TranslationDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self.loader("validation")
-
-    def test_dataloader(self) -> DataLoader:
-        return self.loader("test")
 
 
 class ResumableLoader(DataLoader):

@@ -123,7 +123,7 @@ class Protocol:
             if len(periodic) < self.average_last:
                 log.warning("final.average_last=%d: only %d periodic checkpoints, averaging those", self.average_last,
                             len(periodic))  # fmt: skip
-            path = self.run.average(len(periodic))
+            path = self.run.checkpoints / RunFolder.average_name(len(periodic))
             write_checkpoint(average_checkpoints(periodic), path)
             log.info("averaged %s -> %s", ", ".join(p.name for p in periodic), path.name)
             chosen[path.stem] = path

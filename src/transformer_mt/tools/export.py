@@ -235,7 +235,8 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
             "make translate / make evaluate (nothing was written)"
         )
     data = checkpoint["hyper_parameters"]["config"]["data"]
-    languages = data["src_lang"], data["tgt_lang"]
+    languages, kind = (data["src_lang"], data["tgt_lang"]), "MarianMTModel" if fmt == "hf" else "CTranslate2"
+    print(f"exporting {ckpt} as {kind} (the weights, the tokenizer, then a check against ours) ...", flush=True)
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
         tmp.mkdir()
         if fmt == "hf":
@@ -251,7 +252,6 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
                 checked = f"not checked against ours: {quantization} weights change the outputs a little"
         print(checked)
         (tmp / "README.md").write_text(model_card(Path(ckpt), checkpoint, fmt, checked), encoding="utf-8")
-    kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
     print(f"the model card's license is `other` ({LICENSE_NAME}): set it to the terms of the data the model was "
           f"trained on before you upload it (license: in {out_dir / 'README.md'})\n"
           f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")  # fmt: skip

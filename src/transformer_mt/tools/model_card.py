@@ -34,10 +34,6 @@ print([sp.decode_pieces(r.hypotheses[0]) for r in results])""",
 }
 
 
-def scored_splits(entry: dict) -> dict[str, dict]:
-    return {split: s for split, s in entry.items() if isinstance(s, dict) and "bleu" in s}
-
-
 def card_data(data: dict, name: str, splits: dict[str, dict]):
     """The front matter: huggingface_hub's ModelCardData, a model-index entry per split and metric."""
     from huggingface_hub import EvalResult, ModelCardData  # noqa: PLC0415 (the export extra's)
@@ -67,8 +63,8 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
     data, model = checkpoint["hyper_parameters"]["config"]["data"], checkpoint["hyper_parameters"]["model"]
     path = RunFolder(ckpt.resolve().parent.parent).results  # <run>/checkpoints/<name>.ckpt
     results = Results.read(path) if path.is_file() else None
-    entry = results and results.entry(ckpt)
-    results = results if entry else None  # the run's figures only where it scored this checkpoint
+    splits = results.scores_of(ckpt) if results else {}
+    results = results if splits else None  # the run's figures only where it scored this checkpoint
     name, averaged = f"transformer-mt {data['name']} {ckpt.stem}", checkpoint.get("averaged_from")
     kind = "transformers' MarianMTModel" if fmt == "hf" else "a CTranslate2 model"
     lines = [
@@ -92,7 +88,6 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
             f"- command-line overrides: {given}",
         ]
     lines += ["", "## Scores"]
-    splits = scored_splits(entry or {})
     if results:
         decoding, first = Decoding.of(results.decoding, where=str(path)), next(iter(splits.values()))
         header = "| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |\n|---|---|---|---|---|"

@@ -3,6 +3,9 @@ keeps data.tokens_per_update. On a GPU the largest that fits (as Marian's --mini
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -12,8 +15,10 @@ import numpy as np
 import torch
 
 from transformer_mt.data.batching import TokenBucketSampler, collate
+from transformer_mt.data.cache import cache_key
+from transformer_mt.files import atomic_write
 from transformer_mt.objective import sequence_losses
-from transformer_mt.runtime import sentence_attention
+from transformer_mt.runtime import cpuinfo, sentence_attention
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +26,7 @@ MARGIN = 0.15  # of the budget, left for the allocator's fragmentation and what 
 CPU_SHARES = (1, 2, 4)  # a CPU tries data.max_tokens_fallback divided by each
 CPU_ROUNDS = 2  # each size timed this many times, taking turns; its fastest counts
 CPU_TIE = 0.05  # a smaller batch is chosen only when this much faster per token than the larger
+PROBES = "batch_probe.json"  # in data.cache_dir: the CPU probe's choices, by probe_key
 
 
 def largest_fitting(step_bytes: Callable[[int], int], budget: int, ceiling: int) -> int:
@@ -95,6 +101,25 @@ def probe_sentences(split, tokens: int) -> np.ndarray:
     return order[: int(np.searchsorted(np.cumsum(tgt[order] + 1), tokens)) + 1]
 
 
+def probe_key(module, precision: str, sizes: list[int], longest: int) -> str:
+    """What the CPU probe's choice depends on: the CPU (its model and features), its threads, the precision, the
+    model's shape and the sizes tried."""
+    first = cpuinfo().split("\n\n")[0].splitlines()
+    cpu = [line for line in first if line.partition(":")[0].strip() in ("vendor_id", "cpu family", "model", "flags")]
+    shape = dataclasses.asdict(module.model.cfg)
+    return cache_key(
+        cpu=cpu, threads=torch.get_num_threads(), precision=str(precision), sizes=sizes, longest=longest, shape=shape
+    )
+
+
+def kept_probes(path) -> dict:
+    """The CPU probe's earlier choices (none: an empty dict)."""
+    with contextlib.suppress(OSError, ValueError):
+        if isinstance(probes := json.loads(path.read_text(encoding="utf-8")), dict):
+            return probes
+    return {}
+
+
 def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int:
     """data.max_tokens on a CPU: the fastest per token of fallback / CPU_SHARES; the random generators untouched."""
     split, longest = datamodule.splits["train"], datamodule.longest_training_pair()
@@ -102,6 +127,13 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
     sizes = sorted({fallback // share for share in CPU_SHARES if fallback // share >= longest}, reverse=True)
     if len(sizes) < 2:
         return fallback
+    kept, key = datamodule.cache_dir / PROBES, probe_key(module, precision, sizes, longest)
+    if (chosen := kept_probes(kept).get(key)) in sizes:
+        log.info(
+            f"data.max_tokens=auto on cpu: {chosen:,} tokens per batch, measured fastest on this CPU for this model "
+            f"and precision at an earlier start (kept in {kept}; data.max_tokens=<tokens> skips the probe)"
+        )
+        return chosen
     sample = probe_sentences(split, fallback)
     batches = {
         size: [collate([split[i] for i in b]) for b in TokenBucketSampler(
@@ -125,6 +157,8 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
                     best[size] = min(best[size], time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     chosen = fastest(best)
+    with contextlib.suppress(OSError), atomic_write(kept) as tmp:  # the next start, a sweep's next job, reuse it
+        tmp.write_text(json.dumps({**kept_probes(kept), key: chosen}, indent=1) + "\n", encoding="utf-8")
     speeds = ", ".join(f"{size:,}: {tokens / best[size]:,.0f}" for size in sizes)
     log.info(
         f"data.max_tokens=auto on cpu: {chosen:,} tokens per batch, the fastest per token here (target tok/s of a "

@@ -53,8 +53,6 @@ class ProgressLog(L.Callback):
             if self.peak.disturbed:
                 log.warning(f"the peak FLOP/s probe looked disturbed (its products took up to {self.peak.spread:.1f}x "
                             "the fastest: other work on the CPU?); MFU may read high")  # fmt: skip
-            for warning in unreached(trainer):
-                log.warning("%s", warning)
         self.start, self.first_step = bookkeeping.clock(), trainer.global_step
         self.since = self.clock = self.clock_start = module.updates.totals["train_seconds"]  # the update clock
         self.since_step, self.loss_sum, self.tokens, self.flops = trainer.global_step, 0.0, 0, 0.0
@@ -146,28 +144,6 @@ class ProgressLog(L.Callback):
                             "against the most training reached from now on")  # fmt: skip
             self.peak = self.peak.raised(flops_per_second)
         return self.peak.utilisation(flops_per_second) if self.peak else None
-
-
-def unreached(trainer: L.Trainer) -> list[str]:
-    """Warnings for what will not come before max_steps: a validation, a periodic checkpoint."""
-    step, last = trainer.global_step, trainer.max_steps
-    if last <= 0:
-        return []
-    found, suggest = [], max(1, (last - step) // 2)
-    if isinstance(trainer.val_check_interval, int) and trainer.limit_val_batches:
-        every = trainer.val_check_interval // trainer.lightning_module.accumulation  # micro-batches -> updates
-        if last // every == step // every:
-            found.append(
-                f"no validation before trainer.max_steps={last} (trainer.val_check_interval={every} updates): no "
-                f"validation curves for make plot, no best.ckpt; to validate, add trainer.val_check_interval={suggest}"
-            )
-    periodic = [p for c in trainer.checkpoint_callbacks for p in getattr(c, "periodic", [])]  # Saves'
-    if periodic and all(c.every and last // c.every == step // c.every for c in periodic):
-        found.append(
-            f"no periodic checkpoint before trainer.max_steps={last} (checkpoint.every_n_train_steps="
-            f"{periodic[0].every}): only last.ckpt, nothing to average; add checkpoint.every_n_train_steps={suggest}"
-        )
-    return found
 
 
 class UpdateProgressBar(TQDMProgressBar):

@@ -9,8 +9,6 @@ import lightning as L
 from torch import Tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from transformer_mt.checkpoint import EMA_KEY
-
 log = logging.getLogger(__name__)
 
 
@@ -21,10 +19,6 @@ class ExponentialMovingAverage(L.Callback):
         self.decay = decay  # fit.check_config refuses one outside (0, 1)
         self.average: dict[str, Tensor] | None = None
         self.updates = 0
-
-    @property
-    def state_key(self) -> str:
-        return EMA_KEY
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         params = dict(module.model.named_parameters())

@@ -92,7 +92,7 @@ class TranslationModule(L.LightningModule):
         # DDP and FSDP averaged the ranks' gradients: times the world size is their sum. torch's multi-tensor ops
         # (one kernel for every gradient) have no public name yet; its optimizers use them
         torch._foreach_mul_(grads, (trainer.world_size / values[0].clamp(min=1)).float())
-        self.updates.norm = norm = gradient_norm(self.parameters(), isinstance(trainer.strategy, LayerFSDP))
+        self.updates.norm = norm = gradient_norm(self.parameters())
         optimizer.optimizer.found_inf = (~norm.isfinite()).float()  # fused Adam then leaves weights and moments
         optimizer.step()
         optimizer.zero_grad()

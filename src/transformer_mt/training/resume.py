@@ -169,17 +169,14 @@ def check_same_training(run_dir: Path, checkpoint: dict, config: dict, job: str)
         )
 
 
-IGNORED = ("ckpt_path", "code")  # not settings: where to resume from, and the code that ran (said at each start)
-
-
 def changed_settings(checkpoint: dict, config: dict, run_dir: Path) -> dict[str, tuple]:
-    """Flattened keys whose values differ between a checkpoint's run and `config`; IGNORED and the settings derived
-    from the run's folder (logger.save_dir: a copied or moved folder) aside."""
+    """Flattened keys whose values differ between a checkpoint's run and `config`; ckpt_path, the code's record (said
+    at each start) and the settings derived from the run's folder (logger.save_dir: a copied or moved folder) aside."""
     before, now = flatten(checkpoint["hyper_parameters"].get("config") or {}), flatten(config)
     folder = str(run_dir.absolute())
     derived = {k for k, v in now.items() if isinstance(v, str) and (v == folder or v.startswith(folder + os.sep))}
     keys = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k) and k not in derived)
-    return {k: (before.get(k), now.get(k)) for k in keys if k.split(".")[0] not in IGNORED}
+    return {k: (before.get(k), now.get(k)) for k in keys if k.split(".")[0] not in ("ckpt_path", "code")}
 
 
 def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes, config: dict, run_dir: Path) -> None:

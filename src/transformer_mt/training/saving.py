@@ -44,17 +44,15 @@ def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
         periodic.append(UpdateCheckpoint(checkpoint_dir, "epoch{epoch:03d}-step{step:07d}", keep, epochs=epochs))
     if minutes:
         periodic.append(UpdateCheckpoint(checkpoint_dir, "time-step{step:07d}", keep, minutes=minutes))
-    best = BestCheckpoint(dirpath=checkpoint_dir, filename="best", monitor=cfg["best_monitor"], mode=cfg["best_mode"])
+    best = dict(monitor=cfg["best_monitor"], mode=cfg["best_mode"])
+    # enable_version_counter=False: a run resumed in place rewrites a killed attempt's file instead of versioning it
+    best = BestCheckpoint(dirpath=checkpoint_dir, filename="best", enable_version_counter=False, **best)
     return [*([best] if cfg["best_monitor"] else []), Saves(checkpoint_dir / RunFolder.LAST, periodic)]
 
 
 class BestCheckpoint(ModelCheckpoint):
     """best.ckpt: the best validation value of `monitor`, kept with its score in a moved run folder (Lightning's
     forgets them)."""
-
-    def file_exists(self, filepath, trainer) -> bool:
-        """Never: a run resumed in place rewrites a killed attempt's file instead of versioning it ("-v1")."""
-        return False
 
     def load_state_dict(self, state: dict) -> None:
         if state["dirpath"] == self.dirpath:

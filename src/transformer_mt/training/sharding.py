@@ -37,8 +37,12 @@ class LayerFSDP(DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """TranslationModule.training_step enters this for each micro-batch but an update's last (DDP's no_sync)."""
-        with no_gradient_sync(self.lightning_module.model):
+        model = self.lightning_module.model
+        model.set_requires_gradient_sync(False)  # backward passes whose gradients wait, unsharded, for the next one
+        try:
             yield
+        finally:
+            model.set_requires_gradient_sync(True)
 
     def lightning_module_state_dict(self) -> dict:
         return get_model_state_dict(self.lightning_module, options=FULL)
@@ -77,21 +81,6 @@ def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrec
     autocast refuses fp32 into a bf16 LayerNorm; on CUDA the residual stream stays fp32, as under DDP)."""
     bf16 = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=device_type != "cuda")
     return bf16 if precision == "bf16-mixed" else None
-
-
-@contextmanager
-def no_gradient_sync(model: Transformer) -> Iterator[None]:
-    """Backward passes whose gradients wait, unsharded, for the next synchronised one."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def full_copy(model: Transformer) -> Transformer:

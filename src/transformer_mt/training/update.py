@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from transformer_mt.errors import UserError
 from transformer_mt.model import training_flops
 from transformer_mt.stops import SIGNALS, TrainingStops, validation_follows
-from transformer_mt.training.sharding import local
 
 log = logging.getLogger(__name__)
 
@@ -172,16 +172,12 @@ class UpdateEnd(L.Callback):
     on_exception = teardown  # Lightning calls no teardown hook then (the exception in `stage`'s place)
 
 
-def gradient_norm(parameters, sharded: bool) -> Tensor:
-    """The L2 norm of the whole gradient; sharded (FSDP), summed over the ranks' parts, so every rank has the same."""
-    grads = [local(p.grad) for p in parameters if p.grad is not None]
-    grads = [g for g in grads if g.numel()]  # a rank may hold none of a small parameter
+def gradient_norm(parameters) -> Tensor:
+    """The L2 norm of the whole gradient, the same on every rank: FSDP's sharded gradients (DTensors) give a norm of
+    the ranks' parts, which full_tensor() reduces."""
+    grads = [p.grad for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
-    if sharded:  # LayerFSDP always has a process group
-        squares = norm.float().square()
-        torch.distributed.all_reduce(squares)
-        return squares.sqrt()
-    return norm.float()
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
 
 
 def log_update(trainer: L.Trainer, update: Update) -> None:
