@@ -30,6 +30,7 @@ from transformer_mt.results import Results
 from transformer_mt.runtime import usable_cores
 from transformer_mt.search import translate_ids, translate_lines
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, train_tokenizer
+from transformer_mt.tools import export as export_module
 from transformer_mt.tools.attention_maps import draw
 from transformer_mt.tools.export import export, marian_order
 from transformer_mt.tools.model_card import LICENSE_NAME, REPOSITORY
@@ -243,6 +244,20 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
     (tmp_path / "run" / "results.json").write_text(json.dumps({**results, "overrides": None}))  # none recorded
     card = ModelCard.load(export(str(ckpt), "hf", str(tmp_path / "hf-2")) / "README.md")
     assert "- command-line overrides: not recorded" in card.text and "(none)" not in card.text
+
+
+def test_only_a_users_make_export_is_told_to_set_the_model_cards_license(
+    random_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """The license line once, to make export's user; not from the exports engine=ct2 and make bench make for themselves
+    (three times in one make bench before issue 63), which say what they export."""
+    pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
+    export(str(random_checkpoint), "hf", str(tmp_path / "inside"))
+    said = capsys.readouterr().out
+    assert said.startswith(f"exporting {random_checkpoint} as MarianMTModel") and "license" not in said
+    monkeypatch.setattr(sys, "argv", ["export", str(random_checkpoint), "--out", str(tmp_path / "user")])
+    export_module.main()
+    assert capsys.readouterr().out.count("the model card's license is `other`") == 1
 
 
 def test_an_export_of_a_checkpoint_without_a_run_says_it_has_no_scores(random_checkpoint, tmp_path):

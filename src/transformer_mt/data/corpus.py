@@ -94,7 +94,9 @@ class Corpus:
         if any(p.exists() for p in pair):
             for p in pair:
                 if not p.is_file():
-                    raise MissingInputError(f"data '{self.name}', split {split}: missing {p} (its pair is {pair})")
+                    raise MissingInputError(
+                        f"data '{self.name}', split {split}: missing {p} (its pair is {' and '.join(map(str, pair))})"
+                    )
             fingerprint = file_digest(*pair, algorithm=FINGERPRINT)
             return RawSplit(self, split, fingerprint, text_pair=pair, raw_bytes=sum(p.stat().st_size for p in pair))
         if (root / "dataset_dict.json").exists():  # DatasetDict.save_to_disk

@@ -252,9 +252,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
                 checked = f"not checked against ours: {quantization} weights change the outputs a little"
         print(checked)
         (tmp / "README.md").write_text(model_card(Path(ckpt), checkpoint, fmt, checked), encoding="utf-8")
-    print(f"the model card's license is `other` ({LICENSE_NAME}): set it to the terms of the data the model was "
-          f"trained on before you upload it (license: in {out_dir / 'README.md'})\n"
-          f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")  # fmt: skip
+    print(f"exported {ckpt} as {kind} -> {out_dir} (and its model card, README.md)")
     return out_dir
 
 
@@ -265,7 +263,10 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the folder to write (must not exist)")
     parser.add_argument("--quantization", help="ct2 only: int8, int8_float16, float16, ... (default: float32)")
     args = parser.parse()
-    exit_on_user_error(export, args.ckpt, args.format, args.out, args.quantization)
+    out = exit_on_user_error(export, args.ckpt, args.format, args.out, args.quantization)
+    # said to a user's export only (not engine=ct2's, nor make bench's)
+    print(f"the model card's license is `other` ({LICENSE_NAME}): set it to the terms of the training data before you")
+    print(f"upload it (license: in {out / 'README.md'})")
 
 
 if __name__ == "__main__":
