@@ -20,6 +20,7 @@ from transformer_mt.evaluation.tuned import tuned_path
 from transformer_mt.files import RunFolder
 from transformer_mt.results import Results
 from transformer_mt.stops import Stopped
+from transformer_mt.tokenizer import train_tokenizer
 from transformer_mt.tune import tune
 
 
@@ -129,3 +130,18 @@ def test_a_second_signal_while_a_stop_is_handled_changes_nothing_of_its_outcome(
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # the process is ending: later ones too
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_sigterm_while_sentencepiece_trains_is_a_stop_not_a_vocabulary_error(tmp_path, capsys):
+    """SentencePiece turned a stop inside its sentence iterator into its own error, which was blamed on the vocabulary
+    size ("could not train a 800-token vocabulary (set data.vocab_size): INTERNAL: Stopped: (15, None)", exit 1)."""
+
+    def sentences():
+        for n in range(2000):
+            if n == 1000:  # as a job system's SIGTERM comes: while the trainer reads its sentences
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield f"sentence number {n} of a corpus"
+
+    with pytest.raises(SystemExit) as stop:
+        exit_on_user_error(train_tokenizer, sentences(), tmp_path, 100)
+    assert stop.value.code == 143 and capsys.readouterr().err == "stopped by SIGTERM: nothing was written\n"

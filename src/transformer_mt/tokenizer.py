@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import atomic_write
 from transformer_mt.runtime import release_freed_memory, usable_cores
+from transformer_mt.stops import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,8 @@ def train_tokenizer(
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. a vocabulary too large or too small for the corpus
+        if stop := re.search(r"Stopped: \((\d+),", str(e)):  # a stop signal in its sentence iterator: a stop
+            raise Stopped(int(stop[1])) from None
         raise InputError(
             f"SentencePiece could not train a {vocab_size}-token vocabulary (set data.vocab_size): {e}"
         ) from None
