@@ -98,7 +98,7 @@ def test_the_budget_travels_whole_in_its_checkpoint_field_and_a_resume_continues
     schedule = budget(provisional=400)
     schedule.fix(30, 31.0, 800)
     checkpoint = {"budget": asdict(schedule)}  # as TranslationModule.on_save_checkpoint writes it
-    assert TimeBudget.of(checkpoint) == schedule and TimeBudget.of({"budget": None}) is None
+    assert TimeBudget(**checkpoint["budget"]) == schedule
     fresh = budget(provisional=400)
     fresh.resume(checkpoint["budget"])
     assert (fresh.horizon, fresh.fixed, fresh.fixed_rate) == (800, (30, 31.0), schedule.fixed_rate)
@@ -188,7 +188,7 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     assert abs(int(line[1].replace(",", "")) - (lines[20] + lines[30]) / 2) <= 1
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
     assert last["global_step"] == 49
-    schedule = TimeBudget.of(last)
+    schedule = TimeBudget(**last["budget"])
     assert (schedule.horizon, schedule.fixed[0]) == (49, fixed_at)
     # Every update's rate is the schedule's, the one right after the fix too (it was the provisional warmup's once:
     # a CI run failed when the fix fell on a logged update)
@@ -276,7 +276,7 @@ def test_a_budget_of_any_length_reaches_the_peak_rate_whatever_max_steps_is(driv
     with caplog.at_level(logging.INFO):
         train_in_process(args, tmp_path, tmp_path / "run")
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    schedule = TimeBudget.of(last)
+    schedule = TimeBudget(**last["budget"])
     assert f"~{end} updates at 60.0 updates/min" in caplog.text  # as fixed (the cool-down's refit may add a few)
     assert last["global_step"] == schedule.horizon >= end
     logged = dict(read_metrics(tmp_path / "run")["lr-Adam"])

@@ -109,6 +109,37 @@ def test_a_stop_during_make_evaluate_ends_in_one_line_and_leaves_no_folder(train
     assert not (tmp_path / "outputs").exists()  # outputs/evaluate/<date>_<time>-<pid>/ went with it
 
 
+STOP_IN_IMPORTS = """
+import importlib.abc, os, signal, sys
+class Stop(importlib.abc.MetaPathFinder):  # the signal as the command's first import of `heavy` begins
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["HEAVY"]:
+            os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
+sys.meta_path.insert(0, Stop())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, heavy, name",
+    [
+        ("evaluate", "hydra", "SIGINT"),
+        ("tune", "omegaconf", "SIGTERM"),
+        ("finish", "torch", "SIGINT"),
+        ("averaging", "torch", "SIGTERM"),
+        ("tools.export", "torch", "SIGINT"),
+    ],
+)
+def test_a_stop_while_a_command_loads_its_imports_is_one_line_and_128_plus_it(tmp_path, command, heavy, name):
+    """Ctrl+C or SIGTERM in a command's first seconds, while torch or Hydra load (a 15-52-line KeyboardInterrupt
+    traceback, or no line for SIGTERM, before issue 63): the package, imported first, set the stop's one line."""
+    (tmp_path / "sitecustomize.py").write_text(STOP_IN_IMPORTS)
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HEAVY": heavy, "SIGNAL": name}
+    proc = run_process([sys.executable, "-m", f"transformer_mt.{command}", "x"], tmp_path, env=env)
+    assert proc.returncode == 128 + getattr(signal, name), proc.stderr[-3000:]
+    assert proc.stdout == "" and proc.stderr == f"stopped by {name}: nothing was written\n"
+
+
 def test_a_second_signal_while_a_stop_is_handled_changes_nothing_of_its_outcome(capsys):
     """make forwards SIGTERM to its child, so `timeout` and job systems deliver two: the second, arriving while the
     first one's cleanup runs (removing the command's folder), neither cuts it short nor adds a line or a traceback."""

@@ -201,7 +201,7 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     # 10.1 / 9.7; a CPU without native bf16 trains in fp32, other numbers: the bar leaves room, far above a random 0
     assert len(bleus) == 2 and bleus[1] > bleus[0] and bleus[1] > 6.0, bleus
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")
-    schedule = TimeBudget.of(last)
+    schedule = TimeBudget(**last["budget"])
     rates = [schedule.lr(done) for done in range(300)]  # updates 1-300: the peak, then near 0 at the last
     assert max(rates) == pytest.approx(schedule.peak) and rates[-1] < schedule.peak / 10
     for update, rate in read_metrics(tmp_path / "run")["lr-Adam"]:  # what Adam used: the next update's rate

@@ -30,3 +30,10 @@ evaluation/         what is done to a trained checkpoint, without Lightning: eng
                     protocol and results.json
 tools/              export (transformers, CTranslate2), attention maps, learning curves, the Table 3 collector
 """
+
+import sys
+
+if sys.argv[:1] == ["-m"] or (sys.argv or [""])[0].rpartition("/")[2].startswith("transformer-mt-"):  # a command
+    from transformer_mt.stops import stop_quietly
+
+    stop_quietly()

@@ -18,8 +18,7 @@ def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -
     if len(paths) < n:
         print(f"warning: only {len(paths)} checkpoints in {run_dir}, averaging those")
     output = Path(output) if output else paths[-1].parent / RunFolder.average_name(len(paths))
-    for stale in remove_stale_temporaries(output.parent):
-        print(f"removed {stale} (the unfinished write of a killed command)")
+    remove_stale_temporaries(output.parent, print)
     before = file_digest(output) if output.is_file() else None
     write_checkpoint(average_checkpoints(paths), output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {output}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -61,6 +62,12 @@ def read_checkpoint(path: str | Path, mmap: bool = False, finite: bool = True) -
     hparams = checkpoint.get("hyper_parameters", {}) if isinstance(checkpoint, dict) else {}
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "model" not in hparams:
         raise InputError(f"{path}: not a transformer_mt checkpoint (no state_dict / hyper_parameters.model)")
+    if unknown := sorted(set(hparams["model"]) - {f.name for f in fields(TransformerConfig)}):
+        made_by = hparams.get("config", {}).get("code", {}).get("commit", "not recorded")
+        raise InputError(
+            f"{path}: its model has settings this version does not know ({', '.join(unknown)}): a newer "
+            f"transformer_mt wrote it (its commit: {made_by}); read it with that version"
+        )
     if finite:
         check_finite(path, checkpoint)
     return checkpoint

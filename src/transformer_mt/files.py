@@ -54,13 +54,12 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_stale_temporaries(directory: Path) -> list[Path]:
+def remove_stale_temporaries(directory: Path, say: Callable[[str], None]) -> None:
     """Remove atomic_write's temporaries in `directory` (or a folder in it) whose writer, of this host, is gone."""
     found = [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")] if directory.is_dir() else []
-    removed = [path for path in found if is_stale(path)]
-    for path in removed:
+    for path in filter(is_stale, found):
         remove(path)
-    return removed
+        say(f"removed {path} (the unfinished write of a killed process)")
 
 
 def is_stale(path: Path) -> bool:

@@ -18,7 +18,6 @@ from transformer_mt.files import RunFolder, next_commands, remove_stale_temporar
 from transformer_mt.results import Results
 from transformer_mt.runtime import pick_device
 from transformer_mt.stops import Stopped
-from transformer_mt.training.budget import TimeBudget
 
 
 def finish(run_dir: str | Path, device: str = "auto") -> Results:
@@ -31,8 +30,7 @@ def finish(run_dir: str | Path, device: str = "auto") -> Results:
             f"{run.path} is in use by a training that is still running ({run.holder()}): its own end of run averages "
             "and scores it; make finish is for a run whose training has ended"
         )
-    for stale in remove_stale_temporaries(last.parent):
-        print(f"removed {stale} (the unfinished write of a killed run)")
+    remove_stale_temporaries(last.parent, print)
     checkpoint = read_checkpoint(last, mmap=True, finite=False)
     if (stopped := stopped_early(checkpoint)) is not None:
         print(
@@ -61,7 +59,7 @@ def stopped_early(checkpoint: dict) -> int | None:
     if any(s["wait_count"] >= s["patience"] for s in stopping):
         return None
     max_steps = checkpoint["hyper_parameters"]["config"]["trainer"]["max_steps"]
-    planned = getattr(TimeBudget.of(checkpoint), "horizon", None) or max_steps
+    planned = (checkpoint.get("budget") or {}).get("horizon") or max_steps  # a time budget's (training/budget.py)
     return planned if planned > 0 and checkpoint["global_step"] < planned else None
 
 

@@ -12,13 +12,8 @@ from transformer_mt.errors import InputError
 from transformer_mt.files import atomic_write
 from transformer_mt.runtime import duration, flops_text
 
-SCORES = {  # results.json's score -> the loggers' final/<model>/<split>/<name>
-    "bleu": "bleu",
-    "chrf": "chrf",
-    "tokenized_bleu_compound_split": "tokenized_bleu",
-    "bleu_tokens": "bleu_tokens",
-    "ppl": "ppl",
-}
+# results.json's scores, logged as final/<model>/<split>/<name> (the name without "_compound_split")
+SCORES = ("bleu", "chrf", "tokenized_bleu_compound_split", "bleu_tokens", "ppl")
 
 
 @dataclass
@@ -64,9 +59,9 @@ class Results:
     def metrics(self) -> dict[str, float]:
         """final/<model>/<split>/<bleu|chrf|tokenized_bleu|ppl>, for the loggers."""
         return {
-            f"final/{name}/{split}/{short}": scores[key]
+            f"final/{name}/{split}/{key.removesuffix('_compound_split')}": scores[key]
             for name, split, scores in self.scored()
-            for key, short in SCORES.items()
+            for key in SCORES
             if key in scores
         }
 

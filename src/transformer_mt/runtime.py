@@ -128,10 +128,6 @@ class Peak:
     spread: float = 1.0  # a CPU probe's slowest product / its fastest: above 2, other work took the cores
     fmt: str | None = None  # a CPU's measured peak: its format (it can be measured again)
 
-    @property
-    def disturbed(self) -> bool:
-        return self.spread > 2.0
-
     def utilisation(self, flops_per_second: float) -> float | None:
         return min(flops_per_second / self.flops, 1.0) if self.flops else None
 
@@ -203,11 +199,6 @@ def code_record() -> dict:
         with contextlib.suppress(PackageNotFoundError):  # the package run from its source folder (PYTHONPATH)
             versions[name] = version(name)
     return {"commit": commit or "not a git checkout", "dirty": dirty, "source": str(source), **versions}
-
-
-def code_text(code: dict) -> str:
-    """The code record in one line, as a training says it at its start."""
-    return ", ".join(f"{key} {value}" for key, value in code.items())
 
 
 def duration(seconds: float) -> str:

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,18 @@ class Stopped(BaseException):
 
 def raise_stopped(signum: int, frame) -> None:
     raise Stopped(signum)
+
+
+def stop_quietly() -> None:
+    """For a command (transformer_mt/__init__.py): until it sets its own handler, a stop signal while its imports load
+    ends the process in one line, with 128 + the signal, not an import's traceback (nothing was written yet)."""
+    for signum in SIGNALS:
+        signal.signal(signum, stopped_while_starting)
+
+
+def stopped_while_starting(signum: int, frame) -> None:
+    print(f"stopped by {signal.Signals(signum).name}: nothing was written", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
 
 
 def die_with_parent(worker_id: int = 0) -> None:

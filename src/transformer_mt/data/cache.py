@@ -87,8 +87,7 @@ class TokenCache:
 
     def _build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
         for folder in ("sentencepiece", "corpus"):
-            for path in remove_stale_temporaries(self.directory / folder):
-                log.info("removed %s (an unfinished cache write of a killed run)", path)
+            remove_stale_temporaries(self.directory / folder, log.info)
         with stage("hash the raw files, open the splits"):  # a bad validation or test file fails before SentencePiece
             raw = {split: self.corpus.load(split) for split in SPLITS}
         self.check_room(raw)

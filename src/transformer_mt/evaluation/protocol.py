@@ -96,13 +96,8 @@ class Protocol:
                 scores = self.scores(model, tokenizer, split, self.decoding) | self.perplexity(model, tokenizer, split)
                 results.models[name][split] = scores
                 log.info(
-                    "%s on %s: %s sentences decoded (%s) and scored in %.1f s: sacreBLEU %.2f",
-                    name,
-                    split,
-                    f"{scores['sentences']:,}",
-                    self.decoding.text(),
-                    scores["seconds"],
-                    scores["bleu"],
+                    f"{name} on {split}: {scores['sentences']:,} sentences decoded ({self.decoding.text()}) and scored "
+                    f"in {scores['seconds']:.1f} s: sacreBLEU {scores['bleu']:.2f}"
                 )
         results.evaluation_seconds = round(time.monotonic() - start, 1)
         self.run.keep_earlier_results()

@@ -116,8 +116,7 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
         plot_grid(weights[kind], rows, columns, f"{title}: {source!r} -> {translation!r}", out_dir / file_name)
     title = f"encoder-decoder attention, last layer, mean of {weights['cross'].shape[1]} heads\n{origin}"
     plot_alignment(weights["cross"][-1].mean(axis=0), tgt_out, src_tokens, title, out_dir / "alignment.png")
-    tokens = dict(src_tokens=src_tokens, tgt_in_tokens=tgt_in, tgt_out_tokens=tgt_out)
-    np.savez(out_dir / "attention.npz", **weights, **{k: np.array(v) for k, v in tokens.items()})
+    np.savez(out_dir / "attention.npz", **weights, src_tokens=src_tokens, tgt_in_tokens=tgt_in, tgt_out_tokens=tgt_out)
     print(f"source:      {source}\n{'reference' if reference is not None else 'translation'}: {translation}")
     print(f"wrote {', '.join(pictures)}, alignment.png and attention.npz to {out_dir}")
     return out_dir

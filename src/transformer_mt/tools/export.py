@@ -221,8 +221,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if quantization and fmt != "ct2":
         raise InputError("--quantization applies to FORMAT=ct2 only")
     out_dir = Path(out)
-    for stale in remove_stale_temporaries(out_dir.parent):
-        print(f"removed {stale} (the unfinished write of a killed command)")
+    remove_stale_temporaries(out_dir.parent, print)
     if out_dir.exists():
         raise InputError(f"OUT={out_dir} exists; remove it or choose another folder (nothing was written)")
     optional("transformers").utils.logging.disable_progress_bar()

@@ -72,10 +72,6 @@ class TimeBudget:
     clock = 0.0  # not fields, not kept: the update clock at the latest update, and ...
     ran_out = None  # ... the update at which the budget ran out before the horizon
 
-    @classmethod
-    def of(cls, checkpoint: dict) -> TimeBudget | None:
-        return cls(**checkpoint["budget"]) if checkpoint.get("budget") else None
-
     def resume(self, state: dict) -> None:
         """The schedule of the checkpoint's run, continued; the settings stay as configured now."""
         for name in STATE:

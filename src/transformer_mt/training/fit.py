@@ -26,7 +26,7 @@ from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, RunFolderLock, shown
 from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
-from transformer_mt.runtime import code_record, code_text, cpu_has_native_bf16, use_tf32
+from transformer_mt.runtime import code_record, cpu_has_native_bf16, use_tf32
 from transformer_mt.stops import Stopped, exit_after_training
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
@@ -245,7 +245,7 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     if trainer.is_global_zero:
         params, vocabulary = sum(p.numel() for p in module.parameters()), model_cfg["vocab_size"]
         log.info(f"model: {params:,} parameters, vocabulary {vocabulary}, precision {trainer.precision}")
-        log.info("code: %s", code_text(config["code"]))
+        log.info("code: %s", ", ".join(f"{key} {value}" for key, value in config["code"].items()))
         datamodule.tokenizer.save(run_dir)  # for other tools; every checkpoint carries it too
         if job.record is not None:  # the start's checks passed: its settings become the run's record
             job.record(cfg, config["code"])

@@ -117,8 +117,7 @@ def resume_checkpoint(ckpt_path: str | None, run_dir: Path, config: dict) -> tup
     """ckpt_path (`last`: the newest complete checkpoint of the run folder) -> (path, contents); a launched job
     restarted or requeued into its folder continues it by itself, as the same training only."""
     checkpoint_dir = RunFolder(run_dir).checkpoints
-    for path in remove_stale_temporaries(checkpoint_dir):
-        log.info("removed %s (an unfinished checkpoint write of a killed run)", path)
+    remove_stale_temporaries(checkpoint_dir, log.info)
     if ckpt_path is None and launch_id() and any(checkpoint_dir.glob("*.ckpt")):
         log.info("%s restarted: continuing from the newest checkpoint in %s", launch_id(), checkpoint_dir)
         path, checkpoint = newest_checkpoint(checkpoint_dir)
