@@ -210,7 +210,7 @@ def test_a_refused_start_leaves_the_runs_record_byte_for_byte(corpus, tmp_path):
     folder = lambda: {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != "train.log"}  # noqa: E731
     before, log = folder(), (run_dir / "train.log").read_bytes()
     record = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
-    assert sorted(record) == ["config.yaml", "hydra.yaml", "overrides.yaml"]
+    assert sorted(record) == ["code.yaml", "config.yaml", "hydra.yaml", "overrides.yaml"]  # code.yaml: issue 63
     assert record["config.yaml"].startswith(b"seed: 0\n") and b"- seed=0\n" in record["overrides.yaml"]
     refused = run_train([*args, "seed=1"], tmp_path, env=env, check=False)
     assert refused.returncode == 1 and "holds another training of slurm-7002" in refused.stderr, refused.stderr
