@@ -20,7 +20,7 @@ from omegaconf import DictConfig, open_dict
 from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import CONF_DIR
 from transformer_mt.data.batching import collate
-from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.model import CHOICES, Transformer, TransformerConfig
 from transformer_mt.training.fit import train
 from transformer_mt.translate import translate
 
@@ -244,14 +244,9 @@ def trained_run(tmp_path_factory) -> Path:
     return root
 
 
-# A run of the tiny model with every switch on, the end-of-run protocol and a moving average.
-VARIANT_SWITCHES = [
-    "model.d_k=6",
-    "model.d_v=10",
-    "model.positions=learned",
-    "model.norm=pre",
-    "model.share_embeddings=none",
-]
+# A run of the tiny model with every switch on (the head sizes, and each choice of the typed config at its last value:
+# a new switch runs through the end of a run, attention pictures, export and loading), the protocol, a moving average.
+VARIANT_SWITCHES = ["model.d_k=6", "model.d_v=10", *(f"model.{key}={values[-1]}" for key, values in CHOICES.items())]
 VARIANT_RUN = [
     "data.max_tokens=400",
     "trainer.val_check_interval=3",

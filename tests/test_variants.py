@@ -13,18 +13,17 @@ from conftest import random_batch, tiny_config
 from test_model import reference_transformer
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.configs import CONF_DIR, compose
-from transformer_mt.model import MultiHeadAttention, Transformer, TransformerConfig
+from transformer_mt.model import CHOICES, MultiHeadAttention, Transformer, TransformerConfig
 from transformer_mt.objective import sequence_losses
 from transformer_mt.training.resume import flatten
 
-VARIANTS = {  # each switch alone, and all at once, on the tiny shape (d_model 32, 4 heads)
+# Each switch alone, and all at once, on the tiny shape (d_model 32, 4 heads): the head sizes, and every value of the
+# typed config's choices (model.CHOICES) that is not the paper's, so that a new switch is tested here by itself.
+VARIANTS = {
     "d_k=3,d_v=5": dict(d_k=3, d_v=5),
     "h=1,d_k=d_v=32": dict(n_heads=1, d_k=32, d_v=32),
-    "learned": dict(positions="learned"),
-    "pre-norm": dict(norm="pre"),
-    "share=decoder": dict(share_embeddings="decoder"),
-    "share=none": dict(share_embeddings="none"),
-    "all": dict(d_k=6, d_v=10, positions="learned", norm="pre", share_embeddings="none"),
+    **{f"{key}={value}": {key: value} for key, values in CHOICES.items() for value in values[1:]},
+    "all": dict(d_k=6, d_v=10, **{key: values[-1] for key, values in CHOICES.items()}),
 }
 
 
@@ -42,7 +41,7 @@ def variant(name: str, **overrides) -> Transformer:
 
 
 def test_pre_norm_matches_torch_nn_transformer_norm_first_with_copied_weights():
-    model = variant("pre-norm")
+    model = variant("norm=pre")
     ref = reference_transformer(model)
     assert ref.encoder.layers[0].norm_first and ref.encoder.norm is not None  # its stacks end in a LayerNorm, as ours
     src, tgt = random_batch([7, 4, 2], 23, seed=1), random_batch([5, 9, 3], 23, seed=2)
@@ -110,7 +109,7 @@ def test_head_sizes_default_to_d_model_over_h_and_no_longer_need_to_divide_it():
 
 
 def test_learned_positions_are_a_trained_table_per_stack_added_like_the_sinusoids():
-    model = variant("learned")
+    model = variant("positions=learned")
     tables = model.embed.positions
     assert sorted(tables) == ["source", "target"]  # one per stack, as tensor2tensor's and fairseq's
     for table in tables.values():
@@ -186,7 +185,7 @@ def test_cached_decoding_equals_full_forward_for_every_switch(name):
     assert keys.shape[-1] == d_k and values.shape[-1] == d_v
 
 
-@pytest.mark.parametrize("name", ["pre-norm", "all"])
+@pytest.mark.parametrize("name", ["norm=pre", "all"])
 def test_cached_decoding_under_cpu_bf16_autocast_follows_the_full_forward(name):
     """Training's validation on a CPU decodes under bf16 autocast: logits within bf16's rounding of the full
     forward's."""
