@@ -386,7 +386,7 @@ def bench_decoding(args) -> None:
             f"in a fresh process), {args.ckpt}; latency: {len(singles)} median-length sentences one at a time, beam 4"
         )
         spawn = multiprocessing.get_context("spawn")
-        for _ in range(args.repeats):
+        for round_ in range(args.repeats):
             for n in thread_counts:
                 for name in systems:
                     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
@@ -396,6 +396,9 @@ def bench_decoding(args) -> None:
                         outputs[name, beam] = result["outputs"][beam]
                         speed[name, beam, n].append(len(sources) / result["seconds"][beam])
                     latency[name, n] += result["latency"]
+                    rates = ", ".join(f"beam {beam} {speed[name, beam, n][-1]:,.1f}" for beam in (4, 1))
+                    where = f"{n} thread(s), round {round_ + 1} of {args.repeats}"  # no silent minutes before the table
+                    print(f"  measured {name} at {where}: sentences/s {rates}", flush=True)
     columns = "".join(f" {f'sent/s {n}t':>10}" for n in thread_counts) + "".join(
         f" {f'latency {n}t':>11}" for n in thread_counts
     )

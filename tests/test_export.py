@@ -431,6 +431,8 @@ def test_benchmark_prints_every_system_side_by_side(random_checkpoint, tmp_path)
     assert all(f"sent/s {n}t" in decoding and f"latency {n}t" in decoding for n in {1, usable_cores()}), decoding
     ours = [line.split() for line in decoding.splitlines() if line[:24].rstrip() == "transformer_mt"]
     assert all("100.0%" in row for row in ours)  # ours is identical to itself
+    measured = [line for line in decoding.splitlines() if line.startswith("  measured ")]  # each as it is measured
+    assert len(measured) == 5 * len({1, usable_cores()}) and "sentences/s beam 4" in measured[0], decoding
     assert "matrix-multiply peak" in training and "GFLOP/s" in training
 
 
