@@ -19,11 +19,11 @@ def average_run(run_dir: str | Path, n: int, output: str | Path | None = None) -
         print(f"warning: only {len(paths)} checkpoints in {run_dir}, averaging those")
     output = Path(output) if output else paths[-1].parent / RunFolder.average_name(len(paths))
     remove_stale_temporaries(output.parent, print)
-    before = file_digest(output) if output.is_file() else None
+    made_for_before = [path for path in (tuned_path(output), ct2_folder(output)) if path.exists()]
+    before = file_digest(output) if made_for_before and output.is_file() else None  # only where records depend on it
     write_checkpoint(average_checkpoints(paths), output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) -> {output}")
-    made_for_before = [path for path in (tuned_path(output), ct2_folder(output)) if path.exists()]
-    if before not in (None, file_digest(output)) and made_for_before:  # (identical bytes: they stay valid)
+    if before is not None and before != file_digest(output):  # (identical bytes: the records stay valid)
         print(
             f"{output} now holds other weights: {' and '.join(map(str, made_for_before))} were made for the ones it "
             "replaced and no longer apply (make tune again; engine=ct2 exports again when next used)"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from difflib import get_close_matches
 from typing import NoReturn
 
-from transformer_mt.stops import SIGNALS, Stopped, raise_stopped
+from transformer_mt.stops import SIGNALS, Stopped, exit_stopped, raise_stopped
 
 
 class UserError(Exception):
@@ -64,9 +64,7 @@ def exit_on_user_error(fn: Callable, *args, cleanup: Callable | None = None, fai
         before = {}
         if cleanup is not None:
             cleanup()
-        print(f"stopped by {signal.Signals(e.signum).name}: {e.kept or 'nothing was written'}", file=sys.stderr,
-              flush=True)  # fmt: skip
-        raise SystemExit(128 + e.signum) from None
+        exit_stopped(e.signum, e.kept)
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)

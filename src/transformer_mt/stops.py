@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,12 @@ def stop_quietly() -> None:
     """For a command (transformer_mt/__init__.py): until it sets its own handler, a stop signal while its imports load
     ends the process in one line, with 128 + the signal, not an import's traceback (nothing was written yet)."""
     for signum in SIGNALS:
-        signal.signal(signum, stopped_while_starting)
+        signal.signal(signum, lambda received, frame: exit_stopped(received))
 
 
-def stopped_while_starting(signum: int, frame) -> None:
-    print(f"stopped by {signal.Signals(signum).name}: nothing was written", file=sys.stderr, flush=True)
+def exit_stopped(signum: int, kept: str | None = None) -> NoReturn:
+    """A stop's one line (what was kept and how to go on), and its exit status: 128 + the signal."""
+    print(f"stopped by {signal.Signals(signum).name}: {kept or 'nothing was written'}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
 

@@ -234,7 +234,8 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
             "make translate / make evaluate (nothing was written)"
         )
     data = checkpoint["hyper_parameters"]["config"]["data"]
-    languages, kind = (data["src_lang"], data["tgt_lang"]), "MarianMTModel" if fmt == "hf" else "CTranslate2"
+    languages = data["src_lang"], data["tgt_lang"]
+    kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
     print(f"exporting {ckpt} as {kind} (the weights, the tokenizer, then a check against ours) ...", flush=True)
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
         tmp.mkdir()

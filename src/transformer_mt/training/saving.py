@@ -44,9 +44,9 @@ def checkpoint_callbacks(checkpoint_dir: Path, cfg: dict) -> list[Checkpoint]:
         periodic.append(UpdateCheckpoint(checkpoint_dir, "epoch{epoch:03d}-step{step:07d}", keep, epochs=epochs))
     if minutes:
         periodic.append(UpdateCheckpoint(checkpoint_dir, "time-step{step:07d}", keep, minutes=minutes))
-    best = dict(monitor=cfg["best_monitor"], mode=cfg["best_mode"])
+    watch = dict(monitor=cfg["best_monitor"], mode=cfg["best_mode"])
     # enable_version_counter=False: a run resumed in place rewrites a killed attempt's file instead of versioning it
-    best = BestCheckpoint(dirpath=checkpoint_dir, filename="best", enable_version_counter=False, **best)
+    best = BestCheckpoint(dirpath=checkpoint_dir, filename="best", enable_version_counter=False, **watch)
     return [*([best] if cfg["best_monitor"] else []), Saves(checkpoint_dir / RunFolder.LAST, periodic)]
 
 
