@@ -34,7 +34,12 @@ decoding each in a fresh process: CTranslate2's OpenMP runtime and ours slow eac
 Peers need the `export` extra: pip install -e ".[export]" (make install does).
 """
 
+# ruff: noqa: E402 (the stop handler is set before the imports, which take seconds)
 from __future__ import annotations
+
+from transformer_mt.stops import stop_quietly
+
+stop_quietly()  # as every command's: a stop while the libraries below load is one line, not a traceback
 
 import multiprocessing
 import random

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,20 +49,36 @@ def resident_memory_gib() -> float:
     return memory_gib("VmRSS")
 
 
+class Stopwatch:
+    """Seconds per part, summed over its calls (`with watch("tokenizing"): ...`): the data cache's `watch`."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+
+    @contextmanager
+    def __call__(self, part: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - start
+
+
 def measure_pass(cfg: DictConfig) -> dict:
     """Every stage of TranslationDataModule.build() (through its `stage` hook) and of the first training
     batch, each timed with its own peak memory."""
     stages = []
     dm = TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
+    dm.cache.watch = watch = Stopwatch()
 
     @contextmanager
     def stage(name: str):
         reset_peak_memory()
-        before, start = dict(dm.watch.seconds), time.perf_counter()
+        before, start = dict(watch.seconds), time.perf_counter()
         yield
         row = {"stage": name, "seconds": time.perf_counter() - start, "peak_gib": peak_memory_gib()}
         if name.endswith(": tokenized"):  # where a cold split's time went: reading, cleaning, tokenizing, writing
-            row["parts"] = {k: v - before.get(k, 0.0) for k, v in dm.watch.seconds.items()}
+            row["parts"] = {k: v - before.get(k, 0.0) for k, v in watch.seconds.items()}
         stages.append(row)
 
     dm.build(stage=stage)

@@ -4,6 +4,7 @@
 
 Points:
   update:N          after update N, before its checkpoints are written (mid-epoch)
+  rank-0-dies:N     after update N, rank 0 only: the other ranks go on to their next collective
   epoch-end:E       at the end of epoch E, after the checkpoints of its last update
   validation:N      inside the first validation batch after update N
   write:NAME:N      halfway through writing checkpoint NAME (e.g. last.ckpt) at update N
@@ -58,6 +59,8 @@ class Killer(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if self.kind == "update" and trainer.global_step == self.at:
+            die()
+        if self.kind == "rank-0-dies" and trainer.global_step == self.at and trainer.global_rank == 0:
             die()
 
     def on_sanity_check_start(self, trainer, module) -> None:

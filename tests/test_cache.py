@@ -222,13 +222,14 @@ def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypat
         return real_train(*args, **kwargs)
 
     monkeypatch.setattr(cache_module, "train_tokenizer", record)
-    waiter.build_when_cached(poll_seconds=0.05, timeout_seconds=3600)  # a hang guard only: rank 0 ends, however slowly
+    waiter.cache.wait_for_rank_0(poll_seconds=0.05, timeout_seconds=3600)  # a hang guard: rank 0 ends, however slowly
+    waiter.build()
     rank_0.join()
     assert trained == [True]  # SentencePiece trained once, by rank 0
     assert {how for how, _ in waiter.timings.values()} == {"loaded from cache"}
     assert waiter.tokenizer.proto == builder.tokenizer.proto and len(waiter.splits["train"]) == 400
     with pytest.raises(InputError, match="waited .* for rank 0 to write the data caches"):
-        text_datamodule(tmp_path / "elsewhere").build_when_cached(poll_seconds=0.01, timeout_seconds=0.03)
+        text_datamodule(tmp_path / "elsewhere").cache.wait_for_rank_0(poll_seconds=0.01, timeout_seconds=0.03)
 
 
 # ---------------------------------------------------------------- damaged and unwritable caches

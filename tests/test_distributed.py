@@ -253,6 +253,22 @@ def test_launched_job_has_one_run_folder_one_data_build_and_continues_when_resta
     assert results["models"]["average-last2"]["test"]["sentences"] == 30
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_whose_peer_died_says_so_in_one_line(strategy, corpus, tmp_path):
+    """Rank 0 SIGKILLed after update 2 (a node lost, the OOM killer): rank 1's next collective fails, and it says so
+    in one line naming the way on, without gloo's ~108-line traceback (before issue 63)."""
+    run = tmp_path / "run"
+    args = [f"data.path={corpus}", f"trainer.strategy={strategy}", "trainer.devices=2", f"hydra.run.dir={run}"]
+    kill_at = (str(ROOT / "tests" / "kill_at.py"), "rank-0-dies:2")
+    proc = run_train([*args, "checkpoint.every_n_train_steps=1"], tmp_path, check=False, entry=kill_at)
+    assert proc.returncode == -9, proc.stdout[-3000:] + proc.stderr[-3000:]  # rank 0; rank 1's output is there too
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and said[0].startswith("error: rank 1: another rank's process ended ("), proc.stderr[-3000:]
+    way_on = f"The newest checkpoint holds the run: continue it with ckpt_path=last hydra.run.dir={run}"
+    assert said[0].endswith(f"this one stops too. {way_on}")
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_ddp_run_waits_for_the_device_once_per_update_on_every_rank(corpus, tmp_path):
     """test_module's whole-run rule under torchrun and Lightning's DDP on 2 processes: each update waits
     once on every rank, its one all-reduce carrying the tokens, loss sums, stop signals and the clock of

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import hydra_task, run_process
+from conftest import ROOT, hydra_task, run_process
 from transformer_mt.checkpoint import load_for_inference, read_checkpoint
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
@@ -128,6 +128,7 @@ sys.meta_path.insert(0, Stop())
         ("finish", "torch", "SIGINT"),
         ("averaging", "torch", "SIGTERM"),
         ("tools.export", "torch", "SIGINT"),
+        ("scripts/benchmark.py", "torch", "SIGINT"),  # make bench
     ],
 )
 def test_a_stop_while_a_command_loads_its_imports_is_one_line_and_128_plus_it(tmp_path, command, heavy, name):
@@ -135,7 +136,8 @@ def test_a_stop_while_a_command_loads_its_imports_is_one_line_and_128_plus_it(tm
     traceback, or no line for SIGTERM, before issue 63): the package, imported first, set the stop's one line."""
     (tmp_path / "sitecustomize.py").write_text(STOP_IN_IMPORTS)
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HEAVY": heavy, "SIGNAL": name}
-    proc = run_process([sys.executable, "-m", f"transformer_mt.{command}", "x"], tmp_path, env=env)
+    entry = [str(ROOT / command)] if command.endswith(".py") else ["-m", f"transformer_mt.{command}"]
+    proc = run_process([sys.executable, *entry, "x"], tmp_path, env=env)
     assert proc.returncode == 128 + getattr(signal, name), proc.stderr[-3000:]
     assert proc.stdout == "" and proc.stderr == f"stopped by {name}: nothing was written\n"
 

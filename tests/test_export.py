@@ -48,18 +48,20 @@ SENTENCES = [
 DATA = {"name": "multi30k", "src_lang": "en", "tgt_lang": "de", "hub_name": "bentrevett/multi30k", "hub_config": None}
 
 
-def write_random_checkpoint(path, tokenizer, sharpen: float = 1.0):
+def write_random_checkpoint(path, tokenizer, sharpen: float = 1.0, **switches):
     """A checkpoint of random weights with every parameter away from its initial value (biases and
     LayerNorm gains too: a permutation missed anywhere shows) and a real SentencePiece model.
     sharpen > 1 scales attention logits by sharpen^2 and doubles the embeddings, so that greedy
     outputs vary from step to step instead of repeating one token (at the price of float32
     logits further from an exact recomputation)."""
-    cfg = tiny_config(vocab_size=len(tokenizer), d_ff=48, max_positions=96)  # sharpen is tuned to d_ff 48
+    cfg = tiny_config(vocab_size=len(tokenizer), d_ff=48, max_positions=96, **switches)  # sharpen: tuned to d_ff 48
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name == "decoder_norm.weight":  # pre-norm: its output is near its input's embedding, which greedy
+                p.copy_(3 * torch.randn_like(p))  # would repeat (tied weights) unless the gains flip signs
+            elif name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
@@ -152,10 +154,12 @@ def test_hf_export_gives_our_greedy_translations(sharp_checkpoint, tmp_path_fact
     assert hf_tokenizer.batch_decode(generated, skip_special_tokens=True) == tokenizer.decode(expected)
 
 
-def test_ct2_export_gives_our_greedy_tokens(sharp_checkpoint, tmp_path_factory):
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_ct2_export_gives_our_greedy_tokens(norm, tokenizer, tmp_path_factory):
     ctranslate2 = pytest.importorskip("ctranslate2", reason="the export extra is not installed")
-    out = exported(sharp_checkpoint, "ct2", tmp_path_factory)
-    model, tokenizer, _ = load_for_inference(sharp_checkpoint)
+    sharp = write_random_checkpoint(tmp_path_factory.mktemp(norm) / "sharp.ckpt", tokenizer, sharpen=4.0, norm=norm)
+    out = exported(sharp, "ct2", tmp_path_factory)
+    model, tokenizer, _ = load_for_inference(sharp)
     translator = ctranslate2.Translator(str(out), device="cpu", compute_type="float32")
     n = 25
     results = translator.translate_batch(
@@ -163,6 +167,7 @@ def test_ct2_export_gives_our_greedy_tokens(sharp_checkpoint, tmp_path_factory):
     )
     expected = translate_ids(model, tokenizer.encode(SENTENCES), beam_size=1, max_len_a=0, max_len_b=n)
     assert [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results] == expected
+    assert len({tuple(e) for e in expected}) == len(expected) and all(len(set(e)) >= 3 for e in expected)
     assert (out / "sentencepiece.model").read_bytes() == tokenizer.proto
 
 
@@ -180,14 +185,16 @@ def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint
     assert not (tmp_path / "ct2").exists()
 
 
-def test_export_refuses_what_marian_cannot_express_in_one_line(variant_run, tmp_path):
+@pytest.mark.parametrize(("fmt", "kind"), [("hf", "MarianMTModel"), ("ct2", "CTranslate2")])
+def test_export_refuses_what_the_format_cannot_express_in_one_line(fmt, kind, variant_run, tmp_path):
     with pytest.raises(InputError) as error:
-        export(str(variant_run / "checkpoints" / "last.ckpt"), "hf", str(tmp_path / "hf"))
+        export(str(variant_run / "checkpoints" / "last.ckpt"), fmt, str(tmp_path / fmt))
     message = str(error.value)
-    assert "cannot be exported as a Marian model: d_k=6, d_v=10 with 4 heads" in message and "\n" not in message
-    for switch in ("positions=learned", "norm=pre", "share_embeddings=none"):
+    assert f"cannot be exported as {kind}: d_k=6, d_v=10 with 4 heads" in message and "\n" not in message
+    for switch in ("positions=learned", "share_embeddings=none"):
         assert switch in message
-    assert not (tmp_path / "hf").exists()
+    assert ("norm=pre" in message) == (fmt == "hf")  # CTranslate2 has pre-norm
+    assert not (tmp_path / fmt).exists()
 
 
 # ---------------------------------------------------------------- attention pictures

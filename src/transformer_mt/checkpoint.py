@@ -126,8 +126,6 @@ def run_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def average_checkpoints(paths: list[str | Path]) -> dict:
     """Mean of the weights (summed in float64); everything else (config, SentencePiece) from the newest checkpoint."""
-    if not paths:
-        raise InputError("no checkpoints to average")
     first = Path(paths[0])
     reference = read_checkpoint(first)
     total = {k: v.double() if v.is_floating_point() else v.clone() for k, v in reference["state_dict"].items()}

@@ -204,13 +204,12 @@ class RunFolder:
             except OSError:
                 break
 
-    def keep_earlier_results(self) -> Path | None:
+    def keep_earlier_results(self) -> None:
         """An earlier results.json (a run finished again) is kept as results.<n>.json, the first free n, and said."""
         if not self.results.is_file():
-            return None
+            return
         n = 1
         while (kept := self.results.with_name(f"{self.results.stem}.{n}{self.results.suffix}")).exists():
             n += 1
         self.results.rename(kept)
         log.warning("%s was there already (an earlier end of this run): kept as %s", self.results, kept.name)
-        return kept

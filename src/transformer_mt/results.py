@@ -40,10 +40,7 @@ class Results:
     @classmethod
     def read(cls, path: Path) -> Results:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict):
-                raise TypeError(f"it holds a {type(data).__name__}, not an object")
-            return cls(**data)
+            return cls(**json.loads(path.read_text(encoding="utf-8")))
         except (ValueError, TypeError) as e:
             raise InputError(f"{path}: not a results.json of a run's end ({e}); make finish rewrites it") from None
 

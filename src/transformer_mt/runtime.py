@@ -50,12 +50,6 @@ def keep_freed_memory() -> bool:
     return bool(lib.mallopt(M_MMAP_MAX, 0)) and bool(lib.mallopt(M_TRIM_THRESHOLD, 2**30))
 
 
-def release_freed_memory() -> None:
-    """Freed heap memory back to the system (SentencePiece's trainer left 4.8 GB resident at WMT14 scale)."""
-    if (lib := libc()) is not None:
-        lib.malloc_trim(0)
-
-
 def pick_device(name: str) -> torch.device:
     """`auto`: the first CUDA GPU when there is one, else the CPU."""
     if name == "auto":

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,23 @@ def exit_stopped(signum: int, kept: str | None = None) -> NoReturn:
     """A stop's one line (what was kept and how to go on), and its exit status: 128 + the signal."""
     print(f"stopped by {signal.Signals(signum).name}: {kept or 'nothing was written'}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
+
+
+def peer_ended(error: BaseException, run_dir) -> str | None:
+    """The one line of a rank whose collective failed because another rank's process ended (killed, out of memory):
+    torch.distributed's DistError, or a RuntimeError from gloo's transport ("Connection reset by peer"); else None."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is None or not isinstance(error, RuntimeError):
+        return None
+    if not isinstance(error, distributed.DistError) and "gloo/transport" not in str(error):
+        return None
+    rank = distributed.get_rank() if distributed.is_initialized() else os.environ.get("LOCAL_RANK", "?")
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    cause = re.sub(r"^\[\S+\] ", "", first).split(". ")[0]  # gloo's: "[<file>:<line>] Read error ...: <why>. This ..."
+    return (
+        f"rank {rank}: another rank's process ended ({cause}); this one stops too. The newest checkpoint holds the "
+        f"run: continue it with ckpt_path=last hydra.run.dir={run_dir}"
+    )
 
 
 def die_with_parent(worker_id: int = 0) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from transformer_mt.errors import InputError, MissingInputError
 from transformer_mt.files import atomic_write
-from transformer_mt.runtime import release_freed_memory, usable_cores
+from transformer_mt.runtime import libc, usable_cores
 from transformer_mt.stops import Stopped
 
 log = logging.getLogger(__name__)
@@ -117,5 +117,6 @@ def train_tokenizer(
         raise InputError(
             f"SentencePiece could not train a {vocab_size}-token vocabulary (set data.vocab_size): {e}"
         ) from None
-    release_freed_memory()
+    if (lib := libc()) is not None:  # freed heap back to the system: SentencePiece left 4.8 GB resident (WMT14)
+        lib.malloc_trim(0)
     return Tokenizer(Tokenizer(proto=proto.getvalue()).save(directory))

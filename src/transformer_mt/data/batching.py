@@ -176,8 +176,6 @@ class TokenBucketSampler(Sampler[list[int]]):
 
 def batch_starts(longest: np.ndarray, max_tokens: int) -> np.ndarray:
     """Where greedy batches of sentences sorted by `longest` start (size x longest <= max_tokens), length by length."""
-    if len(longest) == 0:
-        return np.zeros(0, dtype=np.int64)
     lengths, firsts = np.unique(longest, return_index=True)
     ends = np.append(firsts[1:], len(longest))
     starts, open_at = [np.zeros(1, dtype=np.int64)], 0

@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,21 +37,6 @@ CACHE_BYTES_PER_RAW_BYTE = 1.5  # an estimate (measured 1.19-1.26: docs/data.md)
 Stage = Callable[[str], AbstractContextManager]  # build()'s hook around each step, given the step's name
 
 
-class Stopwatch:
-    """Seconds per stage, summed over its calls (`with watch("tokenizing"): ...`), for scripts/scale_report.py."""
-
-    def __init__(self):
-        self.seconds: Counter = Counter()
-
-    @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[stage] += time.perf_counter() - start
-
-
 @dataclass
 class TokenCache:
     """A corpus' tokenizer and tokenized splits under `directory`: loaded when cached, else built and cached."""
@@ -65,7 +50,7 @@ class TokenCache:
     seed: int
     chunk_size: int = 50_000  # pairs read, tokenized and written at a time: memory follows the chunk, not the corpus
     timings: dict[str, tuple[str, float]] = field(default_factory=dict)  # split -> (how, seconds)
-    watch: Stopwatch = field(default_factory=Stopwatch)
+    watch: Stage = nullcontext  # around each part of tokenizing a split (scripts/scale_report.py times them)
 
     def build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
         """(raw splits, tokenizer, tokenized splits); a cache that cannot be written is one line naming the fix."""
@@ -131,7 +116,7 @@ class TokenCache:
             raise self.unwritable(f"needs {estimate}")
         log.info("data cache: %s to write under %s, %s MiB free", estimate, self.directory, f"{free / 2**20:,.0f}")
 
-    def wait_for_rank_0(self, poll_seconds: float, timeout_seconds: float) -> None:
+    def wait_for_rank_0(self, poll_seconds: float = 5.0, timeout_seconds: float = 6 * 3600) -> None:
         """Return once another process (rank 0 of a launched job) has written every cache."""
         # A warning: ranks other than 0 log nothing below (training.logs), and this is where a rank's start goes.
         log.warning("rank %d: reading the data caches that rank 0 builds under %s", launched_rank(), self.directory)

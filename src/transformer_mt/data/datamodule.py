@@ -56,7 +56,7 @@ class TranslationDataModule(L.LightningDataModule):
         self.cache_dir = Path(os.path.expanduser(cache_dir))
         settings = (vocab_size, spm_max_sentences, max_len, max_len_ratio, seed)
         self.cache = TokenCache(self.corpus, self.cache_dir, *settings)
-        self.watch, self.timings = self.cache.watch, self.cache.timings  # the tools read them here
+        self.timings = self.cache.timings  # the tools read them here
         self.max_tokens, self.max_tokens_fallback = max_tokens, max_tokens_fallback
         self.tokens_per_update, self.num_workers, self.seed = tokens_per_update, num_workers, seed
         self.tokenizer: Tokenizer | None = None
@@ -74,11 +74,6 @@ class TranslationDataModule(L.LightningDataModule):
     def build(self, stage: Stage = lambda name: nullcontext()) -> None:
         """Tokenizer and tokenized splits, cached (cache.py); each step inside `with stage(<its name>)`."""
         self.raw, self.tokenizer, self.splits = self.cache.build(stage)
-
-    def build_when_cached(self, poll_seconds: float = 5.0, timeout_seconds: float = 6 * 3600) -> None:
-        """build() once rank 0 of a launched job has written every cache."""
-        self.cache.wait_for_rank_0(poll_seconds, timeout_seconds)
-        self.build()
 
     def check_lengths(self, max_positions: int) -> None:
         """Every pair fits the model's position table with EOS (BOS): found now, not at the first validation."""

@@ -49,20 +49,22 @@ RENAMES = [  # our parameter names -> Marian's (applied in order)
     ("decoder_layers.", "decoder.layers."), ("self_attn_res.norm", "self_attn_layer_norm"),
     ("cross_attn_res.norm", "encoder_attn_layer_norm"), ("cross_attn.", "encoder_attn."),
     ("ffn_res.norm", "final_layer_norm"), ("ffn.w1", "fc1"), ("ffn.w2", "fc2"),
+    ("encoder_norm", "encoder.layer_norm"), ("decoder_norm", "decoder.layer_norm"),  # pre-norm's, for CTranslate2
 ]  # fmt: skip
 READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "w1")  # input features are d_model: reorder columns
 WRITES_RESIDUAL = ("out_proj", "w2")  # output features are d_model: reorder rows and bias
 
 
-def inexpressible(cfg: TransformerConfig) -> list[str]:
-    """The model's switches that Marian has no setting for (model.py's defaults are all Marian's)."""
+def inexpressible(cfg: TransformerConfig, fmt: str) -> list[str]:
+    """The model's switches that Marian (fmt hf) or CTranslate2 (ct2) has no setting for (model.py's defaults are all
+    Marian's; CTranslate2 has pre-norm too)."""
     d_k, d_v = cfg.head_sizes
     found = []
     if not d_k * cfg.n_heads == d_v * cfg.n_heads == cfg.d_model:
         found.append(f"d_k={d_k}, d_v={d_v} with {cfg.n_heads} heads (Marian's heads are d_model / n_heads wide)")
     if cfg.positions != "sinusoidal":
         found.append(f"positions={cfg.positions} (Marian's positions are sinusoids)")
-    if cfg.norm != "post":
+    if cfg.norm != "post" and fmt == "hf":
         found.append(f"norm={cfg.norm} (Marian's layers are post-norm)")
     if cfg.share_embeddings != "all":
         found.append(f"share_embeddings={cfg.share_embeddings} (this export ties all three matrices, as §3.4)")
@@ -107,8 +109,12 @@ def marian_config(model: Transformer):
 
 
 def marian_model(model: Transformer):
-    """transformers' MarianMTModel of the same shape, holding our weights (in train mode, as a new model)."""
+    """transformers' MarianMTModel of the same shape, holding our weights (in train mode, as a new model). A pre-norm
+    model's final LayerNorms ride along unused (Marian is post-norm), for CTranslate2's converter."""
     hf = optional("transformers").MarianMTModel(marian_config(model))
+    if model.cfg.norm == "pre":
+        hf.model.encoder.layer_norm = nn.LayerNorm(model.cfg.d_model)
+        hf.model.decoder.layer_norm = nn.LayerNorm(model.cfg.d_model)
     missing, unexpected = hf.model.load_state_dict(marian_state_dict(model), strict=False)
     left = [k for k in missing if not k.endswith(("embed_positions.weight", "embed_tokens.weight"))]
     if left or unexpected:
@@ -170,14 +176,14 @@ def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
             f"{diffs[0]:.1e} in float32, {diffs[1]:.1e} in float64)")  # fmt: skip
 
 
-def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> None:
-    """Through CTranslate2's Marian converter, told ours: the decoder starts from BOS's embedding (Marian's from
-    zeros) and pad is id 0 (Marian's is last, which its converter drops)."""
+def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantization: str | None) -> None:
+    """Through CTranslate2's Marian converter, told ours: post- or pre-norm, the decoder starts from BOS's embedding
+    (Marian's from zeros) and pad is id 0 (Marian's is last, which its converter drops)."""
     transformers, converters = optional("transformers"), optional("ctranslate2.converters.transformers")
 
     class Loader(converters.MarianMTLoader):
         def get_model_spec(self, model):
-            model.config.normalize_before = False  # post-norm
+            model.config.normalize_before = pre_norm
             model.config.normalize_embedding = False
             return converters.BartLoader.get_model_spec(self, model)  # keeps every vocabulary row
 
@@ -192,8 +198,8 @@ def write_ct2(hf_directory: Path, directory: Path, quantization: str | None) -> 
         def get_vocabulary(self, model, tokenizer):
             return converters.BartLoader.get_vocabulary(self, model, tokenizer)
 
-    hf = transformers.MarianMTModel.from_pretrained(hf_directory).eval()
-    spec = Loader()(hf, transformers.MarianTokenizer.from_pretrained(hf_directory))
+    pre_norm = model.cfg.norm == "pre"
+    spec = Loader()(marian_model(model).eval(), transformers.MarianTokenizer.from_pretrained(hf_directory))
     spec.validate()
     spec.optimize(quantization=quantization)
     spec.save(str(directory))
@@ -228,14 +234,14 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
     if fmt == "ct2":
         optional("ctranslate2")
     model, tokenizer, checkpoint = load_for_inference(ckpt)
-    if cannot := inexpressible(model.cfg):
+    kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
+    if cannot := inexpressible(model.cfg, fmt):
         raise InputError(
-            f"{ckpt}: cannot be exported as a Marian model: {'; '.join(cannot)}. Translate and evaluate it with "
+            f"{ckpt}: cannot be exported as {kind}: {'; '.join(cannot)}. Translate and evaluate it with "
             "make translate / make evaluate (nothing was written)"
         )
     data = checkpoint["hyper_parameters"]["config"]["data"]
     languages = data["src_lang"], data["tgt_lang"]
-    kind = "MarianMTModel" if fmt == "hf" else "CTranslate2"
     print(f"exporting {ckpt} as {kind} (the weights, the tokenizer, then a check against ours) ...", flush=True)
     with atomic_write(out_dir) as tmp:  # a folder that appears whole or not at all
         tmp.mkdir()
@@ -245,7 +251,7 @@ def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Pa
         else:
             with tempfile.TemporaryDirectory() as hf_dir:
                 write_hf(model, tokenizer, Path(hf_dir), languages)
-                write_ct2(Path(hf_dir), tmp, quantization)
+                write_ct2(model, Path(hf_dir), tmp, quantization)
             if not quantization or quantization == "float32":
                 checked = check_ct2(model, tokenizer, tmp)
             else:

@@ -57,8 +57,7 @@ def measure_step_bytes(module, device: torch.device, precision: str, sentences: 
     ids = torch.randint(4, model.cfg.vocab_size, (sentences, length), device=device)  # ids 0-3: PAD, UNK, BOS, EOS
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    dtype = torch.bfloat16 if str(precision).startswith("bf16") else torch.float16
-    with torch.autocast("cuda", dtype=dtype, enabled=not str(precision).startswith("32")):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=str(precision).startswith("bf16")):
         loss, _, _ = sequence_losses(model, ids, ids, ids, 0.1)
     loss.backward()
     peak = torch.cuda.max_memory_allocated(device)

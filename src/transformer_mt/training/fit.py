@@ -21,13 +21,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt import runtime
 from transformer_mt.data.datamodule import TranslationDataModule
-from transformer_mt.errors import InputError, closest
+from transformer_mt.errors import InputError, UserError, closest
 from transformer_mt.evaluation.protocol import Protocol
 from transformer_mt.files import RunFolder, RunFolderLock, shown
 from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import code_record, cpu_has_native_bf16, use_tf32
-from transformer_mt.stops import Stopped, exit_after_training
+from transformer_mt.stops import Stopped, exit_after_training, peer_ended
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
 from transformer_mt.training.budget import budget_seconds
@@ -199,6 +199,8 @@ def train(cfg: DictConfig, job: Job) -> float | None:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
         if isinstance(e, Stopped):  # before training began (UpdateEnd stops it at an update's end)
             e.kept = e.kept or kept(RunFolder(job.run_dir).checkpoints)
+        if line := peer_ended(e, job.run_dir):
+            raise UserError(line) from None
         raise
     finally:
         # Where gloo's threads outlive the Trainer (fsdp), the entry point leaves past finalization (train.py)
@@ -214,10 +216,9 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     resume_path, resumed = resume_checkpoint(cfg.ckpt_path, run_dir, config)  # a bad file fails here, first
     saved_max_tokens = None
     datamodule = TranslationDataModule(**plain(cfg.data))
-    if launched_rank() == 0:
-        datamodule.build()  # the vocabulary size is known only after SentencePiece
-    else:  # torchrun/srun started every rank at once: rank 0 builds, the others read its caches
-        datamodule.build_when_cached()
+    if launched_rank() != 0:  # torchrun/srun started every rank at once: rank 0 builds, the others read its caches
+        datamodule.cache.wait_for_rank_0()
+    datamodule.build()  # the vocabulary size is known only after SentencePiece
     datamodule.check_lengths(cfg.model.max_positions)
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}

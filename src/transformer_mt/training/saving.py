@@ -61,12 +61,8 @@ class BestCheckpoint(ModelCheckpoint):
         kept = {path: score for path, score in kept.items() if Path(path).is_file()}
         restored = dict(best_k_models=kept, best_model_path="", best_model_score=None, last_model_path="")
         restored.update(kth_best_model_path=self.kth_best_model_path, kth_value=self.kth_value)  # else: as new
-        if kept:  # ModelCheckpoint's own choice of the best and the k-th best (the next to go)
-            best = (max if self.mode == "max" else min)(kept, key=kept.get)
-            kth = (min if self.mode == "max" else max)(kept, key=kept.get)
-            restored.update(
-                best_model_path=best, best_model_score=kept[best], kth_best_model_path=kth, kth_value=kept[kth]
-            )
+        for path, score in kept.items():  # one (save_top_k=1): the best is also the k-th best, the next to go
+            restored.update(best_model_path=path, best_model_score=score, kth_best_model_path=path, kth_value=score)
         super().load_state_dict({**state, "dirpath": self.dirpath, **restored})
         if self.best_model_score is not None and rank_zero_only.rank == 0:
             score, was = float(self.best_model_score), Path(state["dirpath"]).parent
