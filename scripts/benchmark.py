@@ -65,7 +65,7 @@ from transformer_mt.evaluation.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
-from transformer_mt.runtime import cpu_has_native_bf16, keep_freed_memory, matmul_peak, usable_cores
+from transformer_mt.runtime import compile_decoding, cpu_has_native_bf16, keep_freed_memory, matmul_peak, usable_cores
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import export, marian_model, optional
@@ -297,7 +297,7 @@ def ct2_translate(translator, sp, sources: list[str], beam: int, alpha: float, b
 
 SYSTEMS = [
     "transformer_mt",
-    "transformer_mt compiled",  # compile=true: Transformer.compile_decoding
+    "transformer_mt compiled",  # compile=true: runtime.compile_decoding
     "engine=ct2",  # make translate/evaluate engine=ct2: engines.CT2Process, CTranslate2 float32 in a child process
     "transformers generate",
     "CTranslate2 float32",
@@ -317,7 +317,7 @@ def decode_worker(system: str, ckpt: str, exported: dict, sources: list[str], si
     if system.startswith("transformer_mt"):
         model, tokenizer, _ = load_for_inference(ckpt)
         if system.endswith("compiled"):
-            model.compile_decoding()
+            compile_decoding(model)
 
         def run(lines, beam):
             return translate_lines(model, tokenizer, lines, beam_size=beam, alpha=PAPER.alpha)

@@ -8,6 +8,7 @@ import torch
 from conftest import tiny_config
 from transformer_mt.decoding import Heartbeat
 from transformer_mt.model import Transformer
+from transformer_mt.runtime import compile_decoding
 from transformer_mt.search import beam_search, greedy, length_penalty, translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, source_batch
 
@@ -199,14 +200,14 @@ def test_a_long_decode_reports_how_far_it_got_once_a_minute(monkeypatch):
 
 @pytest.mark.slow  # compiles (~1 min on 2 CPU cores)
 def test_compiled_decoding_chooses_eagers_tokens_and_scores():
-    """compile=true (Transformer.compile_decoding): greedy, beam search and its n-best lists as eager gives
+    """compile=true (runtime.compile_decoding): greedy, beam search and its n-best lists as eager gives
     them, over batches whose shapes change (sentences finish and leave, caches grow, one sentence alone)."""
     sources = SOURCES * 3 + [[5, 9, 11, 17, 6, 10, 12, 7]]
     runs = []
     for compiled in (False, True):
         model = trained_like_model(3)
         if compiled:
-            assert model.compile_decoding() is model and model.decode_step is not Transformer.decode_step
+            assert compile_decoding(model) is model and model.decode_step is not Transformer.decode_step
         runs.append(
             [
                 translate_ids(model, sources, beam_size=1, max_len_b=12),
@@ -221,7 +222,7 @@ def test_compiled_decoding_chooses_eagers_tokens_and_scores():
         assert [tokens for tokens, _ in compiled_list] == [tokens for tokens, _ in eager_list]
         assert [score for _, score in compiled_list] == pytest.approx([score for _, score in eager_list], abs=1e-4)
     weights = trained_like_model(3).state_dict()
-    model = trained_like_model(3).compile_decoding()
+    model = compile_decoding(trained_like_model(3))
     assert model.state_dict().keys() == weights.keys()  # checkpoints of a compiled model are eager's
 
 
@@ -234,7 +235,7 @@ def test_the_compiled_step_compiles_a_handful_of_graphs_not_one_per_length_bucke
 
     torch._dynamo.reset()
     counters.clear()
-    model, eager, rng = trained_like_model(3).compile_decoding(), trained_like_model(3), random.Random(0)
+    model, eager, rng = compile_decoding(trained_like_model(3)), trained_like_model(3), random.Random(0)
     graphs = []
     for length, size in [(3, 4), (5, 7), (8, 3), (12, 6), (17, 2), (23, 5), (30, 4), (40, 3), (50, 8)]:
         batch = [[rng.randrange(5, 30) for _ in range(length)] for _ in range(size)]

@@ -320,21 +320,6 @@ class Transformer(nn.Module):
         """Incremental decoding's state: each layer keeps the memory's keys/values from the first step on."""
         return DecoderState(key_mask(src_pad), memory, [LayerCache() for _ in self.decoder_layers])
 
-    def compile_decoding(self) -> Transformer:
-        """encode and decode_step through torch.compile with dynamic shapes, for this instance (its state_dict stays
-        eager's); the first batches compile."""
-        step = torch.compile(self.decode_step, dynamic=True)
-
-        def decode_step(prev: Tensor, state: DecoderState) -> Tensor:
-            state.make_contiguous()  # strides are guarded like shapes: contiguous inputs keep it to a few graphs
-            return step(prev.contiguous(), state)
-
-        self.encode = torch.compile(self.encode, dynamic=True)  # instance attributes shadow the methods
-        self.decode_step = decode_step
-        # at least 32 recompiles (8 by default): torch.compiler has no public setting for it, dynamo's config has
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        return self
-
     def decode_step(self, prev: Tensor, state: DecoderState) -> Tensor:
         """prev (B * beam,) = the token at position state.length -> logits (B * beam, V) for the next one.
         Extends `state` in place; equal to forward()'s logits at that position."""

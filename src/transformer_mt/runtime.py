@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from transformer_mt.decoding_state import DecoderState
 from transformer_mt.errors import InputError
+from transformer_mt.model import Transformer
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
@@ -233,3 +235,19 @@ def leave_if_gloo_remains(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def compile_decoding(model: Transformer) -> Transformer:
+    """`model`'s encode and decode_step through torch.compile with dynamic shapes, for this instance (its state_dict
+    stays eager's); the first batches compile."""
+    step = torch.compile(model.decode_step, dynamic=True)
+
+    def decode_step(prev: torch.Tensor, state: DecoderState) -> torch.Tensor:
+        state.make_contiguous()  # strides are guarded like shapes: contiguous inputs keep it to a few graphs
+        return step(prev.contiguous(), state)
+
+    model.encode = torch.compile(model.encode, dynamic=True)  # instance attributes shadow the methods
+    model.decode_step = decode_step
+    # at least 32 recompiles (8 by default): torch.compiler has no public setting for it, dynamo's config has
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    return model

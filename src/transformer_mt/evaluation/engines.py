@@ -129,11 +129,12 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
     if not isinstance(cfg.compile, bool):
         raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
     if cfg.engine == "torch":
+        from transformer_mt.runtime import compile_decoding  # noqa: PLC0415
         from transformer_mt.search import translate_lines  # noqa: PLC0415
 
         model, tokenizer, checkpoint = start_inference(ckpt, cfg.device, cfg.threads)
         if cfg.compile:
-            model.compile_decoding()
+            compile_decoding(model)
         yield functools.partial(translate_lines, model, tokenizer), checkpoint["hyper_parameters"].get("config", {})
         return
     if cfg.compile:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from transformer_mt.model import Transformer, TransformerConfig
 from transformer_mt.objective import noam_lr, sequence_losses
-from transformer_mt.runtime import sentence_attention
+from transformer_mt.runtime import compile_decoding, sentence_attention
 from transformer_mt.scoring import corpus_scores
 from transformer_mt.search import greedy
 from transformer_mt.stops import epoch_ends
@@ -54,7 +54,7 @@ class TranslationModule(L.LightningModule):
     def compile_training(self, backend="inductor") -> None:
         """trainer.compile: the loss with dynamic shapes (2 graphs an epoch), the model unwrapped (no `_orig_mod.`)."""
         self._training_losses = torch.compile(sequence_losses, dynamic=True, backend=backend)
-        self.model.compile_decoding()
+        compile_decoding(self.model)
 
     def _losses(self, batch: dict[str, Tensor], losses=sequence_losses) -> tuple[Tensor, Tensor, Tensor]:
         src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
