@@ -38,7 +38,7 @@ def build(cfg: DictConfig) -> tuple[TranslationDataModule, float]:
 def main(cfg: DictConfig) -> None:
     first, first_s = build(cfg)
     _, cached_s = build(cfg)
-    was_cached = all(how == "loaded from cache" for how, _ in first.timings.values())
+    was_cached = all(how == "loaded from cache" for how, _ in first.cache.timings.values())
     sizes = ", ".join(f"{split} {len(first.splits[split]):,}" for split in SPLITS)
     print(f"data: {cfg.data.name} ({sizes} pairs), vocabulary {len(first.tokenizer):,}")
     if was_cached:

@@ -113,10 +113,10 @@ def test_tokenizer_rejects_missing_or_foreign_models(tmp_path):
 def test_second_build_reads_the_cache(tmp_path):
     dm = text_datamodule(tmp_path)
     dm.build()
-    assert {how for how, _ in dm.timings.values()} == {"tokenized"}
+    assert {how for how, _ in dm.cache.timings.values()} == {"tokenized"}
     again = text_datamodule(tmp_path)
     again.build()
-    assert {how for how, _ in again.timings.values()} == {"loaded from cache"}
+    assert {how for how, _ in again.cache.timings.values()} == {"loaded from cache"}
     for split in ("train", "validation", "test"):
         assert len(again.splits[split]) == len(dm.splits[split])
         for a, b in zip(again.splits[split], dm.splits[split], strict=True):
@@ -128,7 +128,7 @@ def test_second_build_reads_the_cache(tmp_path):
     (tmp_path / "corpus" / "test.en").write_text("other\n" * 30, encoding="utf-8")
     changed = text_datamodule(tmp_path)
     changed.build()
-    assert changed.timings["test"][0] == "tokenized" and changed.timings["train"][0] == "loaded from cache"
+    assert changed.cache.timings["test"][0] == "tokenized" and changed.cache.timings["train"][0] == "loaded from cache"
 
 
 def test_the_cache_written_in_chunks_holds_each_kept_pair_as_the_tokenizer_encodes_it(tmp_path):
@@ -226,7 +226,7 @@ def test_other_ranks_wait_for_rank_0s_caches_and_never_build(tmp_path, monkeypat
     waiter.build()
     rank_0.join()
     assert trained == [True]  # SentencePiece trained once, by rank 0
-    assert {how for how, _ in waiter.timings.values()} == {"loaded from cache"}
+    assert {how for how, _ in waiter.cache.timings.values()} == {"loaded from cache"}
     assert waiter.tokenizer.proto == builder.tokenizer.proto and len(waiter.splits["train"]) == 400
     with pytest.raises(InputError, match="waited .* for rank 0 to write the data caches"):
         text_datamodule(tmp_path / "elsewhere").cache.wait_for_rank_0(poll_seconds=0.01, timeout_seconds=0.03)
@@ -317,8 +317,8 @@ def test_an_entrys_recorded_settings_must_match_the_model_it_holds(tmp_path):
     with pytest.raises(InputError) as error:
         text_datamodule(tmp_path).build()
     message = str(error.value)
-    assert message.startswith(f"{entry / 'entry.json'}: this cache entry holds a 300-word SentencePiece model")
-    assert "these settings ask for 400 words" in message and message.endswith("point data.cache_dir elsewhere")
+    assert message.startswith(f"{entry}: this cache entry's 300-word SentencePiece model")
+    assert "these settings make (400 words" in message and message.endswith("point data.cache_dir elsewhere")
 
 
 def test_a_wrong_but_valid_sentencepiece_model_in_a_cache_entry_is_one_line_naming_the_entry(tmp_path, caplog):
@@ -340,7 +340,7 @@ def test_a_wrong_but_valid_sentencepiece_model_in_a_cache_entry_is_one_line_nami
         with pytest.raises(InputError) as error:
             text_datamodule(tmp_path).build()
         message = str(error.value)
-        assert message.startswith(f"{model}: not the SentencePiece model this cache entry made") and "\n" not in message
+        assert message.startswith(f"{entry}: this cache entry's ") and "\n" not in message
         assert message.endswith(f"rm -r {entry} (its tokenized splits follow), or point data.cache_dir elsewhere")
     (entry / "entry.json").unlink()
     with caplog.at_level("WARNING"):
@@ -422,4 +422,4 @@ def test_a_complete_cache_is_only_read_and_needs_no_room(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: 1 / 0)  # never asked: nothing will be written
     dm = text_datamodule(tmp_path)
     dm.build()
-    assert trainings == [] and {how for how, _ in dm.timings.values()} == {"loaded from cache"}
+    assert trainings == [] and {how for how, _ in dm.cache.timings.values()} == {"loaded from cache"}

@@ -177,8 +177,6 @@ def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint
     with pytest.raises(InputError, match="exists; remove it or choose another"):
         export(str(random_checkpoint), "hf", str(tmp_path / "taken"))
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
-    with pytest.raises(InputError, match="FORMAT=onnx: choose hf"):
-        export(str(random_checkpoint), "onnx", str(tmp_path / "x"))
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if not installed: import fails
     with pytest.raises(UserError, match=r"needs the Python package 'ctranslate2': install the extra with pip install"):
         export(str(random_checkpoint), "ct2", str(tmp_path / "ct2"))

@@ -323,7 +323,7 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tmp_path):
         return one_error_line(run_train([f"data.path={corpus}", "trainer.max_steps=6", *args], tmp_path, check=False))
 
     line = resume(f"data.path={other}", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'a'}")
-    assert f"ckpt_path={last}: the checkpoint was trained with another SentencePiece model" in line
+    assert f"ckpt_path={last}: the checkpoint's model has another SentencePiece model" in line
     line = resume("model.d_model=64", "ckpt_path=last", f"hydra.run.dir={run}")
     assert f"ckpt_path={last}: the checkpoint's model has d_model 32 (now 64)" in line
     junk = tmp_path / "junk.ckpt"

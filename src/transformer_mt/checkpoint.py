@@ -93,8 +93,6 @@ def load_for_inference(path: str | Path) -> tuple[Transformer, Tokenizer, dict]:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise InputError(f"{path}: weights do not fit the model its hyper_parameters describe: {e}") from None
-    if "sentencepiece" not in checkpoint:
-        raise InputError(f"{path}: has no SentencePiece model inside")
     tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin=f"{path} (sentencepiece)")
     return model.requires_grad_(False).eval(), tokenizer, checkpoint
 

@@ -64,8 +64,6 @@ class TransformerConfig:
             )
         if self.d_model % 2 and self.positions == "sinusoidal":
             raise ValueError(f"d_model={self.d_model} must be even for sin/cos positions (§3.5)")
-        if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(f"pad_id={self.pad_id} is outside the vocabulary of {self.vocab_size}")
 
     @property
     def head_sizes(self) -> tuple[int, int]:

@@ -26,38 +26,34 @@ def nbest_lines(number: int, hyps: list[tuple[str, float]]) -> str:
 
 def translate(cfg: DictConfig) -> None:
     try:
-        translate_stdin(cfg)
+        with open_engine(cfg) as (translate_lines, _):
+            decoding = chosen_decoding(cfg, say=stderr)
+            batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines  # at a terminal, each line as it is typed
+            lines_done, start = 0, time.perf_counter()
+            # Bytes split on "\n" only (U+0085 and friends inside a line are text), decoded line by line: an invalid
+            # line ends the run with its number, after the lines before it are translated and written.
+            while raw := list(itertools.islice(sys.stdin.buffer, batch_lines)):
+                chunk, error = [], None
+                for number, line in enumerate(raw, lines_done + 1):
+                    try:
+                        chunk.append(decode_line(line, number, "standard input"))
+                    except InputError as e:
+                        error = e
+                        break
+                results = translate_lines(
+                    chunk, warn=lambda message: stderr(f"warning: input {message}"), first_line=lines_done + 1,
+                    progress=sys.stderr.isatty() and batch_lines > 1, n_best=cfg.n_best,
+                    tokens_per_batch=cfg.tokens_per_batch, **decoding.settings(),
+                )  # fmt: skip
+                for number, result in enumerate(results, lines_done):
+                    sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
+                sys.stdout.flush()
+                lines_done += len(chunk)
+                if error:
+                    raise InputError(f"{error}; the {lines_done} lines before it were translated and written")
     except Stopped as e:
         e.kept = "the translations written to standard output so far are whole lines"
         raise
-
-
-def translate_stdin(cfg: DictConfig) -> None:
-    with open_engine(cfg) as (translate_lines, _):
-        decoding = chosen_decoding(cfg, say=stderr)
-        batch_lines = 1 if sys.stdin.isatty() else cfg.batch_lines  # at a terminal, each line as it is typed
-        lines_done, start = 0, time.perf_counter()
-        # Bytes split on "\n" only (U+0085 and friends inside a line are text), decoded line by line: an invalid
-        # line ends the run with its number, after the lines before it are translated and written.
-        while raw := list(itertools.islice(sys.stdin.buffer, batch_lines)):
-            chunk, error = [], None
-            for number, line in enumerate(raw, lines_done + 1):
-                try:
-                    chunk.append(decode_line(line, number, "standard input"))
-                except InputError as e:
-                    error = e
-                    break
-            results = translate_lines(
-                chunk, warn=lambda message: stderr(f"warning: input {message}"), first_line=lines_done + 1,
-                progress=sys.stderr.isatty() and batch_lines > 1, n_best=cfg.n_best,
-                tokens_per_batch=cfg.tokens_per_batch, **decoding.settings(),
-            )  # fmt: skip
-            for number, result in enumerate(results, lines_done):
-                sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
-            sys.stdout.flush()
-            lines_done += len(chunk)
-            if error:
-                raise InputError(f"{error}; the {lines_done} lines before it were translated and written")
     seconds = time.perf_counter() - start
     stderr(f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
            f"beam {decoding.beam_size}, engine {cfg.engine})")  # fmt: skip

@@ -82,8 +82,6 @@ class TokenBucketSampler(Sampler[list[int]]):
         indices: np.ndarray | None = None,  # the items to batch (default: all)
     ):
         count = len(src_lens) if indices is None else len(indices)
-        if count == 0:
-            raise InputError("cannot batch an empty split")
         index_type = np.int32 if len(src_lens) < 2**31 else np.int64
         self.indices = (np.arange(count) if indices is None else np.asarray(indices)).astype(index_type)
         self.src_lens = np.asarray(src_lens, dtype=np.int64) + 1

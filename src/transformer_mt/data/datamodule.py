@@ -56,7 +56,6 @@ class TranslationDataModule(L.LightningDataModule):
         self.cache_dir = Path(os.path.expanduser(cache_dir))
         settings = (vocab_size, spm_max_sentences, max_len, max_len_ratio, seed)
         self.cache = TokenCache(self.corpus, self.cache_dir, *settings)
-        self.timings = self.cache.timings  # the tools read them here
         self.max_tokens, self.max_tokens_fallback = max_tokens, max_tokens_fallback
         self.tokens_per_update, self.num_workers, self.seed = tokens_per_update, num_workers, seed
         self.tokenizer: Tokenizer | None = None
@@ -68,8 +67,6 @@ class TranslationDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.splits:  # train.py builds before the Trainer exists (the vocabulary size sizes the model)
             self.build()
-
-    prepare_data = setup
 
     def build(self, stage: Stage = lambda name: nullcontext()) -> None:
         """Tokenizer and tokenized splits, cached (cache.py); each step inside `with stage(<its name>)`."""
@@ -101,7 +98,6 @@ class TranslationDataModule(L.LightningDataModule):
         return int(max(split.src_lens.max(), split.tgt_lens.max())) + 1
 
     def known_max_tokens(self) -> int:
-        """max_tokens, or max_tokens_fallback until auto's probe (training/batch_fit.py) sets it."""
         return self.max_tokens_fallback if self.max_tokens == "auto" else self.max_tokens
 
     def update_shape(self, world_size: int) -> tuple[int, int]:

@@ -115,10 +115,7 @@ def marian_model(model: Transformer):
     if model.cfg.norm == "pre":
         hf.model.encoder.layer_norm = nn.LayerNorm(model.cfg.d_model)
         hf.model.decoder.layer_norm = nn.LayerNorm(model.cfg.d_model)
-    missing, unexpected = hf.model.load_state_dict(marian_state_dict(model), strict=False)
-    left = [k for k in missing if not k.endswith(("embed_positions.weight", "embed_tokens.weight"))]
-    if left or unexpected:
-        raise AssertionError(f"weights Marian has and we do not: {left}; ours it has not: {unexpected}")
+    hf.model.load_state_dict(marian_state_dict(model), strict=False)  # its own sinusoids; check_hf/check_ct2 compare
     return hf
 
 
@@ -222,8 +219,6 @@ def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
 
 
 def export(ckpt: str, fmt: str, out: str, quantization: str | None = None) -> Path:
-    if fmt not in ("hf", "ct2"):
-        raise InputError(f"FORMAT={fmt}: choose hf (transformers' MarianMTModel) or ct2 (CTranslate2)")
     if quantization and fmt != "ct2":
         raise InputError("--quantization applies to FORMAT=ct2 only")
     out_dir = Path(out)

@@ -53,11 +53,6 @@ def card_data(data: dict, name: str, splits: dict[str, dict]):
     )  # fmt: skip
 
 
-def score_row(label: str, s: dict) -> str:
-    tokenized = s["tokenized_bleu_compound_split"]
-    return f"| {label} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | {tokenized:.2f} |"
-
-
 def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
     """README.md for an export of ckpt (fmt hf or ct2); `checked`: what the export checked against ours."""
     data, model = checkpoint["hyper_parameters"]["config"]["data"], checkpoint["hyper_parameters"]["model"]
@@ -92,7 +87,9 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
         decoding, first = Decoding.of(results.decoding, where=str(path)), next(iter(splits.values()))
         header = "| split | sentences | sacreBLEU | chrF | tokenized BLEU (compounds split) |\n|---|---|---|---|---|"
         lines += [f"From {path.name} ({decoding.text()}):", "", header]
-        lines += [score_row(split, s) for split, s in splits.items()]
+        for split, s in splits.items():
+            tokenized = s["tokenized_bleu_compound_split"]
+            lines.append(f"| {split} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | {tokenized:.2f} |")
         lines += [
             "", f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.", "",
             "sacreBLEU is detokenized BLEU with its standard 13a tokenization, comparable across papers that state the "

@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import lightning as L
 from torch import Tensor
 from torch.optim.swa_utils import get_ema_multi_avg_fn
-
-log = logging.getLogger(__name__)
 
 
 class ExponentialMovingAverage(L.Callback):
@@ -39,6 +35,4 @@ class ExponentialMovingAverage(L.Callback):
         return {"decay": self.decay, "updates": self.updates, "average": average}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["decay"] != self.decay:  # the configured decay applies from here on
-            log.warning(f"ema_decay={self.decay}: the checkpoint's average was kept with {state['decay']} so far")
         self.updates, self.average = state["updates"], dict(state["average"])

@@ -177,8 +177,6 @@ def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
         return bool(mode)
     fsdp = trainer.get("strategy") == "fsdp"
     on_cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
-    if on_cuda:
-        log.info(f"trainer.compile=auto: {'off with trainer=fsdp (untested)' if fsdp else 'compiled on CUDA'}")
     return on_cuda and not fsdp
 
 

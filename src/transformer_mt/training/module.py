@@ -39,7 +39,7 @@ class TranslationModule(L.LightningModule):
         val_bleu_sentences: int = 500,
         budget: dict | None = None,  # a time budget's settings (TimeBudget's fields); None: Noam's schedule
         config: dict | None = None,  # the run's resolved config, kept in checkpoints for reference
-        tokenizer: Tokenizer | None = None,  # None when restored from a checkpoint: it carries its own
+        tokenizer: Tokenizer | None = None,  # None: no validation BLEU (val_bleu_sentences=0), none in checkpoints
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["tokenizer"])  # plain values only: no nn.Module, no DictConfig
@@ -171,7 +171,5 @@ class TranslationModule(L.LightningModule):
         checkpoint["budget"] = asdict(self.budget) if self.budget else None
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if self.tokenizer is None:
-            self.tokenizer = Tokenizer(proto=checkpoint["sentencepiece"], origin="checkpoint (sentencepiece)")
         if self.budget and checkpoint["budget"]:
             self.budget.resume(checkpoint["budget"])

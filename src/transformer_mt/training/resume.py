@@ -187,17 +187,13 @@ def check_resume(path: Path, checkpoint: dict, model: dict, sentencepiece: bytes
             "continue it with the commit that wrote it, or start a new run without ckpt_path"
         )
     before, now = comparable_model(checkpoint["hyper_parameters"]["model"]), comparable_model(model)
-    if changed := {k: (v, now.get(k)) for k, v in before.items() if k != "dropout" and now.get(k) != v}:
-        shown = ", ".join(f"{k} {old} (now {new})" for k, (old, new) in sorted(changed.items()))
-        raise InputError(
-            f"ckpt_path={path}: the checkpoint's model has {shown}; resume with the run's own settings "
-            "(the same CONFIG and ARGS), or start a new run without ckpt_path"
-        )
+    changed = [f"{k} {v} (now {now.get(k)})" for k, v in sorted(before.items()) if k != "dropout" and now.get(k) != v]
     if checkpoint.get("sentencepiece") != sentencepiece:
+        changed.append("another SentencePiece model than these data settings give (data.path, data.vocab_size, seed)")
+    if changed:
         raise InputError(
-            f"ckpt_path={path}: the checkpoint was trained with another SentencePiece model than the one these data "
-            "settings give (data.path, data.vocab_size, seed ...); resume with the run's own data settings (the same "
-            "CONFIG and ARGS), or start a new run without ckpt_path"
+            f"ckpt_path={path}: the checkpoint's model has {', '.join(changed)}; resume with the run's own settings "
+            "(the same CONFIG and ARGS), or start a new run without ckpt_path"
         )
     if (differ := changed_settings(checkpoint, config, run_dir)) and rank_zero_only.rank == 0:
         changes = "; ".join(f"{k}: {old} -> {new}" for k, (old, new) in differ.items())
