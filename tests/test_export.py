@@ -490,6 +490,17 @@ def test_engine_ct2_decodes_as_ours_in_a_process_without_torch_and_exports_once(
 
 
 @pytest.mark.slow
+def test_engine_ct2_serves_a_pre_norm_model_with_our_greedy_translations(tokenizer, tmp_path):
+    pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
+    ckpt = write_random_checkpoint(tmp_path / "pre.ckpt", tokenizer, sharpen=4.0, norm="pre")
+    greedy = dict(beam_size=1, max_len_a=0, max_len_b=25)
+    model, tokenizer, _ = load_for_inference(ckpt)
+    with CT2Process(ct2_export(ckpt, log=lambda message: None), device="cpu", threads=1) as process:
+        got = process.translate_lines(SENTENCES, **greedy)
+    assert got == translate_lines(model, tokenizer, SENTENCES, **greedy) and len(set(got)) == len(SENTENCES)
+
+
+@pytest.mark.slow
 def test_make_translate_and_evaluate_with_engine_ct2(sharp_checkpoint, tmp_path):
     pytest.importorskip("transformers", reason='the export extra is not installed (pip install -e ".[export]")')
     pytest.importorskip("ctranslate2", reason='the export extra is not installed (pip install -e ".[export]")')
