@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from transformer_mt.stops import stop_quietly
 
-stop_quietly()  # as every command's: a stop while the libraries below load is one line, not a traceback
+if __name__ == "__main__":  # not in the decoding workers (spawned: __mp_main__), whose stop is the parent's line
+    stop_quietly()  # as every command's: a stop while the libraries below load is one line, not a traceback
 
 import multiprocessing
 import random

@@ -317,8 +317,8 @@ def test_an_entrys_recorded_settings_must_match_the_model_it_holds(tmp_path):
     with pytest.raises(InputError) as error:
         text_datamodule(tmp_path).build()
     message = str(error.value)
-    assert message.startswith(f"{entry}: this cache entry's 300-word SentencePiece model")
-    assert "these settings make (400 words" in message and message.endswith("point data.cache_dir elsewhere")
+    assert message.startswith(f"{entry / 'entry.json'}: this cache entry holds a 300-word SentencePiece model")
+    assert "these settings ask for 400 words" in message and message.endswith("point data.cache_dir elsewhere")
 
 
 def test_a_wrong_but_valid_sentencepiece_model_in_a_cache_entry_is_one_line_naming_the_entry(tmp_path, caplog):
@@ -340,7 +340,7 @@ def test_a_wrong_but_valid_sentencepiece_model_in_a_cache_entry_is_one_line_nami
         with pytest.raises(InputError) as error:
             text_datamodule(tmp_path).build()
         message = str(error.value)
-        assert message.startswith(f"{entry}: this cache entry's ") and "\n" not in message
+        assert message.startswith(f"{model}: not the SentencePiece model this cache entry made") and "\n" not in message
         assert message.endswith(f"rm -r {entry} (its tokenized splits follow), or point data.cache_dir elsewhere")
     (entry / "entry.json").unlink()
     with caplog.at_level("WARNING"):

@@ -169,6 +169,7 @@ def test_ct2_export_gives_our_greedy_tokens(norm, tokenizer, tmp_path_factory):
     assert [tokenizer.sp.piece_to_id(r.hypotheses[0]) for r in results] == expected
     assert len({tuple(e) for e in expected}) == len(expected) and all(len(set(e)) >= 3 for e in expected)
     assert (out / "sentencepiece.model").read_bytes() == tokenizer.proto
+    assert f"({norm}-norm, ReLU" in (out / "README.md").read_text()  # the model card says which
 
 
 def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint, tmp_path, monkeypatch):
@@ -185,6 +186,7 @@ def test_export_refuses_an_existing_folder_and_a_missing_extra(random_checkpoint
 
 @pytest.mark.parametrize(("fmt", "kind"), [("hf", "MarianMTModel"), ("ct2", "CTranslate2")])
 def test_export_refuses_what_the_format_cannot_express_in_one_line(fmt, kind, variant_run, tmp_path):
+    pytest.importorskip({"hf": "transformers", "ct2": "ctranslate2"}[fmt], reason="the export extra is not installed")
     with pytest.raises(InputError) as error:
         export(str(variant_run / "checkpoints" / "last.ckpt"), fmt, str(tmp_path / fmt))
     message = str(error.value)

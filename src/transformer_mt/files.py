@@ -172,6 +172,7 @@ class RunFolder:
         return f"{RunFolder.AVERAGE}last{n}.ckpt"
 
     def in_use(self) -> bool:
+        """Whether a training holds the folder's lock."""
         with contextlib.suppress(FileNotFoundError), open(self.lock_file) as f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -49,6 +49,7 @@ class Results:
             tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     def scored(self) -> list[tuple[str, str, dict]]:
+        """(model, split, scores) of every scored split."""
         found = [(name, split, s) for name, splits in self.models.items() for split, s in splits.items()]
         return [(name, split, s) for name, split, s in found if isinstance(s, dict) and "bleu" in s]
 

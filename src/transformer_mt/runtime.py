@@ -16,13 +16,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from transformer_mt.decoding_state import DecoderState
 from transformer_mt.errors import InputError
-from transformer_mt.model import Transformer
+
+if TYPE_CHECKING:  # compile_decoding's annotations only: the model needs nothing from here
+    from transformer_mt.decoding_state import DecoderState
+    from transformer_mt.model import Transformer
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"

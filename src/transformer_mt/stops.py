@@ -45,21 +45,17 @@ def exit_stopped(signum: int, kept: str | None = None) -> NoReturn:
     raise SystemExit(128 + signum)
 
 
-def peer_ended(error: BaseException, run_dir) -> str | None:
-    """The one line of a rank whose collective failed because another rank's process ended (killed, out of memory):
-    torch.distributed's DistError, or a RuntimeError from gloo's transport ("Connection reset by peer"); else None."""
+def peer_ended(error: BaseException) -> str | None:
+    """What a rank says when its collective failed because another rank's process ended (killed, out of memory): a
+    lost connection (gloo: "Connection reset by peer"); None for any other error."""
     distributed = sys.modules.get("torch.distributed")
-    if distributed is None or not isinstance(error, RuntimeError):
-        return None
-    if not isinstance(error, distributed.DistError) and "gloo/transport" not in str(error):
+    lost = re.search(r"Connection (reset|closed) by peer|Broken pipe", str(error))
+    if distributed is None or not isinstance(error, RuntimeError) or not lost:
         return None
     rank = distributed.get_rank() if distributed.is_initialized() else os.environ.get("LOCAL_RANK", "?")
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    cause = re.sub(r"^\[\S+\] ", "", first).split(". ")[0]  # gloo's: "[<file>:<line>] Read error ...: <why>. This ..."
-    return (
-        f"rank {rank}: another rank's process ended ({cause}); this one stops too. The newest checkpoint holds the "
-        f"run: continue it with ckpt_path=last hydra.run.dir={run_dir}"
-    )
+    first = str(error).strip().splitlines()[0]
+    cause = re.sub(r"^\[\S+\] ", "", first).split(". This ")[0]  # gloo's "[<file>:<line>] Read error ...: <why>. This"
+    return f"rank {rank}: another rank's process ended ({cause}); this one stops too"
 
 
 def die_with_parent(worker_id: int = 0) -> None:

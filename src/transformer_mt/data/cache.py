@@ -151,14 +151,19 @@ class TokenCache:
                 log.warning("damaged cache, built again: %s", e)
                 shutil.rmtree(directory)
             else:
-                found = hashlib.sha256(tokenizer.proto).hexdigest()
-                if found != recorded or settings != self.tokenizer_settings(train) or len(tokenizer) != self.vocab_size:
+                rebuild = f"Remove the entry to train it again: rm -r {directory} (its tokenized splits follow), or " \
+                    "point data.cache_dir elsewhere"  # fmt: skip
+                if (found := hashlib.sha256(tokenizer.proto).hexdigest()) != recorded:
                     raise InputError(
-                        f"{directory}: this cache entry's {len(tokenizer):,}-word SentencePiece model (SHA-256 "
-                        f"{found[:12]}, recorded {str(recorded)[:12]}, made with {settings}) is not what these "
-                        f"settings make ({self.vocab_size:,} words, {self.tokenizer_settings(train)}): a changed or "
-                        f"copied entry. Remove it to train it again: rm -r {directory} (its tokenized splits follow), "
-                        "or point data.cache_dir elsewhere"
+                        f"{directory / MODEL_FILE}: not the SentencePiece model this cache entry made (SHA-256 "
+                        f"{found[:12]}, recorded {str(recorded)[:12]}; data.vocab_size={self.vocab_size}); a changed "
+                        f"or copied file. {rebuild}"
+                    )
+                if settings != self.tokenizer_settings(train) or len(tokenizer) != self.vocab_size:
+                    raise InputError(
+                        f"{directory / ENTRY_FILE}: this cache entry holds a {len(tokenizer):,}-word SentencePiece "
+                        f"model, recorded as made with {settings}; these settings ask for {self.vocab_size:,} words "
+                        f"({self.tokenizer_settings(train)}): a changed or copied entry. {rebuild}"
                     )
                 return tokenizer
         sentences = self.sentences(train)

@@ -98,6 +98,7 @@ class TranslationDataModule(L.LightningDataModule):
         return int(max(split.src_lens.max(), split.tgt_lens.max())) + 1
 
     def known_max_tokens(self) -> int:
+        """max_tokens, or max_tokens_fallback until auto's probe (training/batch_fit.py) sets it."""
         return self.max_tokens_fallback if self.max_tokens == "auto" else self.max_tokens
 
     def update_shape(self, world_size: int) -> tuple[int, int]:

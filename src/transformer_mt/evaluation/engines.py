@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from transformer_mt.decoding import PAPER, Heartbeat
-from transformer_mt.errors import InputError, UserError, required
+from transformer_mt.errors import WRITE_FAULTS, InputError, UserError, required
 from transformer_mt.files import atomic_write, file_digest
 
 SOURCE_FILE = "checkpoint.json"  # in the export folder, written last: which checkpoint bytes it was made from
@@ -43,8 +43,16 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
         shutil.rmtree(folder)
     else:
         log(f"engine=ct2: exporting {ckpt} for CTranslate2 into {folder} (once; again when the checkpoint changes)")
-    with contextlib.redirect_stdout(sys.stderr):  # make translate's stdout is the translation
-        export(str(ckpt), "ct2", str(folder))  # a folder that cannot be written: exit_on_user_error's one line
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # make translate's stdout is the translation
+            export(str(ckpt), "ct2", str(folder))
+    except OSError as e:
+        if e.errno not in WRITE_FAULTS:
+            raise
+        raise InputError(
+            f"engine=ct2 exports beside the checkpoint, and {folder.parent} cannot be written ({e.strerror}): copy the "
+            f"checkpoint to a writable folder, or export it yourself (make export FORMAT=ct2 OUT=<folder>)"
+        ) from None
     info = {"checkpoint": str(ckpt), "sha256": digest, "max_source_tokens": max_positions - 1}
     with atomic_write(folder / SOURCE_FILE) as tmp:
         tmp.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

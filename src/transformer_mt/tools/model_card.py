@@ -68,7 +68,7 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
         f"`{ckpt.name}` as {kind}. At the export, {checked}.", "", "## Training",
         f"- model: {model['n_encoder_layers']}+{model['n_decoder_layers']} layers, d_model {model['d_model']}, d_ff "
         f"{model['d_ff']}, {model['n_heads']} heads, a shared vocabulary of {model['vocab_size']} SentencePiece pieces"
-        " (post-norm, ReLU, sinusoidal positions, tied embeddings)",
+        f" ({model.get('norm', 'post')}-norm, ReLU, sinusoidal positions, tied embeddings)",
         f"- data: {data['name']} ({data['src_lang']} -> {data['tgt_lang']})",
         f"- updates: {checkpoint.get('global_step') or (results and results.updates) or 'unknown'}"
         + (f", weights averaged over {len(averaged)} checkpoints" if averaged else ""),

@@ -177,6 +177,8 @@ def compiles_training(trainer: DictConfig, accelerator: str) -> bool:
         return bool(mode)
     fsdp = trainer.get("strategy") == "fsdp"
     on_cuda = accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+    if on_cuda and fsdp:
+        log.info("trainer.compile=auto: off with trainer=fsdp (untested); trainer.compile=true compiles it")
     return on_cuda and not fsdp
 
 
@@ -197,8 +199,11 @@ def train(cfg: DictConfig, job: Job) -> float | None:
         traceback.clear_frames(e.__traceback__)  # fit's Trainer must not outlive it through the traceback
         if isinstance(e, Stopped):  # before training began (UpdateEnd stops it at an update's end)
             e.kept = e.kept or kept(RunFolder(job.run_dir).checkpoints)
-        if line := peer_ended(e, job.run_dir):
-            raise UserError(line) from None
+        if line := peer_ended(e):
+            way_on = f"The newest checkpoint holds the run: continue it with ckpt_path=last hydra.run.dir={job.run_dir}"
+            if not any(RunFolder(job.run_dir).checkpoints.glob("*.ckpt")):
+                way_on = "No checkpoint was written yet: start it again"
+            raise UserError(f"{line}. {way_on}") from None
         raise
     finally:
         # Where gloo's threads outlive the Trainer (fsdp), the entry point leaves past finalization (train.py)
