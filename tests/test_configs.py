@@ -193,7 +193,6 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         check_config(compose_train(["early_stopping_patience=3", "checkpoint.best_monitor=null"]))
     # Wrong types and values, by key, before the data is built (not "TypeError: not all arguments converted")
     for override, message in [
-        ("model.d_model=abc", "model.d_model='abc': must be a whole number"),
         ("model.dropout=1.5", "model.dropout=1.5: must be in [0, 1)"),
         ("model.n_heads=3", "model.d_model=512 is not divisible by n_heads=3"),
         ("+model.d_modle=3", "model.d_modle: not a model setting; the model takes d_ff, d_k, d_model"),
@@ -207,6 +206,15 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         with pytest.raises(InputError) as error:
             check_config(compose_train(override.split()))
         assert str(error.value).startswith(message), (override, str(error.value))
+    # A model key of another type is refused as the command line is read (settings.py's types), in one line
+    for override, message in [
+        ("model.d_model=abc", "model.d_model=abc: must be a whole number"),
+        ("model.d_v=2.5", "model.d_v=2.5: must be a whole number"),
+        ("model.dropout=high", "model.dropout=high: must be a number"),
+    ]:
+        with pytest.raises(InputError) as error:
+            check_command_line("train", [override])
+        assert str(error.value) == message
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* CONFIG=multi30k .* add trainer=cpu"):
             trainer_arguments(compose_train(["trainer=gpu"]).trainer)

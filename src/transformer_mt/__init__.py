@@ -5,6 +5,7 @@ A map of the package. The core is what every part uses; the front doors are the 
 
 core
     model.py                the Transformer of §3 in plain PyTorch, its config, and its FLOP count
+    settings.py             the model's settings typed (conf/model's keys): Hydra composes the group onto them
     decoding_state.py       the incremental-decoding cache: each decoder layer's keys/values between steps
     attention_recording.py  attention weights made visible (record_attention, §3.2.1 written out)
     objective.py            label-smoothed loss (§5.4), the teacher-forced loss of a batch, Noam rate (§5.3)

@@ -20,6 +20,7 @@ from transformer_mt.launcher import Job
 HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i", "--info", "-sc",
                  "--shell-completion", "--experimental-rerun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                  "--config-dir"}  # fmt: skip
+KINDS = {"Integer": "a whole number", "Float": "a number"}  # OmegaConf's words for a wrong type -> what it must be
 
 
 def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | None:
@@ -49,6 +50,7 @@ def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | No
 
 def check_job(config_name: str, overrides: list) -> DictConfig | None:
     from hydra.errors import ConfigCompositionException, MissingConfigException  # noqa: PLC0415
+    from omegaconf.errors import ValidationError  # noqa: PLC0415
 
     try:
         cfg = compose(config_name, [o.input_line for o in overrides])
@@ -59,10 +61,14 @@ def check_job(config_name: str, overrides: list) -> DictConfig | None:
         match = closest(option, e.options)
         hint = f"did you mean {group}={match}? " if match else ""
         raise InputError(f"{group}={option}: no such option; {hint}(the options: {', '.join(e.options)})") from None
-    except ConfigCompositionException as e:  # trainer.max_step=5: a key the config does not have
+    except ConfigCompositionException as e:  # trainer.max_step=5: a key the config lacks; model.d_model=x: a type
         given = next((o for o in overrides if o.key_or_group == getattr(e.__cause__, "full_key", None)), None)
         if given is None:
             return None
+        if isinstance(e.__cause__, ValidationError):  # a value of another type than settings.py's
+            said = str(e.__cause__)
+            kind = next((kind for words, kind in KINDS.items() if words in said), said.splitlines()[0])
+            raise InputError(f"{given.key_or_group}={given.get_value_element_as_str()}: must be {kind}") from None
         others = compose(config_name, [o.input_line for o in overrides if o is not given])
         raise InputError(misspelled(given, others)) from None
     for given in (o for o in overrides if o.is_add()):  # +trainer.max_step=5 composes, but nothing would read it

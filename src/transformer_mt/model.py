@@ -21,43 +21,27 @@ from torch import Tensor, nn
 
 from transformer_mt.attention_recording import explicit_attention
 from transformer_mt.decoding_state import DecoderState, LayerCache
-
-CHOICES = {  # the switches' values; the first is the paper's
-    "positions": ("sinusoidal", "learned"),
-    "norm": ("post", "pre"),
-    "share_embeddings": ("all", "decoder", "none"),
-}
+from transformer_mt.settings import CHOICES, ModelSettings
 
 
-@dataclass
-class TransformerConfig:
+@dataclass(kw_only=True)
+class TransformerConfig(ModelSettings):
+    """The model's settings (settings.py, conf/model) and what the data gives: the vocabulary's size and pad id."""
+
     vocab_size: int
-    d_model: int = 512
-    d_ff: int = 2048
-    n_heads: int = 8
-    n_encoder_layers: int = 6
-    n_decoder_layers: int = 6
-    dropout: float = 0.1  # P_drop (§5.4): residual branches and embedding sums
-    max_positions: int = 1024
     pad_id: int = 0
-    d_k: int | None = None  # query/key size per head; None: d_model / n_heads (§3.2.2)
-    d_v: int | None = None  # value size per head; None: d_model / n_heads
-    positions: str = "sinusoidal"  # §3.5; or "learned": a trained table of max_positions rows (Table 3 row E)
-    norm: str = "post"  # §3.1 LayerNorm(x + Sublayer(x)); or "pre": x + Sublayer(LayerNorm(x)), final LayerNorms
-    share_embeddings: str = "all"  # §3.4 one matrix; "decoder": decoder input = output; "none": three matrices
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # values from YAML or the command line: "abc" and 1.5 fail here, by name
+        for f in fields(ModelSettings):  # their types are checked as Hydra composes the config (settings.py)
             value = getattr(self, f.name)
-            if f.name in CHOICES and value not in CHOICES[f.name]:
-                raise ValueError(f"{f.name}={value!r}: must be one of {', '.join(CHOICES[f.name])}")
-            if f.name in CHOICES or (value is None and f.name in ("d_k", "d_v")):
-                continue
-            whole = f.name != "dropout"
-            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
-                raise ValueError(f"{f.name}={value!r}: must be a {'whole number' if whole else 'number'}")
-            if f.name != "pad_id" and not (0 <= value < 1 if f.name == "dropout" else value > 0):
-                raise ValueError(f"{f.name}={value}: must be {'in [0, 1)' if f.name == 'dropout' else 'positive'}")
+            if f.name in CHOICES:
+                if value not in CHOICES[f.name]:
+                    raise ValueError(f"{f.name}={value!r}: must be one of {', '.join(CHOICES[f.name])}")
+            elif f.name == "dropout":
+                if not 0 <= value < 1:
+                    raise ValueError(f"dropout={value}: must be in [0, 1)")
+            elif value is not None and value <= 0:  # a size (d_k and d_v may be None: d_model / n_heads)
+                raise ValueError(f"{f.name}={value}: must be positive")
         if (self.d_k is None or self.d_v is None) and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; or set d_k and d_v per head"
