@@ -2,12 +2,20 @@
 names every module and folder that exists (nothing needs an import map to be found)."""
 
 import ast
+import inspect
 import re
 import shlex
 import subprocess
 import sys
+from dataclasses import fields
+
+import yaml
+from omegaconf import OmegaConf
 
 from conftest import ROOT
+from transformer_mt.configs import compose
+from transformer_mt.model import TransformerConfig
+from transformer_mt.settings import ModelSettings
 
 PACKAGE = ROOT / "src" / "transformer_mt"
 
@@ -162,6 +170,17 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
         return found
 
     return next((c for node in sorted(graph) if (c := visit(node))), None)
+
+
+def test_each_model_setting_is_typed_in_one_place():
+    """Concept cap (issue 62): settings.ModelSettings types every key of conf/model, Hydra composes each preset onto
+    it, TransformerConfig adds only what the data gives, and no module checks a model value's type by hand."""
+    typed = {f.name for f in fields(ModelSettings)}
+    assert {f.name for f in fields(TransformerConfig)} - typed == {"vocab_size", "pad_id"}
+    for preset in sorted((ROOT / "conf" / "model").glob("*.yaml")):
+        assert set(yaml.safe_load(preset.read_text())) - {"defaults"} <= typed, preset.name
+        assert OmegaConf.get_type(compose("train", [f"model={preset.stem}"]).model) is ModelSettings, preset.name
+    assert "isinstance" not in inspect.getsource(TransformerConfig) + (PACKAGE / "settings.py").read_text()
 
 
 def test_the_import_graph_has_no_circle_and_no_arrow_from_the_core_to_a_door_or_wing():
