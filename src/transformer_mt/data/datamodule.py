@@ -68,7 +68,7 @@ class TranslationDataModule(L.LightningDataModule):
         if not self.splits:  # train.py builds before the Trainer exists (the vocabulary size sizes the model)
             self.build()
 
-    def build(self, stage: Stage = lambda name: nullcontext()) -> None:
+    def build(self, stage: Stage = nullcontext) -> None:
         """Tokenizer and tokenized splits, cached (cache.py); each step inside `with stage(<its name>)`."""
         self.raw, self.tokenizer, self.splits = self.cache.build(stage)
 

@@ -177,6 +177,7 @@ def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantizat
     """Through CTranslate2's Marian converter, told ours: post- or pre-norm, the decoder starts from BOS's embedding
     (Marian's from zeros) and pad is id 0 (Marian's is last, which its converter drops)."""
     transformers, converters = optional("transformers"), optional("ctranslate2.converters.transformers")
+    pre_norm = model.cfg.norm == "pre"
 
     class Loader(converters.MarianMTLoader):
         def get_model_spec(self, model):
@@ -195,7 +196,6 @@ def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantizat
         def get_vocabulary(self, model, tokenizer):
             return converters.BartLoader.get_vocabulary(self, model, tokenizer)
 
-    pre_norm = model.cfg.norm == "pre"
     spec = Loader()(marian_model(model).eval(), transformers.MarianTokenizer.from_pretrained(hf_directory))
     spec.validate()
     spec.optimize(quantization=quantization)
