@@ -191,7 +191,7 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         check_config(cfg)
     with pytest.raises(InputError, match="early_stopping_patience needs checkpoint.best_monitor"):
         check_config(compose_train(["early_stopping_patience=3", "checkpoint.best_monitor=null"]))
-    # Wrong types and values, by key, before the data is built (not "TypeError: not all arguments converted")
+    # Wrong values, by key, before the data is built (not "TypeError: not all arguments converted")
     for override, message in [
         ("model.dropout=1.5", "model.dropout=1.5: must be in [0, 1)"),
         ("model.n_heads=3", "model.d_model=512 is not divisible by n_heads=3"),
@@ -200,17 +200,19 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         ("model.d_k=0", "model.d_k=0: must be positive"),
         ("ema_decay=1.5", "ema_decay=1.5: must be a number in (0, 1)"),
         ("final.enabled=true final.splits=[dev]", "final.splits=['dev']: must be a list of validation and/or test"),
-        ("optim.lr_factor=fast", "optim.lr_factor='fast': must be a number, 0 or more"),
-        ("optim.warmup_steps=-5", "optim.warmup_steps=-5: must be a whole number, 0 or more"),
+        ("optim.warmup_steps=-5", "optim.warmup_steps=-5: must be 0 or more"),
+        ("trainer.val_check_interval=often", "trainer.val_check_interval='often': must be a number of updates"),
     ]:
         with pytest.raises(InputError) as error:
             check_config(compose_train(override.split()))
         assert str(error.value).startswith(message), (override, str(error.value))
-    # A model key of another type is refused as the command line is read (settings.py's types), in one line
+    # Wrong types, as the command line is read (settings.py's types): one line, the config never composed
     for override, message in [
         ("model.d_model=abc", "model.d_model=abc: must be a whole number"),
         ("model.d_v=2.5", "model.d_v=2.5: must be a whole number"),
-        ("model.dropout=high", "model.dropout=high: must be a number"),
+        ("optim.lr_factor=fast", "optim.lr_factor=fast: must be a number"),
+        ("final.enabled=maybe", "final.enabled=maybe: must be true or false"),
+        ("checkpoint.keep_last=null", "checkpoint.keep_last=null: must be given (not null)"),
     ]:
         with pytest.raises(InputError) as error:
             check_command_line("train", [override])

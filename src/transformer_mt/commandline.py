@@ -20,7 +20,13 @@ from transformer_mt.launcher import Job
 HYDRA_ANSWERS = {"-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-i", "--info", "-sc",
                  "--shell-completion", "--experimental-rerun", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                  "--config-dir"}  # fmt: skip
-KINDS = {"Integer": "a whole number", "Float": "a number"}  # OmegaConf's words for a wrong type -> what it must be
+# OmegaConf's words for a value of the wrong type -> what the value must be
+KINDS = {
+    "Integer": "a whole number",
+    "Float": "a number",
+    "valid bool": "true or false",
+    "Optional": "given (not null)",
+}
 
 
 def check_command_line(config_name: str, argv: Sequence[str]) -> DictConfig | None:

@@ -1,10 +1,12 @@
-"""The model's settings, typed in one place: conf/model's keys. Hydra composes the model's YAML files onto them
-(configs.py stores them as the group's `schema`), so a value of the wrong type is refused as the command line is
-read, in one line naming the key; model.py's TransformerConfig checks the values and adds the vocabulary."""
+"""The typed settings of `make train`: each key of conf/ that training reads, with its type, in one place. Hydra
+composes the YAML files onto them (configs.py), so a wrong type or an unknown key is refused as the command line is
+read, in one line naming it; ranges are checked where the values are used. The groups data, trainer (Lightning's
+arguments, which +trainer.<key>=... extends), logger and decoding keep their own keys."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 CHOICES = {  # the model's switches and their values; the first is the paper's
     "positions": ("sinusoidal", "learned"),
@@ -29,3 +31,60 @@ class ModelSettings:
     positions: str = "sinusoidal"  # §3.5; or "learned": a trained table of max_positions rows (Table 3 row E)
     norm: str = "post"  # §3.1 LayerNorm(x + Sublayer(x)); or "pre": x + Sublayer(LayerNorm(x)), final LayerNorms
     share_embeddings: str = "all"  # §3.4 one matrix; "decoder": decoder input = output; "none": three matrices
+
+
+@dataclass
+class Optim:
+    lr_factor: float
+    warmup_steps: int
+    betas: tuple[float, float]
+    eps: float
+
+
+@dataclass
+class Budget:
+    warmup: float
+    cooldown: float
+    average_span: float
+    margin: float
+
+
+@dataclass
+class Checkpoint:
+    every_n_train_steps: int | None
+    train_time_interval_minutes: float | None
+    every_n_epochs: int | None
+    keep_last: int
+    best_monitor: str | None
+    best_mode: str
+
+
+@dataclass
+class Final:
+    enabled: bool
+    average_last: int
+    splits: list[str]
+
+
+@dataclass
+class TrainSettings:
+    """conf/train.yaml, its values and comments; its groups model, data, trainer, logger and decoding."""
+
+    seed: int
+    label_smoothing: float
+    optim: Optim
+    budget: Budget
+    val_bleu_sentences: int
+    checkpoint: Checkpoint
+    early_stopping_patience: int | None
+    progress_every_n_updates: int
+    progress_every_seconds: float
+    ema_decay: float | None
+    final: Final
+    table3_row: Any
+    ckpt_path: str | None
+    model: ModelSettings
+    data: dict[str, Any]
+    trainer: dict[str, Any]
+    logger: Any
+    decoding: dict[str, Any]

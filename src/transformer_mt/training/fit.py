@@ -95,18 +95,20 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, s
     return callbacks + [c for c in (ema, bar) if c is not None] + checkpoints
 
 
-# Keys outside the model whose wrong type would fail late or silently (trainer.val_check_interval: not a time)
-WHOLE = ("seed", "optim.warmup_steps", "val_bleu_sentences", "progress_every_n_updates")
-REAL = ("label_smoothing", "optim.lr_factor", "optim.eps", "progress_every_seconds", "trainer.val_check_interval")
-SHARES = ("warmup", "cooldown", "average_span", "margin")  # budget.*: numbers below 1
+# Numbers that must be 0 or more (their types are settings.py's): counts, the optimiser's, and budget.*'s shares
+COUNTS = ("seed", "val_bleu_sentences", "progress_every_n_updates", "progress_every_seconds", "final.average_last")
+OPTIM = ("label_smoothing", "optim.lr_factor", "optim.warmup_steps", "optim.eps")
+SHARES = ("warmup", "cooldown", "average_span", "margin")  # below 1 too
 
 
 def check_config(cfg: DictConfig) -> None:
     """Settings that only fail late (after the data is built, or at the first validation) are refused first."""
-    for key in (*WHOLE, *REAL, *(f"budget.{share}" for share in SHARES)):
-        value, whole = OmegaConf.select(cfg, key), key in WHOLE
-        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or value < 0:
-            raise InputError(f"{key}={value!r}: must be {'a whole number' if whole else 'a number'}, 0 or more")
+    for key in (*COUNTS, *OPTIM, *(f"budget.{share}" for share in SHARES)):
+        if OmegaConf.select(cfg, key) < 0:
+            raise InputError(f"{key}={OmegaConf.select(cfg, key)}: must be 0 or more")
+    interval = cfg.trainer.val_check_interval  # Lightning's argument (trainer=*): updates between validations
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
+        raise InputError(f"trainer.val_check_interval={interval!r}: must be a number of updates, 0 or more")
     known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
     if unknown := sorted(set(cfg.model) - known):
         raise InputError(f"model.{unknown[0]}: not a model setting; the model takes {', '.join(sorted(known))}")
@@ -125,7 +127,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.early_stopping_patience and not monitor:
         raise InputError("early_stopping_patience needs checkpoint.best_monitor (e.g. val/bleu)")
     ema = cfg.ema_decay
-    if ema is not None and (isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0 < ema < 1):
+    if ema is not None and not 0 < ema < 1:
         raise InputError(f"ema_decay={ema!r}: must be a number in (0, 1), e.g. 0.9999, or null (off)")
     if ema and cfg.trainer.get("strategy") == "fsdp":
         raise InputError("ema_decay with trainer=fsdp: the moving average needs whole weights on every rank; use ddp")
@@ -136,11 +138,9 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError("trainer.compile with trainer=fsdp is not supported (untested); use ddp, or compile=false")
     if not cfg.final.enabled:
         return
-    splits, average = cfg.final.splits, cfg.final.average_last
-    if not OmegaConf.is_list(splits) or not splits or any(s not in ("validation", "test") for s in splits):
+    splits = cfg.final.splits
+    if not splits or any(s not in ("validation", "test") for s in splits):
         raise InputError(f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]")
-    if isinstance(average, bool) or not isinstance(average, int) or average < 0:
-        raise InputError(f"final.average_last={average!r}: must be a whole number, 0 (no averaging) or more")
 
 
 def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = False):
