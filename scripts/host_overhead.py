@@ -66,9 +66,16 @@ def model_config(shape: str) -> dict:
     layers, heads = SHAPES[shape]
     d = 4 * heads
     return dict(
-        vocab_size=64, d_model=d, d_ff=2 * d, n_heads=heads, n_encoder_layers=layers, n_decoder_layers=layers,
-        dropout=0.1, pad_id=PAD_ID, max_positions=64,
-    )  # fmt: skip
+        vocab_size=64,
+        d_model=d,
+        d_ff=2 * d,
+        n_heads=heads,
+        n_encoder_layers=layers,
+        n_decoder_layers=layers,
+        dropout=0.1,
+        pad_id=PAD_ID,
+        max_positions=64,
+    )
 
 
 def micro_batches(count: int, seed: int = 0) -> list[dict]:
@@ -181,9 +188,12 @@ def trainer_loop(cfg: dict, batches: list[dict], marks: Marks, compiled: bool, r
     args.update(num_sanity_val_steps=0)  # the bar disables itself off a terminal, as in a logged run
     callbacks = [Stamp(marks), *make_callbacks(config, run_dir / "checkpoints", StartupLog(time.monotonic()))]
     trainer = L.Trainer(
-        **args, callbacks=callbacks, logger=make_loggers(None, Job(run_dir)), default_root_dir=run_dir,
+        **args,
+        callbacks=callbacks,
+        logger=make_loggers(None, Job(run_dir)),
+        default_root_dir=run_dir,
         enable_model_summary=False,
-    )  # fmt: skip
+    )
     trainer.fit(module, DataLoader(batches, batch_size=None))
 
 
@@ -219,10 +229,14 @@ def run(shapes: list[str], updates: int, compiled: bool) -> None:
 def table(shapes: list[str], updates: int, compiled: bool, machine: str) -> None:
     precision = "bf16-mixed" if cpu_has_native_bf16() else "32-true"
     systems = ["bare loop", "Trainer eager", *(["Trainer compiled"] if compiled else [])]
-    print(f"\nhost overhead ({machine}, timed on 1 thread; {precision}; {ACCUMULATION} micro-batches per "
-          "update; compute negligible: 4 dims per head, 8 pairs of 8-16 tokens per micro-batch)")  # fmt: skip
-    print(f"{'shape':6s} {'system':17s} {'ops/micro-batch':>15s} {'ops/update':>10s} {'µs/micro-batch':>14s} "
-          f"{'µs/update':>10s} {'µs per update of 4':>18s} {'vs bare':>7s}")  # fmt: skip
+    print(
+        f"\nhost overhead ({machine}, timed on 1 thread; {precision}; {ACCUMULATION} micro-batches per "
+        "update; compute negligible: 4 dims per head, 8 pairs of 8-16 tokens per micro-batch)"
+    )
+    print(
+        f"{'shape':6s} {'system':17s} {'ops/micro-batch':>15s} {'ops/update':>10s} {'µs/micro-batch':>14s} "
+        f"{'µs/update':>10s} {'µs per update of 4':>18s} {'vs bare':>7s}"
+    )
     skip = 2 * ACCUMULATION  # warm-up: the first 2 updates
     for shape in shapes:
         cfg = model_config(shape)

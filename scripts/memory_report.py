@@ -111,7 +111,7 @@ def main() -> int:
         + (fit if growth is not None else "too few rows for a growth")
         + f"; peak {sampler.peak:,.0f} MiB; median {statistics.median(rates) if rates else 0:,.0f} target tok/s; "
         f"allocator: {allocator}; exit status {status}"
-    )  # fmt: skip
+    )
     if run_dir is not None and run_dir.is_dir():
         with open(run_dir / "memory.csv", "w", newline="") as f:
             writer = csv.writer(f)

@@ -29,9 +29,13 @@ DEFAULT_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "wmt14"
 def measure(args: argparse.Namespace, size: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         dm = TranslationDataModule(
-            "wmt14", path=str(args.path), hub_config="de-en", vocab_size=args.vocab, spm_max_sentences=size,
+            "wmt14",
+            path=str(args.path),
+            hub_config="de-en",
+            vocab_size=args.vocab,
+            spm_max_sentences=size,
             cache_dir=cache,
-        )  # fmt: skip
+        )
         train = dm.corpus.load("train")
         train.open()  # datasets' Arrow copy of the files: made once, not part of SentencePiece's cost
         reset_peak_memory()
@@ -63,8 +67,10 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(args, args.one)))
         return
-    print(f"{'sample':>10} {'seconds':>8} {'peak GiB':>9} {'after GiB':>9}  {'en tok/sent':>11} {'de tok/sent':>11}  "
-          f"{'en tok/word':>11} {'de tok/word':>11}  {'byte tokens en/de':>17}")  # fmt: skip
+    print(
+        f"{'sample':>10} {'seconds':>8} {'peak GiB':>9} {'after GiB':>9}  {'en tok/sent':>11} {'de tok/sent':>11}  "
+        f"{'en tok/word':>11} {'de tok/word':>11}  {'byte tokens en/de':>17}"
+    )
     for size in args.sizes:
         child = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--one", str(size)], stdout=subprocess.PIPE, check=True, text=True

@@ -251,8 +251,10 @@ def projected(cfg: TransformerConfig, losses, mode: str, sentences: float, args)
             counts[layers, n] = count_step(
                 model, micro_batch(shallow, n, args.length, args.real / args.tokens), losses, mode
             )
-    by_layers = [[line(sentences, SIZES, a, b) for a, b in zip(counts[layers, SIZES[0]], counts[layers, SIZES[1]])]
-                 for layers in (1, 2)]  # fmt: skip
+    by_layers = [
+        [line(sentences, SIZES, a, b) for a, b in zip(counts[layers, SIZES[0]], counts[layers, SIZES[1]])]
+        for layers in (1, 2)
+    ]
     return [line(cfg.n_encoder_layers, (1, 2), a, b) for a, b in zip(*by_layers)]
 
 

@@ -59,9 +59,14 @@ def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path,
     """On the training split of a small corpus: each candidate (the fallback, its half and quarter, those that hold the
     longest pair) timed on the same sentences; the random generators and the gradients as before the probe."""
     corpus = write_corpus(tmp_path / "corpus")
-    datamodule = TranslationDataModule(name="text", path=str(corpus), vocab_size=400, max_tokens="auto",
-                                       text_files={"train": "train", "validation": "valid", "test": "test"},
-                                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    datamodule = TranslationDataModule(
+        name="text",
+        path=str(corpus),
+        vocab_size=400,
+        max_tokens="auto",
+        text_files={"train": "train", "validation": "valid", "test": "test"},
+        cache_dir=str(tmp_path / "cache"),
+    )
     datamodule.build()
     module = SimpleNamespace(model=Transformer(tiny_config(vocab_size=len(datamodule.tokenizer))))
     state = torch.get_rng_state()
@@ -120,9 +125,14 @@ def test_the_cpu_probe_pads_no_batch_size_more_than_another(tmp_path):
     about as little as its smallest (a random sample padded the 4,096 batch to its longest sentence and made it look
     18% slower per token on the AVX2 machine, where training ran it as fast as 2,048)."""
     corpus = write_corpus(tmp_path / "corpus")
-    datamodule = TranslationDataModule(name="text", path=str(corpus), vocab_size=400, max_tokens=400,
-                                       text_files={"train": "train", "validation": "valid", "test": "test"},
-                                       cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    datamodule = TranslationDataModule(
+        name="text",
+        path=str(corpus),
+        vocab_size=400,
+        max_tokens=400,
+        text_files={"train": "train", "validation": "valid", "test": "test"},
+        cache_dir=str(tmp_path / "cache"),
+    )
     datamodule.build()
     split = datamodule.splits["train"]
     sample = batch_fit.probe_sentences(split, 400)
@@ -162,8 +172,13 @@ def test_a_run_with_auto_batches_trains_with_the_probes_batch_and_the_configured
 
     monkeypatch.setattr(batch_fit, "fastest_max_tokens", probe)
     corpus = write_corpus(tmp_path / "corpus")
-    args = [f"data.path={corpus}", "data.max_tokens=auto", "data.max_tokens_fallback=300",
-            "data.tokens_per_update=600", "trainer.max_steps=2"]  # fmt: skip
+    args = [
+        f"data.path={corpus}",
+        "data.max_tokens=auto",
+        "data.max_tokens_fallback=300",
+        "data.tokens_per_update=600",
+        "trainer.max_steps=2",
+    ]
     with caplog.at_level(logging.INFO):
         train_in_process(args, tmp_path, tmp_path / "run")
     assert probed == {"fallback": 300}
@@ -178,10 +193,14 @@ def recipe_setup(experiment: str, device: str, devices: int, monkeypatch, longes
     datamodule = TranslationDataModule(**OmegaConf.to_container(cfg.data, resolve=True))
     monkeypatch.setattr(datamodule, "longest_training_pair", lambda: longest)
     trainer = SimpleNamespace(
-        datamodule=datamodule, strategy=SimpleNamespace(root_device=torch.device(device)), precision="bf16-mixed",
-        world_size=devices, is_global_zero=True, lightning_module=mock.Mock(accumulation=1),
+        datamodule=datamodule,
+        strategy=SimpleNamespace(root_device=torch.device(device)),
+        precision="bf16-mixed",
+        world_size=devices,
+        is_global_zero=True,
+        lightning_module=mock.Mock(accumulation=1),
         val_check_interval=cfg.trainer.val_check_interval,
-    )  # fmt: skip
+    )
     return cfg, datamodule, trainer
 
 

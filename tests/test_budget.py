@@ -171,8 +171,14 @@ def test_a_budgeted_run_fixes_its_horizon_from_the_measured_speed_and_ends_its_s
     checkpoints kept span the last 16% of it (budget.average_span), the last at update 49."""
     driven(lambda update: 1.0)
     corpus = write_corpus(tmp_path / "corpus")
-    args = [f"data.path={corpus}", *BUDGET, "checkpoint.every_n_train_steps=10", "trainer.log_every_n_steps=1",
-            "progress_every_n_updates=10", "trainer.val_check_interval=45"]  # fmt: skip
+    args = [
+        f"data.path={corpus}",
+        *BUDGET,
+        "checkpoint.every_n_train_steps=10",
+        "trainer.log_every_n_steps=1",
+        "progress_every_n_updates=10",
+        "trainer.val_check_interval=45",
+    ]
     with caplog.at_level(logging.INFO):
         train_in_process(args, tmp_path, tmp_path / "run")
     fixed_at = MEASURE_FROM + MEASURE_UPDATES
@@ -271,8 +277,14 @@ def test_a_budget_of_any_length_reaches_the_peak_rate_whatever_max_steps_is(driv
     its warmup stretched over 20% of max_steps); the ones too short for budget.warmup say so in one line."""
     driven(lambda update: 1.0)
     corpus = write_corpus(tmp_path / "corpus")
-    args = [f"data.path={corpus}", f"trainer.max_time={budget_time}", "trainer.max_steps=100000",
-            "optim.warmup_steps=600", "trainer.log_every_n_steps=1", "+trainer.limit_val_batches=0"]  # fmt: skip
+    args = [
+        f"data.path={corpus}",
+        f"trainer.max_time={budget_time}",
+        "trainer.max_steps=100000",
+        "optim.warmup_steps=600",
+        "trainer.log_every_n_steps=1",
+        "+trainer.limit_val_batches=0",
+    ]
     with caplog.at_level(logging.INFO):
         train_in_process(args, tmp_path, tmp_path / "run")
     last = load(tmp_path / "run" / "checkpoints" / "last.ckpt")

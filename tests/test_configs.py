@@ -164,9 +164,19 @@ def test_a_gpu_is_known_absent_without_torch_when_no_driver_file_exists_or_cuda_
 def test_base_and_big_carry_the_papers_values(tmp_path):
     base = compose_train(["experiment=base"])
     assert dict(base.model) == dict(
-        d_model=512, d_ff=2048, n_heads=8, n_encoder_layers=6, n_decoder_layers=6, dropout=0.1, max_positions=1024,
-        d_k=None, d_v=None, positions="sinusoidal", norm="post", share_embeddings="all",  # the switches: the paper's
-    )  # fmt: skip
+        d_model=512,
+        d_ff=2048,
+        n_heads=8,
+        n_encoder_layers=6,
+        n_decoder_layers=6,
+        dropout=0.1,
+        max_positions=1024,
+        d_k=None,
+        d_v=None,
+        positions="sinusoidal",
+        norm="post",
+        share_embeddings="all",  # the switches: the paper's
+    )
     assert base.label_smoothing == 0.1
     assert dict(base.optim) == dict(lr_factor=1.0, warmup_steps=4000, betas=[0.9, 0.98], eps=1e-9)
     assert base.trainer.max_steps == 100_000 and base.data.tokens_per_update == 25_000

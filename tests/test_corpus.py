@@ -58,9 +58,12 @@ def test_a_corpus_takes_its_fields_from_a_data_config_and_leaves_the_rest(tmp_pa
     assert {"vocab_size", "max_tokens", "cache_dir"} <= set(data)  # not Corpus fields
     corpus = Corpus.from_config(data)
     assert corpus == Corpus(
-        "multi30k", "en", "de", hub_name="bentrevett/multi30k",
+        "multi30k",
+        "en",
+        "de",
+        hub_name="bentrevett/multi30k",
         text_files={"train": "train", "validation": "val", "test": "test_2016_flickr"},
-    )  # fmt: skip
+    )
     assert Corpus.from_config(data, path=str(tmp_path)).path == str(tmp_path)
     assert Corpus.from_config({"name": "text", "text_files": None}).text_files == {}  # default.yaml's null
     with pytest.raises(TypeError, match="pth"):

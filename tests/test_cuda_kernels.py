@@ -143,8 +143,11 @@ def test_auto_batch_of_the_base_model_fits_the_gpu_with_its_optimizer_step(recor
     optimizer.step()
     torch.cuda.synchronize()
     peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(0).total_memory
-    record_property("figures", f"max_tokens=auto: {tokens:,} ({sentences} x {length}), update peak "
-                               f"{peak / 2**30:.1f} of {total / 2**30:.1f} GiB")  # fmt: skip
+    record_property(
+        "figures",
+        f"max_tokens=auto: {tokens:,} ({sentences} x {length}), update peak "
+        f"{peak / 2**30:.1f} of {total / 2**30:.1f} GiB",
+    )
     assert sentences >= 1 and peak < total
 
 

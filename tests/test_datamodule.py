@@ -23,10 +23,16 @@ from transformer_mt.tokenizer import BOS_ID
 @pytest.mark.parametrize(
     "key, value",
     [
-        ("max_tokens", -5), ("max_tokens", 0), ("max_tokens", "most"), ("max_tokens_fallback", 0),
-        ("max_tokens_fallback", "auto"), ("vocab_size", 0), ("max_len", -1), ("tokens_per_update", 0),
+        ("max_tokens", -5),
+        ("max_tokens", 0),
+        ("max_tokens", "most"),
+        ("max_tokens_fallback", 0),
+        ("max_tokens_fallback", "auto"),
+        ("vocab_size", 0),
+        ("max_len", -1),
+        ("tokens_per_update", 0),
     ],
-)  # fmt: skip
+)
 def test_impossible_batch_settings_are_refused(tmp_path, key, value):
     with pytest.raises(InputError, match=rf"data\.{key}={value}: "):
         text_datamodule(tmp_path, **{key: value})

@@ -65,8 +65,12 @@ def test_results_json_reads_back_as_written(tmp_path):
     results.models["last"] = {"checkpoint": "run/checkpoints/last.ckpt", "test": {**scores, "bleu_signature": "s"}}
     results.write(tmp_path / "results.json")
     assert Results.read(tmp_path / "results.json") == results
-    assert results.metrics() == {"final/last/test/bleu": 20.0, "final/last/test/chrf": 50.0,
-                                 "final/last/test/tokenized_bleu": 21.0, "final/last/test/ppl": 3.0}  # fmt: skip
+    assert results.metrics() == {
+        "final/last/test/bleu": 20.0,
+        "final/last/test/chrf": 50.0,
+        "final/last/test/tokenized_bleu": 21.0,
+        "final/last/test/ppl": 3.0,
+    }
     for bad in ("[1, 2]", '{"updates": 5, "bleu": 1}'):
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(InputError, match="bad.json: not a results.json"):

@@ -224,9 +224,17 @@ def test_an_export_carries_a_model_card_whose_metrics_are_the_runs_results(rando
     overrides = [f"data.path={tmp_path}/m30k", f"hydra.run.dir={tmp_path}/run", "optim.lr_factor=2"]
     figures = dict.fromkeys(("target_tokens_per_second", "model_flops_per_second", "mfu", "peak_flops_per_second"))
     Results(
-        updates=1625, train_seconds=1572.0, target_tokens=5_400_000, devices=1, peak=None, parameters=1000,
-        decoding=PAPER.settings(), overrides=overrides, models={"a": entry}, **figures,
-    ).write(tmp_path / "run" / "results.json")  # fmt: skip
+        updates=1625,
+        train_seconds=1572.0,
+        target_tokens=5_400_000,
+        devices=1,
+        peak=None,
+        parameters=1000,
+        decoding=PAPER.settings(),
+        overrides=overrides,
+        models={"a": entry},
+        **figures,
+    ).write(tmp_path / "run" / "results.json")
     out = export(str(ckpt), "hf", str(tmp_path / "hf"))
     card = ModelCard.load(out / "README.md")  # a local file: nothing reaches the network
     assert card.data.language == ["en", "de"] and "translation" in card.data.tags

@@ -254,10 +254,18 @@ def test_two_make_evaluate_started_at_once_keep_both_results(trained_run, tmp_pa
     """Two `make evaluate` started in the same second (here the same moment) write folders of their own under
     outputs/evaluate/, each with its hypotheses and scores."""
     ckpt, corpus = trained_run / "out" / "checkpoints" / "last.ckpt", trained_run / "corpus"
-    command = [sys.executable, "-m", "transformer_mt.evaluate", f"ckpt={ckpt}", f"src={corpus / 'test.en'}",
-               f"ref={corpus / 'test.de'}"]  # fmt: skip
-    processes = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for _ in range(2)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "transformer_mt.evaluate",
+        f"ckpt={ckpt}",
+        f"src={corpus / 'test.en'}",
+        f"ref={corpus / 'test.de'}",
+    ]
+    processes = [
+        subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     for process in processes:
         _, stderr = process.communicate(timeout=280)
         assert process.returncode == 0, stderr[-3000:]
@@ -495,8 +503,10 @@ def test_make_tune_chooses_on_validation_only_and_translate_and_evaluate_then_us
     assert given["beam_size"] == 4  # a decoding key on the command line: conf/decoding's settings, as given
     source = "the cat sees a dog .\n"
     tuned_out, err = run_translate(ckpt, source, monkeypatch=monkeypatch, capsys=capsys)
-    assert "by make tune" in err and tuned_out == run_translate(ckpt, source, *explicit, monkeypatch=monkeypatch,
-                                                                 capsys=capsys)[0]  # fmt: skip
+    assert (
+        "by make tune" in err
+        and tuned_out == run_translate(ckpt, source, *explicit, monkeypatch=monkeypatch, capsys=capsys)[0]
+    )
     # a record made for other bytes is not used, and that is said
     other = tmp_path / "other.ckpt"
     other.write_bytes((trained_run / "out" / "checkpoints" / "step0000003.ckpt").read_bytes())
@@ -541,8 +551,13 @@ def test_a_hand_edited_tune_record_is_refused_in_one_line_naming_the_setting(edi
     ckpt.write_bytes(b"the checkpoint's bytes")  # the record names their SHA-256
     paper = {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}
     chosen = {key: value for key, value in (paper | edit).items() if value is not ...}
-    record = {"decoding": chosen, "chosen_on": "text validation", "chosen_by": "make tune",
-              "checkpoint_sha256": file_digest(ckpt), "grid": []}  # fmt: skip
+    record = {
+        "decoding": chosen,
+        "chosen_on": "text validation",
+        "chosen_by": "make tune",
+        "checkpoint_sha256": file_digest(ckpt),
+        "grid": [],
+    }
     tuned_path(ckpt).write_text(json.dumps(record))
     with pytest.raises(InputError) as error:
         decoding_for(ckpt, PAPER, "auto", False, print)

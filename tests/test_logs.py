@@ -102,9 +102,12 @@ def test_a_run_ends_with_its_results_and_the_next_commands_after_wandb_and_the_a
     env = {"HOME": str(tmp_path / "home"), "WANDB_API_KEY": "", "WANDB_MODE": "", "NETRC": str(tmp_path / "none")}
     proc = subprocess.run(  # stdout and stderr in one stream, in the order a person sees them
         [sys.executable, "-m", "transformer_mt.train", *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     results = max(i for i, line in enumerate(lines) if "results (" in line)

@@ -473,8 +473,9 @@ def test_a_budget_on_two_ddp_ranks_is_decided_on_rank_0s_clock_by_both(tmp_path)
     corpus = write_corpus(tmp_path / "corpus")
     args = [f"data.path={corpus}", *BUDGETED, "trainer.strategy=ddp", "trainer.devices=2", "data.tokens_per_update=600"]
     kill_at = str(ROOT / "tests" / "kill_at.py")
-    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env={"KILL_AT_CLOCK": "1.0"},
-                     entry=(kill_at, "none:0"))  # fmt: skip
+    proc = run_train(
+        [*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env={"KILL_AT_CLOCK": "1.0"}, entry=(kill_at, "none:0")
+    )
     output = proc.stdout + proc.stderr
     assert "accumulation 1 x 300 tokens x 2 device(s)" in output
     assert "time budget 0:01:40: ~96 updates" in output
@@ -500,8 +501,9 @@ def test_ctrl_c_between_validations_adds_none_and_a_second_one_exits_130_at_once
         and load(tmp_path / "once" / "checkpoints" / "last.ckpt")["global_step"] == 4
     )
     assert not (tmp_path / "once" / "checkpoints" / "best.ckpt").exists()
-    twice = run_train([*args, f"hydra.run.dir={tmp_path / 'twice'}"], tmp_path, check=False,
-                      entry=(kill_at, "signal:SIGINT-twice:3"))  # fmt: skip
+    twice = run_train(
+        [*args, f"hydra.run.dir={tmp_path / 'twice'}"], tmp_path, check=False, entry=(kill_at, "signal:SIGINT-twice:3")
+    )
     output = twice.stdout + twice.stderr
     assert twice.returncode == 130 and "received SIGINT again: stopping now" in output, output[-3000:]
     assert "Traceback" not in output and "validation at update" not in output

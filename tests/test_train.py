@@ -194,8 +194,11 @@ def test_multi30k_experiment_learns_real_translation(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"time budget 0:26:00: ~300 updates at .* to 0 at update 300 \(trainer.max_steps\); checkpoints "
-                     r"every 5 updates", proc.stdout + proc.stderr)  # fmt: skip
+    assert re.search(
+        r"time budget 0:26:00: ~300 updates at .* to 0 at update 300 \(trainer.max_steps\); checkpoints "
+        r"every 5 updates",
+        proc.stdout + proc.stderr,
+    )
     bleus = [value for _, value in read_metrics(tmp_path / "run")["val/bleu"]]
     # 2026-12-04, 2-core Xeon (AMX, bf16): val/bleu 2.5 -> 9.2 (2 threads), 1.2 -> 8.9 (1 thread, under xdist), test
     # 10.1 / 9.7; a CPU without native bf16 trains in fp32, other numbers: the bar leaves room, far above a random 0

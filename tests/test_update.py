@@ -76,9 +76,11 @@ def test_the_updates_token_and_flop_totals_are_the_padded_tensors(tmp_path):
     module = TranslationModule(MICRO_SHAPE, val_bleu_sentences=0)
     module.accumulation = 3
     trainer = quiet_trainer(
-        max_steps=2, use_distributed_sampler=False, default_root_dir=tmp_path,
+        max_steps=2,
+        use_distributed_sampler=False,
+        default_root_dir=tmp_path,
         callbacks=[UpdateEnd()],  # reads each update: its totals (the parts fit.make_callbacks adds are not needed)
-    )  # fmt: skip
+    )
     trainer.fit(module, DataLoader(batches, batch_size=None))
     cfg, totals = module.model.cfg, module.updates.totals
     tokens = sum(int(b["tgt_out"].ne(PAD_ID).sum()) for b in batches)
@@ -113,9 +115,11 @@ def test_a_non_finite_update_stops_the_run_with_weights_and_adam_as_the_update_b
     the last finite update."""
     keep = KeepState()
     trainer = quiet_trainer(
-        max_steps=2, use_distributed_sampler=False, callbacks=[keep, UpdateEnd()],
+        max_steps=2,
+        use_distributed_sampler=False,
+        callbacks=[keep, UpdateEnd()],
         default_root_dir=tmp_path,
-    )  # fmt: skip
+    )
     module = NaNAtUpdate2(MICRO_SHAPE, val_bleu_sentences=0)
     module.accumulation = 3
     with pytest.raises(TrainingDiverged, match="training diverged at update 2: the gradient norm is nan"):

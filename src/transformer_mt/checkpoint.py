@@ -135,8 +135,10 @@ def average_checkpoints(paths: list[str | Path]) -> dict:
             raise InputError(f"{path} and {first} hold different parameters (e.g. {diff}): average one run's only")
         for key, value in state.items():
             if value.shape != total[key].shape:
-                raise InputError(f"{path}: {key} has shape {tuple(value.shape)}, {first} has "
-                                 f"{tuple(total[key].shape)}; average checkpoints of one run only")  # fmt: skip
+                raise InputError(
+                    f"{path}: {key} has shape {tuple(value.shape)}, {first} has "
+                    f"{tuple(total[key].shape)}; average checkpoints of one run only"
+                )
             if value.is_floating_point():
                 total[key] += value.double()
     dtypes = {k: v.dtype for k, v in reference["state_dict"].items()}

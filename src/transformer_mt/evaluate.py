@@ -78,11 +78,13 @@ def evaluate(cfg: DictConfig) -> dict:
     if cfg.n_best:
         (out / "nbest.txt").write_text("".join(map(nbest_lines, range(len(outputs)), outputs)), encoding="utf-8")
         print(f"wrote the {cfg.n_best} best translations per sentence to {out / 'nbest.txt'}")
-    print(f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}\n"
-          f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}\n           {result['bleu_detail']}\n"
-          f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}\ntokenized BLEU with compound splitting (the "
-          f"paper's metric, NOT comparable with sacreBLEU): {result['tokenized_bleu_compound_split']:.2f}\n"
-          f"wrote {out / 'hypotheses.txt'} and {out / 'scores.json'}")  # fmt: skip
+    print(
+        f"{name}: {len(hyps)} sentences, {decoding.text()}, {result['seconds']:.1f} s, engine {result['engine']}\n"
+        f"sacreBLEU {result['bleu']:.2f}  {result['bleu_signature']}\n           {result['bleu_detail']}\n"
+        f"chrF      {result['chrf']:.2f}  {result['chrf_signature']}\ntokenized BLEU with compound splitting (the "
+        f"paper's metric, NOT comparable with sacreBLEU): {result['tokenized_bleu_compound_split']:.2f}\n"
+        f"wrote {out / 'hypotheses.txt'} and {out / 'scores.json'}"
+    )
     return result
 
 

@@ -135,8 +135,14 @@ class Searching:
         B, device = limits.size(0), limits.device
         tokens = torch.full((B, 1, width), PAD_ID, dtype=torch.long, device=device)
         floors = torch.full((B,), -torch.inf, device=device)
-        return cls(torch.arange(B, device=device), limits, torch.zeros((B, 1), device=device), tokens, floors,
-                   penalty(limits + 1))  # fmt: skip
+        return cls(
+            torch.arange(B, device=device),
+            limits,
+            torch.zeros((B, 1), device=device),
+            tokens,
+            floors,
+            penalty(limits + 1),
+        )
 
     def done(self) -> Tensor:
         """(n,) True where no live hypothesis can beat the n_best-th finished one (the best live one, ending at the

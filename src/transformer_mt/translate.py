@@ -41,10 +41,14 @@ def translate(cfg: DictConfig) -> None:
                         error = e
                         break
                 results = translate_lines(
-                    chunk, warn=lambda message: stderr(f"warning: input {message}"), first_line=lines_done + 1,
-                    progress=sys.stderr.isatty() and batch_lines > 1, n_best=cfg.n_best,
-                    tokens_per_batch=cfg.tokens_per_batch, **decoding.settings(),
-                )  # fmt: skip
+                    chunk,
+                    warn=lambda message: stderr(f"warning: input {message}"),
+                    first_line=lines_done + 1,
+                    progress=sys.stderr.isatty() and batch_lines > 1,
+                    n_best=cfg.n_best,
+                    tokens_per_batch=cfg.tokens_per_batch,
+                    **decoding.settings(),
+                )
                 for number, result in enumerate(results, lines_done):
                     sys.stdout.write(nbest_lines(number, result) if cfg.n_best else result + "\n")
                 sys.stdout.flush()
@@ -55,8 +59,10 @@ def translate(cfg: DictConfig) -> None:
         e.kept = "the translations written to standard output so far are whole lines"
         raise
     seconds = time.perf_counter() - start
-    stderr(f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
-           f"beam {decoding.beam_size}, engine {cfg.engine})")  # fmt: skip
+    stderr(
+        f"translated {lines_done} lines in {seconds:.1f} s ({lines_done / max(seconds, 1e-9):.1f} sentences/s, "
+        f"beam {decoding.beam_size}, engine {cfg.engine})"
+    )
 
 
 main = hydra_command("translate", translate)  # make translate, transformer-mt-translate

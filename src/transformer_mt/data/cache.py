@@ -133,8 +133,13 @@ class TokenCache:
 
     def tokenizer_settings(self, train: RawSplit) -> dict:
         langs = [self.corpus.src_lang, self.corpus.tgt_lang]
-        return {"data": train.fingerprint, "langs": langs, "vocab": self.vocab_size,
-                "max_sentences": self.spm_max_sentences, "seed": self.seed}  # fmt: skip
+        return {
+            "data": train.fingerprint,
+            "langs": langs,
+            "vocab": self.vocab_size,
+            "max_sentences": self.spm_max_sentences,
+            "seed": self.seed,
+        }
 
     def tokenizer_directory(self, train: RawSplit) -> Path:
         return self.directory / "sentencepiece" / cache_key(**self.tokenizer_settings(train))
@@ -151,8 +156,10 @@ class TokenCache:
                 log.warning("damaged cache, built again: %s", e)
                 shutil.rmtree(directory)
             else:
-                rebuild = f"Remove the entry to train it again: rm -r {directory} (its tokenized splits follow), or " \
-                    "point data.cache_dir elsewhere"  # fmt: skip
+                rebuild = (
+                    f"Remove the entry to train it again: rm -r {directory} (its tokenized splits follow), or "
+                    "point data.cache_dir elsewhere"
+                )
                 if (found := hashlib.sha256(tokenizer.proto).hexdigest()) != recorded:
                     raise InputError(
                         f"{directory / MODEL_FILE}: not the SentencePiece model this cache entry made (SHA-256 "
@@ -214,8 +221,16 @@ class TokenCache:
             how, dropped = "tokenized", self.write_tokenized(raw, tokenizer, directory)
             tokenized = open_cache(directory, len(tokenizer))
         self.timings[raw.split] = (how, time.perf_counter() - start)
-        log.info("%s %s: %s pairs %s in %.2f s%s (%s)", self.corpus.name, raw.split, f"{len(tokenized):,}", how,
-                 self.timings[raw.split][1], dropped, directory)  # fmt: skip
+        log.info(
+            "%s %s: %s pairs %s in %.2f s%s (%s)",
+            self.corpus.name,
+            raw.split,
+            f"{len(tokenized):,}",
+            how,
+            self.timings[raw.split][1],
+            dropped,
+            directory,
+        )
         return tokenized
 
     def write_tokenized(self, raw: RawSplit, tokenizer: Tokenizer, directory: Path) -> str:

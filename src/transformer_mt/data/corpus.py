@@ -112,9 +112,12 @@ class Corpus:
             )
         builder = "parquet" if files[0].suffix == ".parquet" else "json"
         return RawSplit(  # opened when read: a start whose caches are present only hashes the files
-            self, split, file_digest(*files, algorithm=FINGERPRINT), raw_bytes=sum(f.stat().st_size for f in files),
+            self,
+            split,
+            file_digest(*files, algorithm=FINGERPRINT),
+            raw_bytes=sum(f.stat().st_size for f in files),
             open_dataset=lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"),
-        )  # fmt: skip
+        )
 
     def local_files(self, root: Path, split: str) -> list[Path]:
         """Parquet/JSON Lines files of `split` in the Hub's layout: [<config>/]<split>[-*].<ext>."""

@@ -48,8 +48,10 @@ class TranslationDataModule(L.LightningDataModule):
         )
         for key, value in numbers.items():
             if (not isinstance(value, int) or value < 1) and not (key == "max_tokens" and value == "auto"):
-                raise InputError(f"data.{key}={value}: must be a positive whole number" + (
-                    " or auto (the largest batch the device fits)" if key == "max_tokens" else ""))  # fmt: skip
+                raise InputError(
+                    f"data.{key}={value}: must be a positive whole number"
+                    + (" or auto (the largest batch the device fits)" if key == "max_tokens" else "")
+                )
         if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
@@ -119,9 +121,12 @@ class TranslationDataModule(L.LightningDataModule):
                     f"{int(np.maximum(data.src_lens, data.tgt_lens).min()) + 1}); raise data.max_tokens"
                 )
             (log.info if split == "train" else log.warning)(
-                "%s: %s pairs are longer than a batch's %d tokens: %s", split, f"{int((~fits).sum()):,}", max_tokens,
+                "%s: %s pairs are longer than a batch's %d tokens: %s",
+                split,
+                f"{int((~fits).sum()):,}",
+                max_tokens,
                 "left out of training" if split == "train" else "each is batched alone, over the limit",
-            )  # fmt: skip
+            )
         indices = np.flatnonzero(fits) if split == "train" else None
         return TokenBucketSampler(data.src_lens, data.tgt_lens, max_tokens, shuffle, self.seed, rank, world, indices)
 

@@ -44,9 +44,12 @@ def translate(translator, sp, request: dict) -> dict:
         chunk = [pieces[i] for i in order[start:end]]
         longest = max(map(len, chunk))  # the limit, a x longest + b, counts no EOS
         results = translator.translate_batch(
-            chunk, beam_size=beam, length_penalty=request["length_penalty"], max_batch_size=len(chunk),
+            chunk,
+            beam_size=beam,
+            length_penalty=request["length_penalty"],
+            max_batch_size=len(chunk),
             max_decoding_length=int(request["max_len_a"] * longest + request["max_len_b"]),
-        )  # fmt: skip
+        )
         for i, result in zip(order[start:end], results):
             outputs[i] = sp.decode_pieces(result.hypotheses[0])
         start = end

@@ -38,8 +38,10 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing, or an export cut short
     if folder.exists():
-        log(f"engine=ct2: {folder} is not an export of {ckpt} as it is now (it changed, or an export was cut short): "
-            "exporting again")  # fmt: skip
+        log(
+            f"engine=ct2: {folder} is not an export of {ckpt} as it is now (it changed, or an export was cut short): "
+            "exporting again"
+        )
         shutil.rmtree(folder)
     else:
         log(f"engine=ct2: exporting {ckpt} for CTranslate2 into {folder} (once; again when the checkpoint changes)")
@@ -86,11 +88,20 @@ class CT2Process:
         return answer
 
     def translate_lines(
-        self, lines: list[str], warn=None, first_line: int = 1, beam_size: int = PAPER.beam_size,
-        alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b,
-        tokens_per_batch: int = 16384, n_best: int = 0, progress: bool = False, report=None,
+        self,
+        lines: list[str],
+        warn=None,
+        first_line: int = 1,
+        beam_size: int = PAPER.beam_size,
+        alpha: float = PAPER.alpha,
+        max_len_a: float = PAPER.max_len_a,
+        max_len_b: int = PAPER.max_len_b,
+        tokens_per_batch: int = 16384,
+        n_best: int = 0,
+        progress: bool = False,
+        report=None,
         length_penalty: str = PAPER.length_penalty,
-    ) -> list[str]:  # fmt: skip
+    ) -> list[str]:
         """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
         from tqdm import tqdm  # noqa: PLC0415
 
@@ -103,9 +114,16 @@ class CT2Process:
         for at in range(0, len(lines), size):
             chunk = lines[at : at + size]
             answer = self.ask(
-                dict(lines=chunk, beam_size=beam_size, length_penalty=penalty, max_len_a=max_len_a,
-                     max_len_b=max_len_b, max_source_tokens=self.limit, tokens_per_batch=tokens_per_batch)
-            )  # fmt: skip
+                dict(
+                    lines=chunk,
+                    beam_size=beam_size,
+                    length_penalty=penalty,
+                    max_len_a=max_len_a,
+                    max_len_b=max_len_b,
+                    max_source_tokens=self.limit,
+                    tokens_per_batch=tokens_per_batch,
+                )
+            )
             for i, tokens in answer["truncated"] if warn else []:
                 warn(f"line {first_line + at + i}: {tokens} tokens, truncated to the model's maximum of {self.limit}")
             outputs += answer["outputs"]

@@ -58,8 +58,10 @@ class Grid:
             done += self.translate(lines[start : start + size], **settings)
             length, expected = sum(map(len, done)), max(sum(usual[: len(done)]), 1)
             if len(done) < len(lines) and length > RUNAWAY * expected:
-                raise RunAway(f"abandoned: {length / expected:.2f}x the usual length in characters after "
-                              f"{len(done):,} of {len(lines):,} sentences")  # fmt: skip
+                raise RunAway(
+                    f"abandoned: {length / expected:.2f}x the usual length in characters after "
+                    f"{len(done):,} of {len(lines):,} sentences"
+                )
         return done
 
     def run(self, decoding: Decoding) -> dict:

@@ -56,12 +56,16 @@ class Protocol:
     def of_run(cls, run: RunFolder, cfg: Mapping, **changes) -> Protocol:
         final, devices = cfg["final"], cfg["trainer"]["devices"]
         settings = dict(
-            run=run, decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
-            corpus=Corpus.from_config(cfg["data"]), splits=list(final["splits"]), average_last=final["average_last"],
-            label_smoothing=cfg["label_smoothing"], ema=bool(cfg["ema_decay"]),
+            run=run,
+            decoding=Decoding.of(cfg["decoding"], where=f"{run.last} (its config)"),
+            corpus=Corpus.from_config(cfg["data"]),
+            splits=list(final["splits"]),
+            average_last=final["average_last"],
+            label_smoothing=cfg["label_smoothing"],
+            ema=bool(cfg["ema_decay"]),
             extra={"table3_row": cfg["table3_row"], "seed": cfg["seed"], "code": cfg.get("code")},
             devices=devices * cfg["trainer"]["num_nodes"] if isinstance(devices, int) else 1,  # "auto": 1
-        )  # fmt: skip
+        )
         return cls(**{**settings, **changes})
 
     def plan(self) -> str:
@@ -81,8 +85,12 @@ class Protocol:
     def run_on(self, device: torch.device, peak: Peak | None = None) -> Results:
         """peak: one training device's, for the MFU."""
         start = time.monotonic()
-        log.info("the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
-                 "with: make finish RUN=%s", ", ".join(self.splits), self.run.path)  # fmt: skip
+        log.info(
+            "the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
+            "with: make finish RUN=%s",
+            ", ".join(self.splits),
+            self.run.path,
+        )
         chosen = self.checkpoints()
         results = self.training_figures(peak)
         if device.type == "cuda":
@@ -112,12 +120,17 @@ class Protocol:
             try:
                 periodic = run_checkpoints(self.run.checkpoints)[-self.average_last :]
             except MissingInputError:
-                log.warning("final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt",
-                            self.average_last)  # fmt: skip
+                log.warning(
+                    "final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt",
+                    self.average_last,
+                )
         if periodic:
             if len(periodic) < self.average_last:
-                log.warning("final.average_last=%d: only %d periodic checkpoints, averaging those", self.average_last,
-                            len(periodic))  # fmt: skip
+                log.warning(
+                    "final.average_last=%d: only %d periodic checkpoints, averaging those",
+                    self.average_last,
+                    len(periodic),
+                )
             path = self.run.checkpoints / RunFolder.average_name(len(periodic))
             write_checkpoint(average_checkpoints(periodic), path)
             log.info("averaged %s -> %s", ", ".join(p.name for p in periodic), path.name)
@@ -138,12 +151,18 @@ class Protocol:
         mfu = peak.utilisation(flops_per_second / self.devices) if peak and flops_per_second else None
         significant = lambda x: float(f"{x:.4g}") if x else None  # noqa: E731
         return Results(
-            updates=last["global_step"], train_seconds=round(seconds, 1), target_tokens=tokens,
+            updates=last["global_step"],
+            train_seconds=round(seconds, 1),
+            target_tokens=tokens,
             target_tokens_per_second=round(tokens / seconds) if seconds else None,
-            model_flops_per_second=significant(flops_per_second), devices=self.devices, mfu=significant(mfu),
-            peak=peak.source if peak else None, peak_flops_per_second=significant(peak and peak.flops),
-            decoding=self.decoding.settings(), **self.extra,
-        )  # fmt: skip
+            model_flops_per_second=significant(flops_per_second),
+            devices=self.devices,
+            mfu=significant(mfu),
+            peak=peak.source if peak else None,
+            peak_flops_per_second=significant(peak and peak.flops),
+            decoding=self.decoding.settings(),
+            **self.extra,
+        )
 
     def scores(self, model: Transformer, tokenizer: Tokenizer, split: str, decoding: Decoding) -> dict:
         report = partial(log.info, "decoding %s (%s): %s", split, decoding.text())  # once a minute, a long decode

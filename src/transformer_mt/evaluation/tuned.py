@@ -18,8 +18,12 @@ def tuned_path(ckpt: str | Path) -> Path:
 
 
 def save_tuned(ckpt: str | Path, chosen: Decoding, rows: list[dict], split: str) -> Path:
-    record = {"decoding": chosen.settings(), "chosen_on": split, "chosen_by": "make tune",
-              "checkpoint_sha256": file_digest(Path(ckpt))}  # fmt: skip
+    record = {
+        "decoding": chosen.settings(),
+        "chosen_on": split,
+        "chosen_by": "make tune",
+        "checkpoint_sha256": file_digest(Path(ckpt)),
+    }
     with atomic_write(tuned_path(ckpt)) as tmp:
         tmp.write_text(json.dumps(record | {"grid": rows}, indent=2) + "\n", encoding="utf-8")
     return tuned_path(ckpt)

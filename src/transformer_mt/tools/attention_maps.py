@@ -104,8 +104,10 @@ def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | Non
 
     out_dir = Path(out or f"outputs/attention/{datetime.now():%Y-%m-%d_%H-%M-%S}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    src_tokens, tgt_in, tgt_out = ([tokenizer.sp.id_to_piece(i) for i in ids]
-                                   for ids in ([*src_ids, EOS_ID], [BOS_ID, *tgt_ids], [*tgt_ids, EOS_ID]))  # fmt: skip
+    src_tokens, tgt_in, tgt_out = (
+        [tokenizer.sp.id_to_piece(i) for i in ids]
+        for ids in ([*src_ids, EOS_ID], [BOS_ID, *tgt_ids], [*tgt_ids, EOS_ID])
+    )
     translation = tokenizer.decode([tgt_ids])[0]
     pictures = {  # file: (kind, title, rows, columns)
         "encoder_self_attention.png": ("encoder", "encoder self-attention", src_tokens, src_tokens),

@@ -97,15 +97,28 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
 def marian_config(model: Transformer):
     cfg = model.cfg
     return optional("transformers").MarianConfig(
-        vocab_size=cfg.vocab_size, d_model=cfg.d_model, encoder_layers=cfg.n_encoder_layers,
-        decoder_layers=cfg.n_decoder_layers, encoder_attention_heads=cfg.n_heads, decoder_attention_heads=cfg.n_heads,
-        encoder_ffn_dim=cfg.d_ff, decoder_ffn_dim=cfg.d_ff, activation_function="relu",
+        vocab_size=cfg.vocab_size,
+        d_model=cfg.d_model,
+        encoder_layers=cfg.n_encoder_layers,
+        decoder_layers=cfg.n_decoder_layers,
+        encoder_attention_heads=cfg.n_heads,
+        decoder_attention_heads=cfg.n_heads,
+        encoder_ffn_dim=cfg.d_ff,
+        decoder_ffn_dim=cfg.d_ff,
+        activation_function="relu",
         max_position_embeddings=cfg.max_positions,
-        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,  # §3.4
-        dropout=cfg.dropout, attention_dropout=0.0, activation_dropout=0.0,  # for fine-tuning: ours
-        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, forced_eos_token_id=EOS_ID,
+        scale_embedding=True,
+        share_encoder_decoder_embeddings=True,
+        tie_word_embeddings=True,  # §3.4
+        dropout=cfg.dropout,
+        attention_dropout=0.0,
+        activation_dropout=0.0,  # for fine-tuning: ours
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        forced_eos_token_id=EOS_ID,
         decoder_start_token_id=BOS_ID,  # ours starts from BOS (Marian's own models from pad)
-    )  # fmt: skip
+    )
 
 
 def marian_model(model: Transformer):
@@ -126,10 +139,17 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
     # Beam 4 (§6.1), the |Y|^a closest to our length penalty, pad never generated, and a search that stops only
     # when no live hypothesis can win, as ours.
     hf.generation_config = transformers.GenerationConfig(
-        decoder_start_token_id=BOS_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        forced_eos_token_id=EOS_ID, bad_words_ids=[[PAD_ID]], num_beams=PAPER.beam_size,
-        length_penalty=HF_LENGTH_PENALTY, early_stopping="never", max_length=model.cfg.max_positions,
-    )  # fmt: skip
+        decoder_start_token_id=BOS_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        forced_eos_token_id=EOS_ID,
+        bad_words_ids=[[PAD_ID]],
+        num_beams=PAPER.beam_size,
+        length_penalty=HF_LENGTH_PENALTY,
+        early_stopping="never",
+        max_length=model.cfg.max_positions,
+    )
     try:
         hf.save_pretrained(directory)
     except Exception as e:  # safetensors' own error for an OSError in its Rust writer: "... (os error 28)"
@@ -142,11 +162,17 @@ def write_hf(model: Transformer, tokenizer: Tokenizer, directory: Path, language
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
     piece = tokenizer.sp.id_to_piece
     transformers.MarianTokenizer(
-        source_spm=str(spm_file), target_spm=str(spm_file), vocab=str(directory / "vocab.json"),
-        source_lang=languages[0], target_lang=languages[1], unk_token=piece(UNK_ID), eos_token=piece(EOS_ID),
-        pad_token=piece(PAD_ID), bos_token=piece(BOS_ID),  # special: decode(skip_special_tokens=True) drops it
+        source_spm=str(spm_file),
+        target_spm=str(spm_file),
+        vocab=str(directory / "vocab.json"),
+        source_lang=languages[0],
+        target_lang=languages[1],
+        unk_token=piece(UNK_ID),
+        eos_token=piece(EOS_ID),
+        pad_token=piece(PAD_ID),
+        bos_token=piece(BOS_ID),  # special: decode(skip_special_tokens=True) drops it
         model_max_length=model.cfg.max_positions - 1,  # room for the EOS
-    ).save_pretrained(directory)  # fmt: skip
+    ).save_pretrained(directory)
     spm_file.unlink()  # the tokenizer saved it as source.spm and target.spm
 
 
@@ -169,8 +195,10 @@ def check_hf(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
             diffs.append((expected - hf(**batch, decoder_input_ids=tgt_in).logits).abs().max().item())
     if not diffs[1] <= EXACT:
         raise AssertionError(f"{directory}: exported logits differ from ours by {diffs[1]:.2e} in float64 (> {EXACT})")
-    return (f"checked: the exported tokenizer gives our ids and the model our logits (max abs difference "
-            f"{diffs[0]:.1e} in float32, {diffs[1]:.1e} in float64)")  # fmt: skip
+    return (
+        f"checked: the exported tokenizer gives our ids and the model our logits (max abs difference "
+        f"{diffs[0]:.1e} in float32, {diffs[1]:.1e} in float64)"
+    )
 
 
 def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantization: str | None) -> None:

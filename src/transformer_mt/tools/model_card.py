@@ -40,17 +40,33 @@ def card_data(data: dict, name: str, splits: dict[str, dict]):
 
     src, tgt, dataset = data["src_lang"], data["tgt_lang"], data["hub_name"] or data["name"]
     results = [
-        EvalResult(task_type="translation", task_name=f"Translation {src}-{tgt}", dataset_type=dataset,
-                   dataset_name=data["name"], dataset_config=data["hub_config"], dataset_split=split, metric_type=key,
-                   metric_name=metric, metric_value=score[key], metric_config=score[f"{key}_signature"], verified=False)
+        EvalResult(
+            task_type="translation",
+            task_name=f"Translation {src}-{tgt}",
+            dataset_type=dataset,
+            dataset_name=data["name"],
+            dataset_config=data["hub_config"],
+            dataset_split=split,
+            metric_type=key,
+            metric_name=metric,
+            metric_value=score[key],
+            metric_config=score[f"{key}_signature"],
+            verified=False,
+        )
         for split, score in splits.items()
         for key, metric in METRICS.items()
-    ]  # fmt: skip
+    ]
     return ModelCardData(
-        language=[src, tgt], tags=["translation", "transformer", "transformer-mt"], datasets=[dataset],
-        metrics=list(METRICS), pipeline_tag="translation", model_name=name, eval_results=results or None,
-        license="other", license_name=LICENSE_NAME,
-    )  # fmt: skip
+        language=[src, tgt],
+        tags=["translation", "transformer", "transformer-mt"],
+        datasets=[dataset],
+        metrics=list(METRICS),
+        pipeline_tag="translation",
+        model_name=name,
+        eval_results=results or None,
+        license="other",
+        license_name=LICENSE_NAME,
+    )
 
 
 def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
@@ -63,20 +79,26 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
     name, averaged = f"transformer-mt {data['name']} {ckpt.stem}", checkpoint.get("averaged_from")
     kind = "transformers' MarianMTModel" if fmt == "hf" else "a CTranslate2 model"
     lines = [
-        f"# {name}", "",
+        f"# {name}",
+        "",
         f"A Transformer (Vaswani et al., 2017, base architecture family) trained with transformer-mt, exported from "
-        f"`{ckpt.name}` as {kind}. At the export, {checked}.", "", "## Training",
+        f"`{ckpt.name}` as {kind}. At the export, {checked}.",
+        "",
+        "## Training",
         f"- model: {model['n_encoder_layers']}+{model['n_decoder_layers']} layers, d_model {model['d_model']}, d_ff "
         f"{model['d_ff']}, {model['n_heads']} heads, a shared vocabulary of {model['vocab_size']} SentencePiece pieces"
         f" ({model.get('norm', 'post')}-norm, ReLU, sinusoidal positions, tied embeddings)",
         f"- data: {data['name']} ({data['src_lang']} -> {data['tgt_lang']})",
         f"- updates: {checkpoint.get('global_step') or (results and results.updates) or 'unknown'}"
         + (f", weights averaged over {len(averaged)} checkpoints" if averaged else ""),
-    ]  # fmt: skip
+    ]
     if results:
         overrides = [o for o in results.overrides or [] if not o.split("=")[0].endswith(("path", "dir"))]
-        given = f"`{' '.join(overrides) or '(none)'}` (local paths left out)" if results.overrides is not None else (
-            "not recorded")  # fmt: skip
+        given = (
+            f"`{' '.join(overrides) or '(none)'}` (local paths left out)"
+            if results.overrides is not None
+            else ("not recorded")
+        )
         lines += [
             f"- training: {timedelta(seconds=int(results.train_seconds))}, {results.target_tokens:,} target tokens on "
             f"{results.devices} device(s)" + (f"; {results.peak}" if results.peak else ""),
@@ -91,11 +113,13 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
             tokenized = s["tokenized_bleu_compound_split"]
             lines.append(f"| {split} | {s['sentences']:,} | {s['bleu']:.2f} | {s['chrf']:.2f} | {tokenized:.2f} |")
         lines += [
-            "", f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.", "",
+            "",
+            f"Signatures: BLEU `{first['bleu_signature']}`, chrF `{first['chrf_signature']}`.",
+            "",
             "sacreBLEU is detokenized BLEU with its standard 13a tokenization, comparable across papers that state the "
             "same signature. The paper's 27.3/28.4 are tokenized BLEU with compounds split (tensor2tensor's "
             "get_ende_bleu.sh), usually a point or more higher on the same translations: the two are not comparable.",
-        ]  # fmt: skip
+        ]
     else:
         lines.append(
             "No scores: this checkpoint's run folder has no results.json that scored it (it was not the end-of-run "

@@ -30,12 +30,21 @@ def read_runs(runs: Path) -> tuple[list[dict], list[Path]]:
         model = next(iter(results.models.values()))
         dev, test = model.get("validation"), model.get("test")
         entries.append(
-            dict(name=row.get("name", job.name), row=row.get("row", ""), paper=row.get("paper") or {},
-                 change=row.get("change", " ".join(results.overrides or [])), seed=results.seed,
-                 params_millions=results.parameters / 1e6, updates=results.updates, train_seconds=results.train_seconds,
-                 dev_ppl=dev and dev["ppl"], dev_bleu=dev and dev["tokenized_bleu_compound_split"],
-                 dev_sacrebleu=dev and dev["bleu"], test_sacrebleu=test and test["bleu"])
-        )  # fmt: skip
+            dict(
+                name=row.get("name", job.name),
+                row=row.get("row", ""),
+                paper=row.get("paper") or {},
+                change=row.get("change", " ".join(results.overrides or [])),
+                seed=results.seed,
+                params_millions=results.parameters / 1e6,
+                updates=results.updates,
+                train_seconds=results.train_seconds,
+                dev_ppl=dev and dev["ppl"],
+                dev_bleu=dev and dev["tokenized_bleu_compound_split"],
+                dev_sacrebleu=dev and dev["bleu"],
+                test_sacrebleu=test and test["bleu"],
+            )
+        )
     if not entries and not unfinished:
         raise InputError(f"RUNS={runs}: no job folders (with .hydra/) in it; give the sweep's folder")
     return entries, unfinished
@@ -89,17 +98,32 @@ def difference(entry: dict, metric: str, mean: dict, spread: dict) -> str:
 def table(entries: list[dict]) -> str:
     mean, spread = base_spread(entries)
     has_test = any(e["test_sacrebleu"] is not None for e in entries)
-    head = ["row", "change", "seed", "params (M) ours / paper", "PPL dev ours / paper", "BLEU dev ours / paper",
-            "Δ BLEU dev", "sacreBLEU dev"]  # fmt: skip
+    head = [
+        "row",
+        "change",
+        "seed",
+        "params (M) ours / paper",
+        "PPL dev ours / paper",
+        "BLEU dev ours / paper",
+        "Δ BLEU dev",
+        "sacreBLEU dev",
+    ]
     head += ["sacreBLEU test", "Δ test"] if has_test else []
     head += ["updates", "training"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in entries:
         paper = e["paper"]
         params = f"{e['params_millions']:.1f}" + (f" / {p}" if (p := paper.get("params_millions")) else "")
-        cells = [e["name"], e["change"], str(e["seed"]), params, f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
-                 f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}", difference(e, "dev_bleu", mean, spread),
-                 number(e["dev_sacrebleu"], 1)]  # fmt: skip
+        cells = [
+            e["name"],
+            e["change"],
+            str(e["seed"]),
+            params,
+            f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
+            f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}",
+            difference(e, "dev_bleu", mean, spread),
+            number(e["dev_sacrebleu"], 1),
+        ]
         if has_test:
             cells += [number(e["test_sacrebleu"], 1), difference(e, "test_sacrebleu", mean, spread)]
         cells += [f"{e['updates']:,}", f"{e['train_seconds'] / 60:.1f} min"]

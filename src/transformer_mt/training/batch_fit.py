@@ -135,13 +135,17 @@ def fastest_max_tokens(module, datamodule, precision: str, fallback: int) -> int
         return chosen
     sample = probe_sentences(split, fallback)
     batches = {
-        size: [collate([split[i] for i in b]) for b in TokenBucketSampler(
-            split.src_lens, split.tgt_lens, size, shuffle=False, indices=sample)]
+        size: [
+            collate([split[i] for i in b])
+            for b in TokenBucketSampler(split.src_lens, split.tgt_lens, size, shuffle=False, indices=sample)
+        ]
         for size in sizes
-    }  # fmt: skip
+    }
     tokens = sum(sum(b["tgt_lengths"]) for b in batches[sizes[0]])
-    log.info(f"data.max_tokens=auto on cpu: timing a training step on {tokens:,} target tokens at each batch size "
-             f"({', '.join(f'{size:,}' for size in sizes)} tokens), {CPU_ROUNDS} rounds after a warm-up")  # fmt: skip
+    log.info(
+        f"data.max_tokens=auto on cpu: timing a training step on {tokens:,} target tokens at each batch size "
+        f"({', '.join(f'{size:,}' for size in sizes)} tokens), {CPU_ROUNDS} rounds after a warm-up"
+    )
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=str(precision).startswith("bf16"))
     model, best = module.model, {size: float("inf") for size in sizes}
     with torch.random.fork_rng(devices=[]), autocast, sentence_attention(torch.device("cpu"), precision):

@@ -120,8 +120,10 @@ class TimeBudget:
             end = f"its end is fixed once {MEASURE_FROM + MEASURE_UPDATES} updates have measured the speed"
         if trainer.is_global_zero:
             used = f", {duration(clock)} used" if clock else ""
-            log.info(f"time budget: {duration(self.seconds)} of training (trainer.max_time; validations not counted)"
-                     f"{used}; {end}")  # fmt: skip
+            log.info(
+                f"time budget: {duration(self.seconds)} of training (trainer.max_time; validations not counted)"
+                f"{used}; {end}"
+            )
 
     def after_update(self, trainer: L.Trainer, update: Update, tokens: int) -> bool:
         """Measures the speed (`tokens`: the run's target tokens so far), fixes the horizon, corrects it where the

@@ -51,8 +51,10 @@ class ProgressLog(L.Callback):
             self.peak = device_peak(trainer.strategy.root_device, trainer.precision)
             log.info("MFU: model FLOP/s (model.training_flops) per device over %s", self.peak.source)
             if self.peak.spread > 2.0:  # other work took the cores while it measured
-                log.warning(f"the peak FLOP/s probe looked disturbed (its products took up to {self.peak.spread:.1f}x "
-                            "the fastest: other work on the CPU?); MFU may read high")  # fmt: skip
+                log.warning(
+                    f"the peak FLOP/s probe looked disturbed (its products took up to {self.peak.spread:.1f}x "
+                    "the fastest: other work on the CPU?); MFU may read high"
+                )
         self.start, self.first_step = bookkeeping.clock(), trainer.global_step
         self.since = self.clock = self.clock_start = module.updates.totals["train_seconds"]  # the update clock
         self.since_step, self.loss_sum, self.tokens, self.flops = trainer.global_step, 0.0, 0, 0.0
@@ -135,13 +137,18 @@ class ProgressLog(L.Callback):
             self.reprobes -= 1
             before, self.peak = self.peak, self.peak.remeasured()
             if self.peak is not before:
-                log.info("the peak FLOP/s measured again: %s (was %s: other work on the CPU at the start?)",
-                         flops_text(self.peak.flops), flops_text(before.flops))  # fmt: skip
+                log.info(
+                    "the peak FLOP/s measured again: %s (was %s: other work on the CPU at the start?)",
+                    flops_text(self.peak.flops),
+                    flops_text(before.flops),
+                )
         if self.peak and self.peak.flops and flops_per_second > self.peak.flops:
             if not self.peak.source.endswith("training reached"):
                 speed = flops_text(flops_per_second)
-                log.warning(f"model FLOP/s per device ({speed}) above the peak ({self.peak.source}): MFU is measured "
-                            "against the most training reached from now on")  # fmt: skip
+                log.warning(
+                    f"model FLOP/s per device ({speed}) above the peak ({self.peak.source}): MFU is measured "
+                    "against the most training reached from now on"
+                )
             self.peak = self.peak.raised(flops_per_second)
         return self.peak.utilisation(flops_per_second) if self.peak else None
 

@@ -226,9 +226,14 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
     module = TranslationModule(
-        model_cfg, cfg.label_smoothing, **plain(cfg.optim), val_bleu_sentences=cfg.val_bleu_sentences,
-        budget=budget_settings(cfg), config=config, tokenizer=datamodule.tokenizer,
-    )  # fmt: skip
+        model_cfg,
+        cfg.label_smoothing,
+        **plain(cfg.optim),
+        val_bleu_sentences=cfg.val_bleu_sentences,
+        budget=budget_settings(cfg),
+        config=config,
+        tokenizer=datamodule.tokenizer,
+    )
     if compiles_training(cfg.trainer, trainer_args.get("accelerator", "auto")):
         module.compile_training()
     if resume_path:
@@ -240,8 +245,14 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
         del resumed  # Lightning reads the file itself
     loggers = make_loggers(cfg.get("logger"), job)
     callbacks = make_callbacks(cfg, checkpoint_dir, startup, saved_max_tokens)
-    trainer = L.Trainer(**trainer_args, logger=loggers, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
-                        default_root_dir=run_dir, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        **trainer_args,
+        logger=loggers,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=run_dir,
+        enable_model_summary=False,
+    )
     if datamodule.max_tokens != "auto":  # else FitBatch does, once it has measured the device
         now = shape_updates(trainer, datamodule, module)
         if resume_path and saved:
@@ -267,8 +278,10 @@ def kept(checkpoint_dir: Path) -> str:
     """What a stop before the first update keeps, and how to go on."""
     if not any(checkpoint_dir.glob("*.ckpt")):
         return "before the first update: nothing was trained, and the new run folder is removed"
-    return (f"before training went on; the checkpoints in {shown(checkpoint_dir)} are as they were: continue with "
-            f"make train ARGS=\"... ckpt_path=last hydra.run.dir={shown(checkpoint_dir.parent)}\"")  # fmt: skip
+    return (
+        f"before training went on; the checkpoints in {shown(checkpoint_dir)} are as they were: continue with "
+        f'make train ARGS="... ckpt_path=last hydra.run.dir={shown(checkpoint_dir.parent)}"'
+    )
 
 
 def budget_settings(cfg: DictConfig) -> dict | None:
@@ -276,8 +289,14 @@ def budget_settings(cfg: DictConfig) -> dict | None:
     if (seconds := budget_seconds(cfg.trainer.get("max_time"))) is None:
         return None
     b = cfg.budget
-    return dict(seconds=seconds, margin=b.margin, warmup_share=b.warmup, cooldown_share=b.cooldown,
-                average_span=b.average_span, keep_last=cfg.checkpoint.keep_last)  # fmt: skip
+    return dict(
+        seconds=seconds,
+        margin=b.margin,
+        warmup_share=b.warmup,
+        cooldown_share=b.cooldown,
+        average_span=b.average_span,
+        keep_last=cfg.checkpoint.keep_last,
+    )
 
 
 def after_fit(config: dict, job: Job, trainer: L.Trainer, loggers: list) -> float | None:
@@ -295,8 +314,10 @@ def after_fit(config: dict, job: Job, trainer: L.Trainer, loggers: list) -> floa
         try:
             results = protocol.run_on(trainer.strategy.root_device, progress.peak)
         except Stopped as e:
-            e.kept = (f"in the end of the run; training is complete and its checkpoints kept: finish it with "
-                      f"make finish RUN={shown(job.run_dir)}")  # fmt: skip
+            e.kept = (
+                f"in the end of the run; training is complete and its checkpoints kept: finish it with "
+                f"make finish RUN={shown(job.run_dir)}"
+            )
             raise
         for logger in loggers:
             logger.log_metrics(results.metrics(), step=results.updates)
