@@ -66,7 +66,7 @@ from transformer_mt.evaluation.engines import CT2Process, ct2_export
 from transformer_mt.files import read_lines
 from transformer_mt.model import Transformer, TransformerConfig, training_flops
 from transformer_mt.objective import label_smoothed_nll, sequence_losses
-from transformer_mt.runtime import compile_decoding, cpu_has_native_bf16, keep_freed_memory, matmul_peak, usable_cores
+from transformer_mt.runtime import compile_decoding, cpu_has_native_bf16, keep_freed_memory, usable_cores
 from transformer_mt.search import translate_lines
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.tools.export import export, marian_model, optional
@@ -93,6 +93,18 @@ class Usage:
 
 
 # ---------------------------------------------------------------- batch plan
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of `repeats` n x n matrix products (after one that allocates and wakes the threads)."""
+    a, b = (torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype) for _ in range(2))
+    a @ b
+    fastest = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        fastest = min(fastest, time.perf_counter() - start)
+    return 2 * n**3 / fastest
 
 
 def bench_plan(args, pairs: list[tuple[int, int]]) -> None:
@@ -238,7 +250,7 @@ def bench_training(args, shape: str, pairs, dtype) -> None:
     usages = {name: [] for name in systems}
     peaks = []
     for _ in range(args.repeats):
-        peaks.append(matmul_peak(dtype)[0])  # the fastest product's FLOP/s (its spread aside)
+        peaks.append(matmul_peak(dtype))
         for name, (model, loss_fn) in systems.items():
             warmup = batches if name.endswith("compiled") else batches[:1]
             took, usage = train_round(model, loss_fn, batches, dtype, warmup)

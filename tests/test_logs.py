@@ -16,8 +16,7 @@ import transformer_mt.training.update
 from conftest import hydra_task, load, run_train, train_in_process, train_overrides
 from transformer_mt.commandline import hydra_job
 from transformer_mt.configs import compose as compose_config
-from transformer_mt.runtime import Peak, duration
-from transformer_mt.training.callbacks import ProgressLog
+from transformer_mt.runtime import duration
 from transformer_mt.training.logs import make_logger
 
 
@@ -135,7 +134,6 @@ class SlowMachine(L.Callback):
 def test_a_slow_machine_shows_a_progress_line_with_an_eta_after_its_first_update(corpus, tmp_path, monkeypatch, caplog):
     slow = SlowMachine()
     monkeypatch.setattr(transformer_mt.training.update, "clock", slow.clock)
-    monkeypatch.setattr(transformer_mt.runtime, "cpu_peak", lambda fmt: (1e9, 3.0))  # products 3x apart
     make_callbacks = transformer_mt.training.fit.make_callbacks
     monkeypatch.setattr(transformer_mt.training.fit, "make_callbacks", lambda *args: [slow, *make_callbacks(*args)])
     args = [f"data.path={corpus}", "trainer.max_steps=3", "trainer.val_check_interval=100"]
@@ -143,28 +141,3 @@ def test_a_slow_machine_shows_a_progress_line_with_an_eta_after_its_first_update
         train_in_process([*args, "progress_every_n_updates=100", "progress_every_seconds=60"], tmp_path, tmp_path / "r")
     lines = re.findall(r"update (\d)/3 \(.*\| ETA (\S+)$", caplog.text, flags=re.M)
     assert lines == [("1", "0:02:02"), ("2", "0:01:01"), ("3", "0:00:00")]  # a line every 61 s, at 61 s per update
-    assert caplog.text.count("the peak FLOP/s probe looked disturbed (its products took up to 3.0x") == 1
-
-
-def test_mfu_never_reads_above_100_percent_the_peak_is_raised_and_that_said_once(caplog):
-    progress = ProgressLog(100)
-    progress.peak = Peak(100e9, "100 GFLOP/s fp32, a 2048^3 matrix product timed on this CPU")
-    with caplog.at_level("WARNING"):
-        mfus = [progress.utilisation(flops) for flops in (50e9, 230e9, 200e9, 300e9)]
-    assert mfus == [0.5, 1.0, pytest.approx(200 / 230), 1.0]
-    assert progress.peak.flops == 300e9 and caplog.text.count("above the peak (100 GFLOP/s fp32") == 1
-
-
-def test_a_cpu_peak_measured_low_at_a_busy_start_is_measured_again_when_training_nears_it(monkeypatch, caplog):
-    """The issue's run: the probe at a busy start measured 25 GFLOP/s, training reached 80: every line read MFU 100%.
-    Near the peak, it is measured again (here 132 GFLOP/s, a quiet CPU) and the better kept, at most 3 times."""
-    probes = iter([(132e9, 1.0), (120e9, 1.0), (140e9, 1.0), (150e9, 1.0)])
-    monkeypatch.setattr(transformer_mt.runtime, "matmul_peak", lambda dtype: next(probes))
-    progress = ProgressLog(100)
-    progress.peak = Peak(25e9, "25 GFLOP/s fp32, a 2048^3 matrix product timed on this CPU", 3.0, "fp32")
-    with caplog.at_level("INFO"):
-        assert progress.utilisation(80e9) == pytest.approx(80 / 132)
-        assert progress.utilisation(125e9) == pytest.approx(125 / 132)  # the second probe (120) was worse: kept 132
-        assert progress.utilisation(126e9) == pytest.approx(126 / 140)
-        assert progress.utilisation(139e9) == pytest.approx(139 / 140)  # no 4th probe
-    assert caplog.text.count("the peak FLOP/s measured again") == 2 and "above the peak" not in caplog.text

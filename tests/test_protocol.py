@@ -53,7 +53,7 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
             assert scores["ppl"] > 1
     log = (variant_run / "final.log").read_text()  # what the run's log received
     assert f"results ({variant_run / 'results.json'}): 6 updates" in log
-    assert re.search(r"target tok/s, [\d,.]+ GFLOP/s \(MFU [\d.]+%\), ", log)
+    assert re.search(r"target tok/s, [\d,.]+ GFLOP/s, ", log)  # no MFU: a CPU's peak is not known
     assert log.count("tokenized compound-split BLEU") == 4  # 2 models x 2 splits
     # a line per decode as it ends, with its time
     settings = re.escape(f"({PAPER.but(max_len_b=10).text()})")

@@ -55,12 +55,10 @@ def test_end_to_end_run_logs_checkpoints_and_resumes_where_it_stopped(corpus, tm
     assert len(lines) == len(set(lines))
     (startup,) = [line for line in lines if "first update done" in line]  # how long the start took, once
     assert re.search(r"first update done [\d.]+ s after the start \(data ready at [\d.]+ s, training loop", startup)
-    progress = (
-        r"update 3/8 \(38%\) \| loss [\d.]+ \| lr \S+ \| [\d,]+ target tok/s \| [\d,.]+ [GT]FLOP/s, MFU [\d.]+% \|"
-    )
+    progress = r"update 3/8 \(38%\) \| loss [\d.]+ \| lr \S+ \| [\d,]+ target tok/s \| [\d,.]+ [GT]FLOP/s \|"
     assert any(re.search(progress + r" elapsed \S+ \| ETA", line) for line in lines)
-    (peak,) = [line for line in lines if "MFU: model FLOP/s" in line]  # what MFU is measured against, once
-    assert re.search(r"over [\d.,]+ [GT]FLOP/s (?:bf16|fp32), a 2048\^3 matrix product timed on this CPU$", peak)
+    (peak,) = [line for line in lines if "MFU: " in line]  # what MFU is measured against, once
+    assert peak.endswith("MFU: no peak known for cpu devices: FLOP/s without MFU")
     assert any(
         "validation at update 8: loss" in line and "greedy sacreBLEU" in line and "chrF" in line for line in lines
     )

@@ -1,17 +1,16 @@
-"""The machine a process runs on: devices, CPU threads and features, peak FLOP/s, glibc's allocator, process ends."""
+"""The machine a process runs on: devices, CPU threads and features, a GPU's peak FLOP/s, glibc's allocator, process
+ends."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import gc
 import logging
 import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
@@ -124,60 +123,23 @@ class Peak:
 
     flops: float | None
     source: str
-    spread: float = 1.0  # a CPU probe's slowest product / its fastest: above 2, other work took the cores
-    fmt: str | None = None  # a CPU's measured peak: its format (it can be measured again)
 
     def utilisation(self, flops_per_second: float) -> float | None:
-        return min(flops_per_second / self.flops, 1.0) if self.flops else None
-
-    def raised(self, flops_per_second: float) -> Peak:
-        """What training reached, once it ran faster than the peak."""
-        return Peak(flops_per_second, f"{flops_text(flops_per_second)}, the model FLOP/s training reached", self.spread)
-
-    def remeasured(self) -> Peak:
-        """A CPU's peak measured again, the better of the two kept (a disturbed probe reads too low)."""
-        again = cpu_measured(self.fmt, matmul_peak(torch.bfloat16 if self.fmt == "bf16" else torch.float32))
-        return again if self.flops and again.flops > self.flops else self
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, seconds: float = 1.0) -> tuple[float, float]:
-    """(FLOP/s of the fastest, slowest / fastest) of products timed for `seconds`, at least `repeats` of them."""
-    values = torch.Generator().manual_seed(0)  # not the global generator: a run's dropout is the same either way
-    a, b = (torch.randn(n, n, generator=values).to(dtype) for _ in range(2))
-    a @ b  # the first product allocates and wakes the threads
-    fastest, slowest, done, began = float("inf"), 0.0, 0, time.perf_counter()
-    while True:
-        start = time.perf_counter()
-        a @ b
-        end = time.perf_counter()
-        fastest, slowest, done = min(fastest, end - start), max(slowest, end - start), done + 1
-        if done >= repeats and end - began >= seconds:
-            return 2 * n**3 / fastest, slowest / fastest
+        return flops_per_second / self.flops if self.flops else None
 
 
 def device_peak(device: torch.device, precision: str) -> Peak:
-    """A GPU's peak from PEAK_TFLOPS; a CPU's measured (matmul_peak): CPUs differ too much for a table."""
-    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    """A GPU's peak from PEAK_TFLOPS (Lightning's get_available_flops gives the H200 its sparse figure and does not
+    match "NVIDIA H200"). A CPU's is not known: its lines give FLOP/s without MFU."""
+    if device.type != "cuda":
+        return Peak(None, f"no peak known for {device.type} devices: FLOP/s without MFU")
+    tf32 = torch.get_float32_matmul_precision() != "highest"
     fmt = {"bf16": "bf16", "16": "fp16"}.get(str(precision).split("-")[0], "tf32" if tf32 else "fp32")
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peaks = next((peaks for pattern, peaks in PEAK_TFLOPS if re.search(pattern, name)), {})
-        if fmt not in peaks:
-            return Peak(None, f"no {fmt} peak known for {name}: no MFU (add its data sheet's to runtime.PEAK_TFLOPS)")
-        return Peak(peaks[fmt] * 1e12, f"{peaks[fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
-    if device.type != "cpu":
-        return Peak(None, f"no peak known for {device.type} devices: no MFU")
-    return cpu_measured(fmt, cpu_peak(fmt))
-
-
-def cpu_measured(fmt: str, probe: tuple[float, float]) -> Peak:
-    return Peak(probe[0], f"{flops_text(probe[0])} {fmt}, a 2048^3 matrix product timed on this CPU", probe[1], fmt)
-
-
-@functools.cache
-def cpu_peak(fmt: str) -> tuple[float, float]:
-    """matmul_peak in `fmt` (bf16 or fp32), once per process (a sweep's next job reuses it)."""
-    return matmul_peak(torch.bfloat16 if fmt == "bf16" else torch.float32)
+    name = torch.cuda.get_device_name(device)
+    peaks = next((peaks for pattern, peaks in PEAK_TFLOPS if re.search(pattern, name)), {})
+    if fmt not in peaks:
+        return Peak(None, f"no {fmt} peak known for {name}: no MFU (add its data sheet's to runtime.PEAK_TFLOPS)")
+    return Peak(peaks[fmt] * 1e12, f"{peaks[fmt]:g} TFLOP/s {fmt} dense, {name}'s data sheet")
 
 
 def code_record() -> dict:

@@ -37,11 +37,8 @@ class ProgressLog(L.Callback):
     """A line every `every` updates or `every_seconds` of training, whichever comes first, and after each validation
     (update/max, loss, lr, target tok/s, FLOP/s and MFU, elapsed, ETA)."""
 
-    NEAR, REPROBES = 0.9, 3  # a CPU's peak is measured again when training reaches NEAR x it, at most REPROBES times
-
     def __init__(self, every: int, every_seconds: float = 0.0, startup: StartupLog | None = None, bar=None):
         self.every, self.every_seconds, self.startup, self.bar = every, every_seconds, startup, bar
-        self.reprobes = self.REPROBES
         self.peak: Peak | None = None  # rank 0's, found when training starts (None in ddp_spawn's main process)
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -49,12 +46,8 @@ class ProgressLog(L.Callback):
             self.startup.mark("training loop started")
         if trainer.is_global_zero:
             self.peak = device_peak(trainer.strategy.root_device, trainer.precision)
-            log.info("MFU: model FLOP/s (model.training_flops) per device over %s", self.peak.source)
-            if self.peak.spread > 2.0:  # other work took the cores while it measured
-                log.warning(
-                    f"the peak FLOP/s probe looked disturbed (its products took up to {self.peak.spread:.1f}x "
-                    "the fastest: other work on the CPU?); MFU may read high"
-                )
+            over = "model FLOP/s (model.training_flops) per device over %s" if self.peak.flops else "%s"
+            log.info(f"MFU: {over}", self.peak.source)
         self.start, self.first_step = bookkeeping.clock(), trainer.global_step
         self.since = self.clock = self.clock_start = module.updates.totals["train_seconds"]  # the update clock
         self.since_step, self.loss_sum, self.tokens, self.flops = trainer.global_step, 0.0, 0, 0.0
@@ -102,7 +95,7 @@ class ProgressLog(L.Callback):
                 parts.append(f"loss {loss:.3f}")
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
             parts.append(f"{speed:,.0f} target tok/s")
-            mfu = self.utilisation(self.flops / trainer.world_size / seconds)
+            mfu = self.peak.utilisation(self.flops / trainer.world_size / seconds) if self.peak else None
             parts.append(flops_text(self.flops / seconds) + (f", MFU {mfu:.1%}" if mfu else ""))
             if mfu:
                 metrics["train/mfu"] = mfu
@@ -128,29 +121,6 @@ class ProgressLog(L.Callback):
         due = end // every - done // every if trainer.check_val_every_n_epoch is None and every >= 1 else 0
         mean = sum(self.validations) / len(self.validations) if self.validations else 0.0
         return min(left) + due * mean
-
-    def utilisation(self, flops_per_second: float) -> float | None:
-        """MFU of one device's FLOP/s. Near a CPU's peak it is measured again (a busy start measures it low; at most
-        REPROBES times, ~1 s each), the better kept; above it even then, raised to them, said once."""
-        near = self.peak and self.peak.fmt and self.peak.flops and flops_per_second > self.NEAR * self.peak.flops
-        if near and self.reprobes:
-            self.reprobes -= 1
-            before, self.peak = self.peak, self.peak.remeasured()
-            if self.peak is not before:
-                log.info(
-                    "the peak FLOP/s measured again: %s (was %s: other work on the CPU at the start?)",
-                    flops_text(self.peak.flops),
-                    flops_text(before.flops),
-                )
-        if self.peak and self.peak.flops and flops_per_second > self.peak.flops:
-            if not self.peak.source.endswith("training reached"):
-                speed = flops_text(flops_per_second)
-                log.warning(
-                    f"model FLOP/s per device ({speed}) above the peak ({self.peak.source}): MFU is measured "
-                    "against the most training reached from now on"
-                )
-            self.peak = self.peak.raised(flops_per_second)
-        return self.peak.utilisation(flops_per_second) if self.peak else None
 
 
 class UpdateProgressBar(TQDMProgressBar):
