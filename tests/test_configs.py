@@ -223,6 +223,8 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         ("optim.lr_factor=fast", "optim.lr_factor=fast: must be a number"),
         ("final.enabled=maybe", "final.enabled=maybe: must be true or false"),
         ("checkpoint.keep_last=null", "checkpoint.keep_last=null: must be given (not null)"),
+        ("data.max_len=long", "data.max_len=long: must be a whole number"),
+        ("decoding.alpha=high", "decoding.alpha=high: must be a number"),
     ]:
         with pytest.raises(InputError) as error:
             check_command_line("train", [override])

@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT
 from transformer_mt.configs import compose
+from transformer_mt.decoding import Decoding
 from transformer_mt.model import TransformerConfig
-from transformer_mt.settings import ModelSettings
+from transformer_mt.settings import DataSettings, ModelSettings, TrainSettings
 
 PACKAGE = ROOT / "src" / "transformer_mt"
 
@@ -170,7 +171,7 @@ def circle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((c for node in sorted(graph) if (c := visit(node))), None)
 
 
-def test_each_model_setting_is_typed_in_one_place():
+def test_each_setting_is_typed_in_one_place():
     """Concept cap (issue 62): settings.ModelSettings types every key of conf/model, Hydra composes each preset onto
     it, TransformerConfig adds only what the data gives, and no module checks a model value's type by hand."""
     typed = {f.name for f in fields(ModelSettings)}
@@ -179,6 +180,16 @@ def test_each_model_setting_is_typed_in_one_place():
         assert set(yaml.safe_load(preset.read_text())) - {"defaults"} <= typed, preset.name
         assert OmegaConf.get_type(compose("train", [f"model={preset.stem}"]).model) is ModelSettings, preset.name
     assert "isinstance" not in inspect.getsource(TransformerConfig) + (PACKAGE / "settings.py").read_text()
+    # and each key of train.yaml, conf/data and conf/decoding: typed too (settings.py, decoding.Decoding)
+    for overrides, node, kind in [
+        ([], "", TrainSettings),
+        ([], "data", DataSettings),
+        (["experiment=multi30k_tiny"], "data", DataSettings),
+        (["decoding=fairseq"], "decoding", Decoding),
+    ]:
+        assert OmegaConf.get_type(OmegaConf.select(compose("train", overrides), node)) is kind, (overrides, node)
+    data_keys = set(yaml.safe_load((ROOT / "conf" / "data" / "default.yaml").read_text())) - {"defaults"}
+    assert data_keys | {"name"} == {f.name for f in fields(DataSettings)}
 
 
 def test_the_import_graph_has_no_circle_and_no_arrow_from_the_core_to_a_door_or_wing():

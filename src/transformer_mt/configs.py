@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer_mt.decoding import PAPER, TUNE_GRID
 from transformer_mt.launcher import launch_id
-from transformer_mt.settings import ModelSettings, TrainSettings
+from transformer_mt.settings import DataSettings, ModelSettings, TrainSettings
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
@@ -31,9 +31,12 @@ OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
 OmegaConf.register_new_resolver("own_folder", lambda: f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}", replace=True)
 OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)  # make tune's grid
 ConfigStore.instance().store(group="model", name="schema", node=ModelSettings)  # model/default.yaml's types
+ConfigStore.instance().store(group="data", name="schema", node=DataSettings)  # data/default.yaml's types
 ConfigStore.instance().store(name="train_settings", node=TrainSettings)  # train.yaml's types
-# decoding=beam, the group's default: §6.1's search as decoding.PAPER, stored as plain (overridable) values
-ConfigStore.instance().store(group="decoding", name="beam", node=PAPER.settings())
+# decoding=beam, the group's default: §6.1's search as decoding.PAPER, typed as Decoding (overridable: not frozen)
+beam = OmegaConf.structured(PAPER)
+OmegaConf.set_readonly(beam, False)
+ConfigStore.instance().store(group="decoding", name="beam", node=beam)
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """The typed settings of `make train`: each key of conf/ that training reads, with its type, in one place. Hydra
 composes the YAML files onto them (configs.py), so a wrong type or an unknown key is refused as the command line is
-read, in one line naming it; ranges are checked where the values are used. The groups data, trainer (Lightning's
-arguments, which +trainer.<key>=... extends), logger and decoding keep their own keys."""
+read, in one line naming it; ranges are checked where the values are used. The groups trainer (Lightning's
+arguments, which +trainer.<key>=... extends) and logger keep their own keys; decoding's are decoding.Decoding's."""
 
 from __future__ import annotations
 
@@ -31,6 +31,29 @@ class ModelSettings:
     positions: str = "sinusoidal"  # §3.5; or "learned": a trained table of max_positions rows (Table 3 row E)
     norm: str = "post"  # §3.1 LayerNorm(x + Sublayer(x)); or "pre": x + Sublayer(LayerNorm(x)), final LayerNorms
     share_embeddings: str = "all"  # §3.4 one matrix; "decoder": decoder input = output; "none": three matrices
+
+
+@dataclass
+class DataSettings:
+    """conf/data: the corpus (corpus.Corpus's fields), its vocabulary and filters, and the batches (datamodule.py)."""
+
+    name: str
+    src_lang: str
+    tgt_lang: str
+    path: str | None
+    hub_name: str | None
+    hub_config: str | None
+    text_files: dict[str, str] | None
+    vocab_size: int
+    spm_max_sentences: int
+    max_len: int
+    max_len_ratio: float | None
+    max_tokens: Any  # a number of tokens, or "auto"
+    max_tokens_fallback: int
+    tokens_per_update: int | None
+    num_workers: int
+    seed: int
+    cache_dir: str
 
 
 @dataclass
@@ -84,7 +107,7 @@ class TrainSettings:
     table3_row: Any
     ckpt_path: str | None
     model: ModelSettings
-    data: dict[str, Any]
+    data: DataSettings
     trainer: dict[str, Any]
     logger: Any
-    decoding: dict[str, Any]
+    decoding: Any  # decoding.Decoding (configs.py stores it as the group decoding)
