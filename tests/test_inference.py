@@ -32,6 +32,7 @@ from transformer_mt.checkpoint import (
     start_inference,
     write_checkpoint,
 )
+from transformer_mt.commandline import check_command_line
 from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError
@@ -403,9 +404,11 @@ def test_threads_option_sets_torch_threads_and_refuses_nonsense():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    for bad in (-1, 1.5, "two"):
-        with pytest.raises(InputError, match="threads="):
-            set_threads(bad)
+    with pytest.raises(InputError, match="threads=-1: must be 0"):
+        set_threads(-1)
+    for bad, message in [("1.5", "threads=1.5: must be a whole number"), ("two", "threads=two: must be a whole")]:
+        with pytest.raises(InputError, match=message):  # its type: as the command line is read
+            check_command_line("translate", ["ckpt=x", f"threads={bad}"])
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

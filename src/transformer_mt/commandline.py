@@ -68,7 +68,8 @@ def check_job(config_name: str, overrides: list) -> DictConfig | None:
         hint = f"did you mean {group}={match}? " if match else ""
         raise InputError(f"{group}={option}: no such option; {hint}(the options: {', '.join(e.options)})") from None
     except ConfigCompositionException as e:  # trainer.max_step=5: a key the config lacks; model.d_model=x: a type
-        given = next((o for o in overrides if o.key_or_group == getattr(e.__cause__, "full_key", None)), None)
+        key = str(getattr(e.__cause__, "full_key", None)).split("[")[0]  # alphas[0]: the list alphas
+        given = next((o for o in overrides if o.key_or_group == key), None)
         if given is None:
             return None
         if isinstance(e.__cause__, ValidationError):  # a value of another type than settings.py's

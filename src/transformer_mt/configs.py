@@ -14,9 +14,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from transformer_mt import settings
 from transformer_mt.decoding import PAPER, TUNE_GRID
 from transformer_mt.launcher import launch_id
-from transformer_mt.settings import DataSettings, ModelSettings, TrainSettings
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 
@@ -30,9 +30,10 @@ OmegaConf.register_new_resolver("run_folder", run_folder, replace=True)
 # evaluate's and tune's run dir: <date>_<time>-<pid> (two commands in one second)
 OmegaConf.register_new_resolver("own_folder", lambda: f"{datetime.now():%Y-%m-%d_%H-%M-%S}-{os.getpid()}", replace=True)
 OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)  # make tune's grid
-ConfigStore.instance().store(group="model", name="schema", node=ModelSettings)  # model/default.yaml's types
-ConfigStore.instance().store(group="data", name="schema", node=DataSettings)  # data/default.yaml's types
-ConfigStore.instance().store(name="train_settings", node=TrainSettings)  # train.yaml's types
+ConfigStore.instance().store(group="model", name="schema", node=settings.ModelSettings)  # model/default.yaml's types
+ConfigStore.instance().store(group="data", name="schema", node=settings.DataSettings)  # data/default.yaml's types
+for command in ("train", "evaluate", "translate", "tune"):  # <command>.yaml's types, first in its defaults
+    ConfigStore.instance().store(name=f"{command}_settings", node=getattr(settings, f"{command.title()}Settings"))
 # decoding=beam, the group's default: §6.1's search as decoding.PAPER, typed as Decoding (overridable: not frozen)
 beam = OmegaConf.structured(PAPER)
 OmegaConf.set_readonly(beam, False)

@@ -65,8 +65,8 @@ def pick_device(name: str) -> torch.device:
 
 def set_threads(threads: int) -> None:
     """CPU threads for torch (0: torch's default, every core)."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise InputError(f"threads={threads!r}: must be a whole number >= 0 (0 = every core)")
+    if threads < 0:  # its type is settings.InferenceSettings'
+        raise InputError(f"threads={threads}: must be 0 (every core) or more")
     if threads:
         torch.set_num_threads(threads)
 

@@ -1,4 +1,4 @@
-"""The typed settings of `make train`: each key of conf/ that training reads, with its type, in one place. Hydra
+"""The typed settings of the commands: each key of conf/ that they read, with its type, in one place. Hydra
 composes the YAML files onto them (configs.py), so a wrong type or an unknown key is refused as the command line is
 read, in one line naming it; ranges are checked where the values are used. The groups trainer (Lightning's
 arguments, which +trainer.<key>=... extends) and logger keep their own keys; decoding's are decoding.Decoding's."""
@@ -111,3 +111,44 @@ class TrainSettings:
     trainer: dict[str, Any]
     logger: Any
     decoding: Any  # decoding.Decoding (configs.py stores it as the group decoding)
+
+
+@dataclass
+class InferenceSettings:
+    """conf/inference.yaml: what make evaluate, translate and tune share."""
+
+    ckpt: str
+    device: str
+    threads: int
+    n_best: int
+    tokens_per_batch: int
+    engine: str
+    compile: bool
+    tuned: Any  # auto or false
+    ct2_compute_type: str
+    decoding: Any  # decoding.Decoding
+
+
+@dataclass
+class EvaluateSettings(InferenceSettings):
+    src: str | None
+    ref: str | None
+    testset: str | None
+    langpair: str | None
+    data_path: str | None
+    split: str
+
+
+@dataclass
+class TranslateSettings(InferenceSettings):
+    batch_lines: int
+
+
+@dataclass
+class TuneSettings(InferenceSettings):
+    split: str
+    data_path: str | None
+    sentences: int
+    alphas: list[float]
+    beams: list[int]
+    significance: float
