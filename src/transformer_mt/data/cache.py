@@ -55,7 +55,25 @@ class TokenCache:
     def build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
         """(raw splits, tokenizer, tokenized splits); a cache that cannot be written is one line naming the fix."""
         try:
-            return self._build(stage)
+            for folder in ("sentencepiece", "corpus"):
+                remove_stale_temporaries(self.directory / folder, log.info)
+            # a bad validation or test file fails before SentencePiece
+            with stage("hash the raw files, open the splits"):
+                raw = {split: self.corpus.load(split) for split in SPLITS}
+            self.check_room(raw)
+            tokenizer_cached = (self.tokenizer_directory(raw["train"]) / MODEL_FILE).exists()
+            if not tokenizer_cached:
+                with stage("datasets: convert the files to Arrow"):
+                    for split in raw.values():
+                        split.open()
+            with stage("SentencePiece: load" if tokenizer_cached else "SentencePiece: read, sample, train"):
+                tokenizer = self.load_or_train_tokenizer(raw["train"])
+            splits = {}
+            for split in SPLITS:
+                how = "loaded from cache" if self.split_directory(raw[split], tokenizer).exists() else "tokenized"
+                with stage(f"{split}: {how}"):
+                    splits[split] = self.load_or_tokenize(raw[split], tokenizer)
+            return raw, tokenizer, splits
         except OSError as e:
             elsewhere = e.filename and not Path(e.filename).resolve().is_relative_to(self.directory.resolve())
             if e.errno not in (*WRITE_FAULTS, errno.ENOTDIR) or elsewhere:  # e.g. an unreadable corpus file
@@ -69,26 +87,6 @@ class TokenCache:
             "free there. Point data.cache_dir at a writable folder with room (data.cache_dir=<folder with space>), "
             "or free space there"
         )
-
-    def _build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
-        for folder in ("sentencepiece", "corpus"):
-            remove_stale_temporaries(self.directory / folder, log.info)
-        with stage("hash the raw files, open the splits"):  # a bad validation or test file fails before SentencePiece
-            raw = {split: self.corpus.load(split) for split in SPLITS}
-        self.check_room(raw)
-        tokenizer_cached = (self.tokenizer_directory(raw["train"]) / MODEL_FILE).exists()
-        if not tokenizer_cached:
-            with stage("datasets: convert the files to Arrow"):
-                for split in raw.values():
-                    split.open()
-        with stage("SentencePiece: load" if tokenizer_cached else "SentencePiece: read, sample, train"):
-            tokenizer = self.load_or_train_tokenizer(raw["train"])
-        splits = {}
-        for split in SPLITS:
-            how = "loaded from cache" if self.split_directory(raw[split], tokenizer).exists() else "tokenized"
-            with stage(f"{split}: {how}"):
-                splits[split] = self.load_or_tokenize(raw[split], tokenizer)
-        return raw, tokenizer, splits
 
     def missing(self, raw: dict[str, RawSplit]) -> list[RawSplit]:
         """The splits whose cache is not there (all of them without the tokenizer: every split's key needs it)."""
@@ -121,21 +119,19 @@ class TokenCache:
         # A warning: ranks other than 0 log nothing below (training.logs), and this is where a rank's start goes.
         log.warning("rank %d: reading the data caches that rank 0 builds under %s", launched_rank(), self.directory)
         raw = {split: self.corpus.load(split) for split in SPLITS}
-        waited = 0.0
+        deadline = time.monotonic() + timeout_seconds
         while self.missing(raw):
-            if waited >= timeout_seconds:
+            if time.monotonic() >= deadline:
                 raise InputError(
-                    f"waited {waited / 3600:.1f} h for rank 0 to write the data caches under {self.directory}; "
-                    "did it fail? (several nodes need data.cache_dir on a shared file system)"
+                    f"waited {timeout_seconds / 3600:.1f} h for rank 0 to write the data caches under "
+                    f"{self.directory}; did it fail? (several nodes need data.cache_dir on a shared file system)"
                 )
             time.sleep(poll_seconds)
-            waited += poll_seconds
 
     def tokenizer_settings(self, train: RawSplit) -> dict:
-        langs = [self.corpus.src_lang, self.corpus.tgt_lang]
         return {
             "data": train.fingerprint,
-            "langs": langs,
+            "langs": [self.corpus.src_lang, self.corpus.tgt_lang],
             "vocab": self.vocab_size,
             "max_sentences": self.spm_max_sentences,
             "seed": self.seed,
@@ -192,8 +188,7 @@ class TokenCache:
         with tqdm(desc=desc, unit=" pairs", disable=None, leave=False) as bar:
             for src, tgt in train.batches(self.chunk_size):
                 src, tgt, _ = drop_empty(src, tgt)
-                for pair in zip(src, tgt):
-                    yield from pair
+                yield from itertools.chain.from_iterable(zip(src, tgt))
                 bar.update(len(src))
 
     def split_directory(self, raw: RawSplit, tokenizer: Tokenizer) -> Path:
@@ -220,16 +215,10 @@ class TokenCache:
         if tokenized is None:
             how, dropped = "tokenized", self.write_tokenized(raw, tokenizer, directory)
             tokenized = open_cache(directory, len(tokenizer))
-        self.timings[raw.split] = (how, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.timings[raw.split] = (how, seconds)
         log.info(
-            "%s %s: %s pairs %s in %.2f s%s (%s)",
-            self.corpus.name,
-            raw.split,
-            f"{len(tokenized):,}",
-            how,
-            self.timings[raw.split][1],
-            dropped,
-            directory,
+            f"{self.corpus.name} {raw.split}: {len(tokenized):,} pairs {how} in {seconds:.2f} s{dropped} ({directory})"
         )
         return tokenized
 

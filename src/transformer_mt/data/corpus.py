@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
@@ -123,9 +122,8 @@ class Corpus:
         """Parquet/JSON Lines files of `split` in the Hub's layout: [<config>/]<split>[-*].<ext>."""
         for folder in [root / self.hub_config, root] if self.hub_config else [root]:
             for ext in ("parquet", "jsonl", "json"):
-                found = sorted(glob.glob(str(folder / f"{split}-*.{ext}")) + glob.glob(str(folder / f"{split}.{ext}")))
-                if found:
-                    return [Path(f) for f in found]
+                if found := sorted([*folder.glob(f"{split}-*.{ext}"), *folder.glob(f"{split}.{ext}")]):
+                    return found
         return []
 
     def load_from_hub(self, split: str) -> datasets.Dataset:
