@@ -121,11 +121,8 @@ class TranslationDataModule(L.LightningDataModule):
                     f"{int(np.maximum(data.src_lens, data.tgt_lens).min()) + 1}); raise data.max_tokens"
                 )
             (log.info if split == "train" else log.warning)(
-                "%s: %s pairs are longer than a batch's %d tokens: %s",
-                split,
-                f"{int((~fits).sum()):,}",
-                max_tokens,
-                "left out of training" if split == "train" else "each is batched alone, over the limit",
+                f"{split}: {int((~fits).sum()):,} pairs are longer than a batch's {max_tokens} tokens: "
+                + ("left out of training" if split == "train" else "each is batched alone, over the limit")
             )
         indices = np.flatnonzero(fits) if split == "train" else None
         return TokenBucketSampler(data.src_lens, data.tgt_lens, max_tokens, shuffle, self.seed, rank, world, indices)
