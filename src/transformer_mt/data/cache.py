@@ -310,8 +310,5 @@ def open_cache(directory: Path, vocab_size: int) -> TokenizedSplit:
 
 def ragged(values: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> pa.ListArray:
     """A list<int32> column of the items where `keep` is set, from their flat values and lengths."""
-    if not keep.all():
-        values, lengths = values[np.repeat(keep, lengths)], lengths[keep]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))
+    offsets = pa.array(np.append(0, np.cumsum(lengths)), pa.int32())
+    return pa.ListArray.from_arrays(offsets, pa.array(values, pa.int32())).filter(keep)

@@ -23,23 +23,18 @@ FINGERPRINT = functools.partial(hashlib.blake2b, digest_size=16)  # of a split's
 
 def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
     """Aligned lines of two files, `size` pairs at a time; a misalignment is found at the end."""
-    src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
-    src, tgt = [], []
-    for count, (s, t) in enumerate(itertools.zip_longest(src_lines, tgt_lines)):
-        if s is None or t is None:
-            extra = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))  # zip_longest took one
-            n_src, n_tgt = (count, count + extra) if s is None else (count + extra, count)
+    pairs, done = itertools.zip_longest(iter_lines(src_path), iter_lines(tgt_path)), 0
+    while chunk := list(itertools.islice(pairs, size)):
+        src, tgt = map(list, zip(*chunk))
+        if None in src or None in tgt:  # the shorter file's lines ended in this chunk
+            total = done + len(chunk) + sum(1 for _ in pairs)
+            n_src, n_tgt = (done + src.index(None), total) if None in src else (total, done + tgt.index(None))
             raise InputError(
                 f"misaligned parallel files: {src_path} has {n_src} lines but {tgt_path} has "
                 f"{n_tgt}; they must be aligned line by line"
             )
-        src.append(s)
-        tgt.append(t)
-        if len(src) == size:
-            yield src, tgt
-            src, tgt = [], []
-    if src:
         yield src, tgt
+        done += len(chunk)
 
 
 def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:

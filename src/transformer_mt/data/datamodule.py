@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -55,7 +54,7 @@ class TranslationDataModule(L.LightningDataModule):
         if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
-        self.cache_dir = Path(os.path.expanduser(cache_dir))
+        self.cache_dir = Path(cache_dir).expanduser()
         settings = (vocab_size, spm_max_sentences, max_len, max_len_ratio, seed)
         self.cache = TokenCache(self.corpus, self.cache_dir, *settings)
         self.max_tokens, self.max_tokens_fallback = max_tokens, max_tokens_fallback
