@@ -264,14 +264,12 @@ class TokenCache:
         rows = np.asarray(rows, dtype=np.int64) + first_row
         with self.watch("tokenizing"):
             (src_ids, src_lens), (tgt_ids, tgt_lens) = tokenizer.encode_flat(src), tokenizer.encode_flat(tgt)
-        keep = np.ones(len(rows), dtype=bool)
-        if train:
-            keep, dropped = length_filter(src_lens, tgt_lens, self.max_len, self.max_len_ratio)
-            drops.update(dropped)
-        columns = [ragged(src_ids, src_lens, keep), ragged(tgt_ids, tgt_lens, keep), pa.array(rows[keep])]
-        if not train:
-            columns += [pa.array(list(itertools.compress(side, keep)), pa.string()) for side in (src, tgt)]
-        return columns
+        columns = [ragged(src_ids, src_lens), ragged(tgt_ids, tgt_lens), pa.array(rows)]
+        if not train:  # validation and test sets are kept whole, with their texts
+            return columns + [pa.array(side, pa.string()) for side in (src, tgt)]
+        keep, dropped = length_filter(src_lens, tgt_lens, self.max_len, self.max_len_ratio)
+        drops.update(dropped)
+        return [column.filter(keep) for column in columns]
 
 
 def cache_key(**inputs) -> str:
@@ -308,7 +306,7 @@ def open_cache(directory: Path, vocab_size: int) -> TokenizedSplit:
     return split
 
 
-def ragged(values: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> pa.ListArray:
-    """A list<int32> column of the items where `keep` is set, from their flat values and lengths."""
+def ragged(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
+    """A list<int32> column from the items' flat values and lengths."""
     offsets = pa.array(np.append(0, np.cumsum(lengths)), pa.int32())
-    return pa.ListArray.from_arrays(offsets, pa.array(values, pa.int32())).filter(keep)
+    return pa.ListArray.from_arrays(offsets, pa.array(values, pa.int32()))
