@@ -101,9 +101,8 @@ class TokenCache:
         if not (missing := self.missing(raw)):
             return
         self.directory.mkdir(parents=True, exist_ok=True)  # an OSError here is build()'s one line
-        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-probe-") as probe:
+        with tempfile.TemporaryFile(dir=self.directory, buffering=0) as probe:  # unbuffered: a full disk fails here
             probe.write(b"probe")
-            probe.flush()
         raw_bytes = sum(split.raw_bytes for split in missing)
         needed, free = int(CACHE_BYTES_PER_RAW_BYTE * raw_bytes), shutil.disk_usage(self.directory).free
         estimate = (
