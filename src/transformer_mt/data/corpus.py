@@ -61,8 +61,7 @@ class Corpus:
     @classmethod
     def from_config(cls, data_cfg: Mapping, **overrides) -> Corpus:
         """The Corpus fields of a data config (conf/data/); `overrides` win, and an unknown one is a TypeError."""
-        names = {f.name for f in fields(cls)}
-        picked = {key: value for key, value in data_cfg.items() if key in names} | overrides
+        picked = {f.name: data_cfg[f.name] for f in fields(cls) if f.name in data_cfg} | overrides
         picked["text_files"] = dict(picked.get("text_files") or {})  # null in conf/data/default.yaml
         return cls(**picked)
 
