@@ -158,8 +158,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         # A restored position applies to the next pass only; any other pass is whole, also after an abandoned one
         # (Lightning's sanity check stops the validation loader after 2 batches).
         start, self._resume_at = (self._resume_at if self._resume_at < len(batches) else 0), 0
-        for i in range(start, len(batches)):
-            yield batches[i].tolist()
+        yield from (batch.tolist() for batch in batches[start:])
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at batch `position` of `epoch` (ResumableLoader's: the batches training processed)."""
