@@ -29,9 +29,8 @@ def atomic_write(target: str | Path) -> Iterator[Path]:
     """A temporary path beside `target` (file or folder), renamed to it when the block succeeds, else removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*"):  # of this target, by killed writers
-        if is_stale(stale):
-            remove(stale)
+    for stale in filter(is_stale, target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*")):  # by killed writers
+        remove(stale)
     # host, process and a random part: ranks on nodes that share the folder never share a temporary name
     tmp = target.with_name(f".{target.name}{TMP_MARK}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -56,8 +55,7 @@ def remove(path: Path) -> None:
 
 def remove_stale_temporaries(directory: Path, say: Callable[[str], None]) -> None:
     """Remove atomic_write's temporaries in `directory` (or a folder in it) whose writer, of this host, is gone."""
-    found = [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")] if directory.is_dir() else []
-    for path in filter(is_stale, found):
+    for path in filter(is_stale, [*directory.glob(f".*{TMP_MARK}*"), *directory.glob(f"*/.*{TMP_MARK}*")]):
         remove(path)
         say(f"removed {path} (the unfinished write of a killed process)")
 

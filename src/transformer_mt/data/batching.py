@@ -120,21 +120,15 @@ class TokenBucketSampler(Sampler[list[int]]):
     def all_batches(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of `epoch`, in order; rank r takes items r, r + world, ..."""
         rng = np.random.default_rng(self.seed + epoch)
-        order = self._order(rng)
-        starts = self._starts.tolist()
-        ends = starts[1:] + [len(order)]
+        batches = np.split(self._order(rng), self._starts[1:])
         if self.shuffle:
-            batch_order = rng.permutation(len(starts)).tolist()
-            starts, ends = [starts[i] for i in batch_order], [ends[i] for i in batch_order]
-        batches = [order[start:end] for start, end in zip(starts, ends)]
-        sizes = [len(b) for b in batches]
+            batches = [batches[i] for i in rng.permutation(len(batches))]
         while len(batches) % self.world_size:  # equal shares: split the largest batch in two
-            largest = int(np.argmax(sizes))
-            if sizes[largest] < 2:
+            largest = max(range(len(batches)), key=lambda i: len(batches[i]))  # the first of the largest
+            if len(batches[largest]) < 2:
                 raise InputError(f"{len(self.indices)} sentences cannot fill {self.world_size} ranks")
-            half = sizes[largest] // 2
+            half = len(batches[largest]) // 2
             batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
-            sizes[largest : largest + 1] = [half, sizes[largest] - half]
         return batches
 
     def _order(self, rng: np.random.Generator) -> np.ndarray:
@@ -164,8 +158,7 @@ class TokenBucketSampler(Sampler[list[int]]):
         # A restored position applies to the next pass only; any other pass is whole, also after an abandoned one
         # (Lightning's sanity check stops the validation loader after 2 batches).
         start, self._resume_at = (self._resume_at if self._resume_at < len(batches) else 0), 0
-        for i in range(start, len(batches)):
-            yield batches[i].tolist()
+        yield from (batch.tolist() for batch in batches[start:])
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at batch `position` of `epoch` (ResumableLoader's: the batches training processed)."""

@@ -55,7 +55,25 @@ class TokenCache:
     def build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
         """(raw splits, tokenizer, tokenized splits); a cache that cannot be written is one line naming the fix."""
         try:
-            return self._build(stage)
+            for folder in ("sentencepiece", "corpus"):
+                remove_stale_temporaries(self.directory / folder, log.info)
+            # a bad validation or test file fails before SentencePiece
+            with stage("hash the raw files, open the splits"):
+                raw = {split: self.corpus.load(split) for split in SPLITS}
+            self.check_room(raw)
+            tokenizer_cached = (self.tokenizer_directory(raw["train"]) / MODEL_FILE).exists()
+            if not tokenizer_cached:
+                with stage("datasets: convert the files to Arrow"):
+                    for split in raw.values():
+                        split.open()
+            with stage("SentencePiece: load" if tokenizer_cached else "SentencePiece: read, sample, train"):
+                tokenizer = self.load_or_train_tokenizer(raw["train"])
+            splits = {}
+            for split in SPLITS:
+                how = "loaded from cache" if self.split_directory(raw[split], tokenizer).exists() else "tokenized"
+                with stage(f"{split}: {how}"):
+                    splits[split] = self.load_or_tokenize(raw[split], tokenizer)
+            return raw, tokenizer, splits
         except OSError as e:
             elsewhere = e.filename and not Path(e.filename).resolve().is_relative_to(self.directory.resolve())
             if e.errno not in (*WRITE_FAULTS, errno.ENOTDIR) or elsewhere:  # e.g. an unreadable corpus file
@@ -70,26 +88,6 @@ class TokenCache:
             "or free space there"
         )
 
-    def _build(self, stage: Stage) -> tuple[dict[str, RawSplit], Tokenizer, dict[str, TokenizedSplit]]:
-        for folder in ("sentencepiece", "corpus"):
-            remove_stale_temporaries(self.directory / folder, log.info)
-        with stage("hash the raw files, open the splits"):  # a bad validation or test file fails before SentencePiece
-            raw = {split: self.corpus.load(split) for split in SPLITS}
-        self.check_room(raw)
-        tokenizer_cached = (self.tokenizer_directory(raw["train"]) / MODEL_FILE).exists()
-        if not tokenizer_cached:
-            with stage("datasets: convert the files to Arrow"):
-                for split in raw.values():
-                    split.open()
-        with stage("SentencePiece: load" if tokenizer_cached else "SentencePiece: read, sample, train"):
-            tokenizer = self.load_or_train_tokenizer(raw["train"])
-        splits = {}
-        for split in SPLITS:
-            how = "loaded from cache" if self.split_directory(raw[split], tokenizer).exists() else "tokenized"
-            with stage(f"{split}: {how}"):
-                splits[split] = self.load_or_tokenize(raw[split], tokenizer)
-        return raw, tokenizer, splits
-
     def missing(self, raw: dict[str, RawSplit]) -> list[RawSplit]:
         """The splits whose cache is not there (all of them without the tokenizer: every split's key needs it)."""
         try:
@@ -103,9 +101,8 @@ class TokenCache:
         if not (missing := self.missing(raw)):
             return
         self.directory.mkdir(parents=True, exist_ok=True)  # an OSError here is build()'s one line
-        with tempfile.NamedTemporaryFile(dir=self.directory, prefix=".write-probe-") as probe:
+        with tempfile.TemporaryFile(dir=self.directory, buffering=0) as probe:  # unbuffered: a full disk fails here
             probe.write(b"probe")
-            probe.flush()
         raw_bytes = sum(split.raw_bytes for split in missing)
         needed, free = int(CACHE_BYTES_PER_RAW_BYTE * raw_bytes), shutil.disk_usage(self.directory).free
         estimate = (
@@ -121,21 +118,19 @@ class TokenCache:
         # A warning: ranks other than 0 log nothing below (training.logs), and this is where a rank's start goes.
         log.warning("rank %d: reading the data caches that rank 0 builds under %s", launched_rank(), self.directory)
         raw = {split: self.corpus.load(split) for split in SPLITS}
-        waited = 0.0
+        deadline = time.monotonic() + timeout_seconds
         while self.missing(raw):
-            if waited >= timeout_seconds:
+            if time.monotonic() >= deadline:
                 raise InputError(
-                    f"waited {waited / 3600:.1f} h for rank 0 to write the data caches under {self.directory}; "
-                    "did it fail? (several nodes need data.cache_dir on a shared file system)"
+                    f"waited {timeout_seconds / 3600:.1f} h for rank 0 to write the data caches under "
+                    f"{self.directory}; did it fail? (several nodes need data.cache_dir on a shared file system)"
                 )
             time.sleep(poll_seconds)
-            waited += poll_seconds
 
     def tokenizer_settings(self, train: RawSplit) -> dict:
-        langs = [self.corpus.src_lang, self.corpus.tgt_lang]
         return {
             "data": train.fingerprint,
-            "langs": langs,
+            "langs": [self.corpus.src_lang, self.corpus.tgt_lang],
             "vocab": self.vocab_size,
             "max_sentences": self.spm_max_sentences,
             "seed": self.seed,
@@ -192,8 +187,7 @@ class TokenCache:
         with tqdm(desc=desc, unit=" pairs", disable=None, leave=False) as bar:
             for src, tgt in train.batches(self.chunk_size):
                 src, tgt, _ = drop_empty(src, tgt)
-                for pair in zip(src, tgt):
-                    yield from pair
+                yield from itertools.chain.from_iterable(zip(src, tgt))
                 bar.update(len(src))
 
     def split_directory(self, raw: RawSplit, tokenizer: Tokenizer) -> Path:
@@ -220,16 +214,10 @@ class TokenCache:
         if tokenized is None:
             how, dropped = "tokenized", self.write_tokenized(raw, tokenizer, directory)
             tokenized = open_cache(directory, len(tokenizer))
-        self.timings[raw.split] = (how, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.timings[raw.split] = (how, seconds)
         log.info(
-            "%s %s: %s pairs %s in %.2f s%s (%s)",
-            self.corpus.name,
-            raw.split,
-            f"{len(tokenized):,}",
-            how,
-            self.timings[raw.split][1],
-            dropped,
-            directory,
+            f"{self.corpus.name} {raw.split}: {len(tokenized):,} pairs {how} in {seconds:.2f} s{dropped} ({directory})"
         )
         return tokenized
 
@@ -275,14 +263,12 @@ class TokenCache:
         rows = np.asarray(rows, dtype=np.int64) + first_row
         with self.watch("tokenizing"):
             (src_ids, src_lens), (tgt_ids, tgt_lens) = tokenizer.encode_flat(src), tokenizer.encode_flat(tgt)
-        keep = np.ones(len(rows), dtype=bool)
-        if train:
-            keep, dropped = length_filter(src_lens, tgt_lens, self.max_len, self.max_len_ratio)
-            drops.update(dropped)
-        columns = [ragged(src_ids, src_lens, keep), ragged(tgt_ids, tgt_lens, keep), pa.array(rows[keep])]
-        if not train:
-            columns += [pa.array(list(itertools.compress(side, keep)), pa.string()) for side in (src, tgt)]
-        return columns
+        columns = [ragged(src_ids, src_lens), ragged(tgt_ids, tgt_lens), pa.array(rows)]
+        if not train:  # validation and test sets are kept whole, with their texts
+            return columns + [pa.array(side, pa.string()) for side in (src, tgt)]
+        keep, dropped = length_filter(src_lens, tgt_lens, self.max_len, self.max_len_ratio)
+        drops.update(dropped)
+        return [column.filter(keep) for column in columns]
 
 
 def cache_key(**inputs) -> str:
@@ -319,10 +305,7 @@ def open_cache(directory: Path, vocab_size: int) -> TokenizedSplit:
     return split
 
 
-def ragged(values: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> pa.ListArray:
-    """A list<int32> column of the items where `keep` is set, from their flat values and lengths."""
-    if not keep.all():
-        values, lengths = values[np.repeat(keep, lengths)], lengths[keep]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))
+def ragged(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
+    """A list<int32> column from the items' flat values and lengths."""
+    offsets = pa.array(np.append(0, np.cumsum(lengths)), pa.int32())
+    return pa.ListArray.from_arrays(offsets, pa.array(values, pa.int32()))

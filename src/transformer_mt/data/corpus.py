@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
@@ -24,23 +23,18 @@ FINGERPRINT = functools.partial(hashlib.blake2b, digest_size=16)  # of a split's
 
 def iter_text_pair(src_path: str | Path, tgt_path: str | Path, size: int) -> Iterator[tuple[list[str], list[str]]]:
     """Aligned lines of two files, `size` pairs at a time; a misalignment is found at the end."""
-    src_lines, tgt_lines = iter_lines(src_path), iter_lines(tgt_path)
-    src, tgt = [], []
-    for count, (s, t) in enumerate(itertools.zip_longest(src_lines, tgt_lines)):
-        if s is None or t is None:
-            extra = 1 + sum(1 for _ in (tgt_lines if s is None else src_lines))  # zip_longest took one
-            n_src, n_tgt = (count, count + extra) if s is None else (count + extra, count)
+    pairs, done = itertools.zip_longest(iter_lines(src_path), iter_lines(tgt_path)), 0
+    while chunk := list(itertools.islice(pairs, size)):
+        src, tgt = map(list, zip(*chunk))
+        if None in src or None in tgt:  # the shorter file's lines ended in this chunk
+            total = done + len(chunk) + sum(1 for _ in pairs)
+            n_src, n_tgt = (done + src.index(None), total) if None in src else (total, done + tgt.index(None))
             raise InputError(
                 f"misaligned parallel files: {src_path} has {n_src} lines but {tgt_path} has "
                 f"{n_tgt}; they must be aligned line by line"
             )
-        src.append(s)
-        tgt.append(t)
-        if len(src) == size:
-            yield src, tgt
-            src, tgt = [], []
-    if src:
         yield src, tgt
+        done += len(chunk)
 
 
 def gather(batches: Iterator[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
@@ -67,8 +61,7 @@ class Corpus:
     @classmethod
     def from_config(cls, data_cfg: Mapping, **overrides) -> Corpus:
         """The Corpus fields of a data config (conf/data/); `overrides` win, and an unknown one is a TypeError."""
-        names = {f.name for f in fields(cls)}
-        picked = {key: value for key, value in data_cfg.items() if key in names} | overrides
+        picked = {f.name: data_cfg[f.name] for f in fields(cls) if f.name in data_cfg} | overrides
         picked["text_files"] = dict(picked.get("text_files") or {})  # null in conf/data/default.yaml
         return cls(**picked)
 
@@ -123,9 +116,8 @@ class Corpus:
         """Parquet/JSON Lines files of `split` in the Hub's layout: [<config>/]<split>[-*].<ext>."""
         for folder in [root / self.hub_config, root] if self.hub_config else [root]:
             for ext in ("parquet", "jsonl", "json"):
-                found = sorted(glob.glob(str(folder / f"{split}-*.{ext}")) + glob.glob(str(folder / f"{split}.{ext}")))
-                if found:
-                    return [Path(f) for f in found]
+                if found := sorted([*folder.glob(f"{split}-*.{ext}"), *folder.glob(f"{split}.{ext}")]):
+                    return found
         return []
 
     def load_from_hub(self, split: str) -> datasets.Dataset:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -55,7 +54,7 @@ class TranslationDataModule(L.LightningDataModule):
         if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
-        self.cache_dir = Path(os.path.expanduser(cache_dir))
+        self.cache_dir = Path(cache_dir).expanduser()
         settings = (vocab_size, spm_max_sentences, max_len, max_len_ratio, seed)
         self.cache = TokenCache(self.corpus, self.cache_dir, *settings)
         self.max_tokens, self.max_tokens_fallback = max_tokens, max_tokens_fallback
@@ -121,11 +120,8 @@ class TranslationDataModule(L.LightningDataModule):
                     f"{int(np.maximum(data.src_lens, data.tgt_lens).min()) + 1}); raise data.max_tokens"
                 )
             (log.info if split == "train" else log.warning)(
-                "%s: %s pairs are longer than a batch's %d tokens: %s",
-                split,
-                f"{int((~fits).sum()):,}",
-                max_tokens,
-                "left out of training" if split == "train" else "each is batched alone, over the limit",
+                f"{split}: {int((~fits).sum()):,} pairs are longer than a batch's {max_tokens} tokens: "
+                + ("left out of training" if split == "train" else "each is batched alone, over the limit")
             )
         indices = np.flatnonzero(fits) if split == "train" else None
         return TokenBucketSampler(data.src_lens, data.tgt_lens, max_tokens, shuffle, self.seed, rank, world, indices)
