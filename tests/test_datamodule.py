@@ -12,6 +12,7 @@ import torch
 
 from conftest import quiet_trainer, run_process, write_corpus
 from data_helpers import text_datamodule
+from transformer_mt.commandline import check_command_line
 from transformer_mt.configs import run_folder
 from transformer_mt.errors import InputError
 from transformer_mt.launcher import launch_id, launched_rank
@@ -27,7 +28,6 @@ from transformer_mt.tokenizer import BOS_ID
         ("max_tokens", 0),
         ("max_tokens", "most"),
         ("max_tokens_fallback", 0),
-        ("max_tokens_fallback", "auto"),
         ("vocab_size", 0),
         ("max_len", -1),
         ("tokens_per_update", 0),
@@ -36,6 +36,8 @@ from transformer_mt.tokenizer import BOS_ID
 def test_impossible_batch_settings_are_refused(tmp_path, key, value):
     with pytest.raises(InputError, match=rf"data\.{key}={value}: "):
         text_datamodule(tmp_path, **{key: value})
+    with pytest.raises(InputError, match=r"data\.max_tokens_fallback=auto: must be a whole number"):
+        check_command_line("train", ["data.max_tokens_fallback=auto"])  # a wrong type: as the command line is read
 
 
 def test_a_pair_longer_than_the_models_positions_is_found_when_the_data_is_built(tmp_path):

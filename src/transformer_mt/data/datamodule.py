@@ -42,16 +42,15 @@ class TranslationDataModule(L.LightningDataModule):
         **corpus,
     ):
         super().__init__()
-        numbers = dict(
-            max_tokens=max_tokens, max_tokens_fallback=max_tokens_fallback, vocab_size=vocab_size, max_len=max_len
-        )
-        for key, value in numbers.items():
-            if (not isinstance(value, int) or value < 1) and not (key == "max_tokens" and value == "auto"):
-                raise InputError(
-                    f"data.{key}={value}: must be a positive whole number"
-                    + (" or auto (the largest batch the device fits)" if key == "max_tokens" else "")
-                )
-        if tokens_per_update is not None and (not isinstance(tokens_per_update, int) or tokens_per_update < 1):
+        if max_tokens != "auto" and not (isinstance(max_tokens, int) and max_tokens >= 1):  # a number or auto
+            raise InputError(
+                f"data.max_tokens={max_tokens}: must be a positive whole number or auto (the largest batch the "
+                "device fits)"
+            )
+        for key, value in dict(max_tokens_fallback=max_tokens_fallback, vocab_size=vocab_size, max_len=max_len).items():
+            if value < 1:  # their types are settings.DataSettings'
+                raise InputError(f"data.{key}={value}: must be a positive whole number")
+        if tokens_per_update is not None and tokens_per_update < 1:
             raise InputError(f"data.tokens_per_update={tokens_per_update}: a positive number of tokens, or null")
         self.corpus = Corpus.from_config({}, name=name, **corpus)  # an unknown key is a TypeError
         self.cache_dir = Path(cache_dir).expanduser()
