@@ -131,11 +131,9 @@ def table(entries: list[dict]) -> str:
 
 def collect(*folders: str | Path) -> str:
     """One table of one or more sweep folders' runs, written to <first folder>/table3.md."""
-    entries, unfinished = [], []
-    for folder in map(Path, folders):
-        found, left = read_runs(folder)
-        entries, unfinished = entries + found, unfinished + left
-    entries.sort(key=order)
+    found = [read_runs(Path(folder)) for folder in folders]
+    entries = sorted((entry for finished, _ in found for entry in finished), key=order)
+    unfinished = [job for _, left in found for job in left]
     runs = Path(folders[0])
     text = table(entries) if entries else ""
     for job in unfinished:
