@@ -205,22 +205,16 @@ def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantizat
     transformers, converters = optional("transformers"), optional("ctranslate2.converters.transformers")
     pre_norm = model.cfg.norm == "pre"
 
-    class Loader(converters.MarianMTLoader):
+    class Loader(converters.BartLoader):  # Marian's, less its zero start embedding and its dropped pad row
         def get_model_spec(self, model):
             model.config.normalize_before = pre_norm
             model.config.normalize_embedding = False
-            return converters.BartLoader.get_model_spec(self, model)  # keeps every vocabulary row
+            return super().get_model_spec(model)
 
         def set_config(self, config, model, tokenizer):
-            super().set_config(config, model, tokenizer)
+            converters.MarianMTLoader.set_config(self, config, model, tokenizer)
             config.bos_token = config.decoder_start_token = tokenizer.bos_token
             config.add_source_eos = True  # callers pass SentencePiece pieces, as our model takes ids + EOS
-
-        def set_decoder(self, spec, decoder):
-            converters.BartLoader.set_decoder(self, spec, decoder)  # start_from_zero_embedding stays False
-
-        def get_vocabulary(self, model, tokenizer):
-            return converters.BartLoader.get_vocabulary(self, model, tokenizer)
 
     spec = Loader()(marian_model(model).eval(), transformers.MarianTokenizer.from_pretrained(hf_directory))
     spec.validate()
