@@ -12,7 +12,7 @@ from transformer_mt.data.corpus import Corpus
 from transformer_mt.decoding import PAPER, Decoding
 from transformer_mt.errors import InputError, required
 from transformer_mt.evaluation.engines import open_engine
-from transformer_mt.evaluation.grid import grid_rows, search_grid
+from transformer_mt.evaluation.grid import search_grid
 from transformer_mt.evaluation.tuned import save_tuned
 
 
@@ -35,7 +35,7 @@ def tune(cfg: DictConfig) -> Decoding:
             sources, references = sources[: cfg.sentences], references[: cfg.sentences]
         alphas, beams = list(cfg.alphas), list(cfg.beams)
         decoding = Decoding.of(OmegaConf.to_container(cfg.decoding, resolve=True))
-        decodes = grid_rows(alphas, beams, decoding)
+        decodes = len(alphas) + sum(b != decoding.beam_size for b in beams) + 1  # and the doubled length limit
         print(
             f"choosing decoding settings on {corpus.name} {cfg.split} ({len(sources):,} sentences): {len(alphas)} "
             f"length penalties at beam {decoding.beam_size}, beams {beams} at the best, then the length limit: "

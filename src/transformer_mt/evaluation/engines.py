@@ -61,7 +61,7 @@ def ct2_export(ckpt: str | Path, log: Callable[[str], None] = print) -> Path:
     return folder
 
 
-class CT2Process:
+class CT2Process(contextlib.AbstractContextManager):
     """CTranslate2 in a child process (ct2_worker.py), fed and answered in JSON lines. A context manager."""
 
     CHUNK = 500  # lines per request when a progress bar is shown
@@ -92,38 +92,33 @@ class CT2Process:
         lines: list[str],
         warn=None,
         first_line: int = 1,
-        beam_size: int = PAPER.beam_size,
-        alpha: float = PAPER.alpha,
-        max_len_a: float = PAPER.max_len_a,
-        max_len_b: int = PAPER.max_len_b,
         tokens_per_batch: int = 16384,
         n_best: int = 0,
         progress: bool = False,
         report=None,
-        length_penalty: str = PAPER.length_penalty,
+        **decoding,
     ) -> list[str]:
-        """search.translate_lines' contract (text in, text out, same order), decoded by CTranslate2."""
+        """search.translate_lines' contract (text in, text out, same order; decoding: Decoding's settings, the
+        paper's where left out), decoded by CTranslate2."""
         from tqdm import tqdm  # noqa: PLC0415
 
         if n_best:
             raise InputError("n_best needs engine=torch: engine=ct2 gives the best translation only")
-        penalty = PAPER.but(alpha=alpha, length_penalty=length_penalty).ct2_length_penalty  # gnmt 0.6: 0.45
+        settings = PAPER.but(**decoding)
+        request = dict(
+            beam_size=settings.beam_size,
+            length_penalty=settings.ct2_length_penalty,  # gnmt 0.6: 0.45
+            max_len_a=settings.max_len_a,
+            max_len_b=settings.max_len_b,
+            max_source_tokens=self.limit,
+            tokens_per_batch=tokens_per_batch,
+        )
         size, heartbeat = self.CHUNK if progress or report else max(len(lines), 1), Heartbeat(report, len(lines))
         outputs = []
         bar = tqdm(total=len(lines), desc="translating", unit="sentence", disable=not progress, leave=False)
         for at in range(0, len(lines), size):
             chunk = lines[at : at + size]
-            answer = self.ask(
-                dict(
-                    lines=chunk,
-                    beam_size=beam_size,
-                    length_penalty=penalty,
-                    max_len_a=max_len_a,
-                    max_len_b=max_len_b,
-                    max_source_tokens=self.limit,
-                    tokens_per_batch=tokens_per_batch,
-                )
-            )
+            answer = self.ask(request | {"lines": chunk})
             for i, tokens in answer["truncated"] if warn else []:
                 warn(f"line {first_line + at + i}: {tokens} tokens, truncated to the model's maximum of {self.limit}")
             outputs += answer["outputs"]
@@ -131,9 +126,6 @@ class CT2Process:
             heartbeat(len(outputs))
         bar.close()
         return outputs
-
-    def __enter__(self) -> CT2Process:
-        return self
 
     def __exit__(self, *exc) -> None:
         if self.process.poll() is None:

@@ -107,11 +107,6 @@ class Grid:
         return best if won else current
 
 
-def grid_rows(alphas: Sequence[float], beams: Sequence[int], decoding: Decoding) -> int:
-    """How many decodes search_grid makes at most: the alphas, the other beams, the doubled length limit."""
-    return len(alphas) + len([b for b in beams if b != decoding.beam_size]) + 1
-
-
 def search_grid(
     translate: Callable[..., list],
     sources: Sequence[str],

@@ -3,6 +3,7 @@ results.json and a block in the log; the end of training and make finish build i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -86,10 +87,8 @@ class Protocol:
         """peak: one training device's, for the MFU."""
         start = time.monotonic()
         log.info(
-            "the end of the run (§6.1): averaging, decoding and scoring %s; if this is interrupted, finish it "
-            "with: make finish RUN=%s",
-            ", ".join(self.splits),
-            self.run.path,
+            f"the end of the run (§6.1): averaging, decoding and scoring {', '.join(self.splits)}; if this is "
+            f"interrupted, finish it with: make finish RUN={self.run.path}"
         )
         chosen = self.checkpoints()
         results = self.training_figures(peak)
@@ -117,20 +116,12 @@ class Protocol:
         """By name: average-last<N>.ckpt, written now (else last.ckpt), and with `ema` ema.ckpt."""
         chosen, periodic = {}, []
         if self.average_last:
-            try:
+            with contextlib.suppress(MissingInputError):  # the run kept none
                 periodic = run_checkpoints(self.run.checkpoints)[-self.average_last :]
-            except MissingInputError:
-                log.warning(
-                    "final.average_last=%d: the run kept no periodic checkpoints; evaluating last.ckpt",
-                    self.average_last,
-                )
-        if periodic:
             if len(periodic) < self.average_last:
-                log.warning(
-                    "final.average_last=%d: only %d periodic checkpoints, averaging those",
-                    self.average_last,
-                    len(periodic),
-                )
+                then = "averaging those" if periodic else "evaluating last.ckpt"
+                log.warning(f"final.average_last={self.average_last}: {len(periodic)} periodic checkpoints, {then}")
+        if periodic:
             path = self.run.checkpoints / RunFolder.average_name(len(periodic))
             write_checkpoint(average_checkpoints(periodic), path)
             log.info("averaged %s -> %s", ", ".join(p.name for p in periodic), path.name)

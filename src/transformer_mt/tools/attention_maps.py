@@ -16,6 +16,7 @@ from matplotlib.figure import Figure  # not pyplot: no display, no global state
 
 from transformer_mt.attention_recording import record_attention
 from transformer_mt.checkpoint import start_inference
+from transformer_mt.data.corpus import read_text_pair
 from transformer_mt.decoding import PAPER
 from transformer_mt.errors import CommandParser, InputError, exit_on_user_error
 from transformer_mt.files import read_lines
@@ -77,15 +78,10 @@ def source_sentence(text: str | None, src: str | None, line: int, ref: str | Non
         raise InputError('give the sentence as TEXT="..." or as SRC=<file> LINE=<n>, not both')
     if text is not None:
         return text, ref
-    lines = read_lines(src)
+    lines, refs = read_text_pair(src, ref) if ref is not None else (read_lines(src), None)
     if not 1 <= line <= len(lines):
         raise InputError(f"LINE={line}: {src} has {len(lines)} lines (count from 1)")
-    if ref is None:
-        return lines[line - 1], None
-    refs = read_lines(ref)
-    if len(refs) != len(lines):
-        raise InputError(f"REF={ref} has {len(refs)} lines, SRC={src} has {len(lines)}: give the aligned reference")
-    return lines[line - 1], refs[line - 1]
+    return lines[line - 1], None if refs is None else refs[line - 1]
 
 
 def draw(ckpt: str, text: str | None, src: str | None, line: int, ref: str | None, out: str | None, device: str):

@@ -20,6 +20,7 @@ from transformer_mt.decoding import HF_LENGTH_PENALTY, PAPER
 from transformer_mt.errors import CommandParser, InputError, UserError, exit_on_user_error
 from transformer_mt.files import atomic_write, remove_stale_temporaries
 from transformer_mt.model import Transformer, TransformerConfig
+from transformer_mt.search import translate_ids
 from transformer_mt.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_mt.tools.model_card import LICENSE_NAME, model_card
 
@@ -94,9 +95,11 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     return state
 
 
-def marian_config(model: Transformer):
-    cfg = model.cfg
-    return optional("transformers").MarianConfig(
+def marian_model(model: Transformer):
+    """transformers' MarianMTModel of the same shape, holding our weights (in train mode, as a new model). A pre-norm
+    model's final LayerNorms ride along unused (Marian is post-norm), for CTranslate2's converter."""
+    transformers, cfg = optional("transformers"), model.cfg
+    config = transformers.MarianConfig(
         vocab_size=cfg.vocab_size,
         d_model=cfg.d_model,
         encoder_layers=cfg.n_encoder_layers,
@@ -119,15 +122,10 @@ def marian_config(model: Transformer):
         forced_eos_token_id=EOS_ID,
         decoder_start_token_id=BOS_ID,  # ours starts from BOS (Marian's own models from pad)
     )
-
-
-def marian_model(model: Transformer):
-    """transformers' MarianMTModel of the same shape, holding our weights (in train mode, as a new model). A pre-norm
-    model's final LayerNorms ride along unused (Marian is post-norm), for CTranslate2's converter."""
-    hf = optional("transformers").MarianMTModel(marian_config(model))
-    if model.cfg.norm == "pre":
-        hf.model.encoder.layer_norm = nn.LayerNorm(model.cfg.d_model)
-        hf.model.decoder.layer_norm = nn.LayerNorm(model.cfg.d_model)
+    hf = transformers.MarianMTModel(config)
+    if cfg.norm == "pre":
+        hf.model.encoder.layer_norm = nn.LayerNorm(cfg.d_model)
+        hf.model.decoder.layer_norm = nn.LayerNorm(cfg.d_model)
     hf.model.load_state_dict(marian_state_dict(model), strict=False)  # its own sinusoids; check_hf/check_ct2 compare
     return hf
 
@@ -207,22 +205,16 @@ def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantizat
     transformers, converters = optional("transformers"), optional("ctranslate2.converters.transformers")
     pre_norm = model.cfg.norm == "pre"
 
-    class Loader(converters.MarianMTLoader):
+    class Loader(converters.BartLoader):  # Marian's, less its zero start embedding and its dropped pad row
         def get_model_spec(self, model):
             model.config.normalize_before = pre_norm
             model.config.normalize_embedding = False
-            return converters.BartLoader.get_model_spec(self, model)  # keeps every vocabulary row
+            return super().get_model_spec(model)
 
         def set_config(self, config, model, tokenizer):
-            super().set_config(config, model, tokenizer)
+            converters.MarianMTLoader.set_config(self, config, model, tokenizer)
             config.bos_token = config.decoder_start_token = tokenizer.bos_token
             config.add_source_eos = True  # callers pass SentencePiece pieces, as our model takes ids + EOS
-
-        def set_decoder(self, spec, decoder):
-            converters.BartLoader.set_decoder(self, spec, decoder)  # start_from_zero_embedding stays False
-
-        def get_vocabulary(self, model, tokenizer):
-            return converters.BartLoader.get_vocabulary(self, model, tokenizer)
 
     spec = Loader()(marian_model(model).eval(), transformers.MarianTokenizer.from_pretrained(hf_directory))
     spec.validate()
@@ -232,10 +224,7 @@ def write_ct2(model: Transformer, hf_directory: Path, directory: Path, quantizat
 
 
 def check_ct2(model: Transformer, tokenizer: Tokenizer, directory: Path) -> str:
-    ctranslate2 = optional("ctranslate2")
-    from transformer_mt.search import translate_ids  # noqa: PLC0415
-
-    translator = ctranslate2.Translator(str(directory), device="cpu", compute_type="float32")
+    translator = optional("ctranslate2").Translator(str(directory), device="cpu", compute_type="float32")
     pieces = [tokenizer.sp.encode(text, out_type=str) for text in PROBE]
     n = 30  # tokens at most, EOS included, for both
     results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=n)

@@ -93,12 +93,10 @@ def model_card(ckpt: Path, checkpoint: dict, fmt: str, checked: str) -> str:
         + (f", weights averaged over {len(averaged)} checkpoints" if averaged else ""),
     ]
     if results:
-        overrides = [o for o in results.overrides or [] if not o.split("=")[0].endswith(("path", "dir"))]
-        given = (
-            f"`{' '.join(overrides) or '(none)'}` (local paths left out)"
-            if results.overrides is not None
-            else ("not recorded")
-        )
+        given = "not recorded"
+        if results.overrides is not None:
+            overrides = [o for o in results.overrides if not o.split("=")[0].endswith(("path", "dir"))]
+            given = f"`{' '.join(overrides) or '(none)'}` (local paths left out)"
         lines += [
             f"- training: {timedelta(seconds=int(results.train_seconds))}, {results.target_tokens:,} target tokens on "
             f"{results.devices} device(s)" + (f"; {results.peak}" if results.peak else ""),

@@ -98,36 +98,27 @@ def difference(entry: dict, metric: str, mean: dict, spread: dict) -> str:
 def table(entries: list[dict]) -> str:
     mean, spread = base_spread(entries)
     has_test = any(e["test_sacrebleu"] is not None for e in entries)
-    head = [
-        "row",
-        "change",
-        "seed",
-        "params (M) ours / paper",
-        "PPL dev ours / paper",
-        "BLEU dev ours / paper",
-        "Δ BLEU dev",
-        "sacreBLEU dev",
-    ]
-    head += ["sacreBLEU test", "Δ test"] if has_test else []
-    head += ["updates", "training"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for e in entries:
         paper = e["paper"]
         params = f"{e['params_millions']:.1f}" + (f" / {p}" if (p := paper.get("params_millions")) else "")
-        cells = [
-            e["name"],
-            e["change"],
-            str(e["seed"]),
-            params,
-            f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
-            f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}",
-            difference(e, "dev_bleu", mean, spread),
-            number(e["dev_sacrebleu"], 1),
-        ]
+        cells = {  # column: cell
+            "row": e["name"],
+            "change": e["change"],
+            "seed": str(e["seed"]),
+            "params (M) ours / paper": params,
+            "PPL dev ours / paper": f"{number(e['dev_ppl'])} / {paper.get('ppl', '')}",
+            "BLEU dev ours / paper": f"{number(e['dev_bleu'], 1)} / {paper.get('bleu', '')}",
+            "Δ BLEU dev": difference(e, "dev_bleu", mean, spread),
+            "sacreBLEU dev": number(e["dev_sacrebleu"], 1),
+        }
         if has_test:
-            cells += [number(e["test_sacrebleu"], 1), difference(e, "test_sacrebleu", mean, spread)]
-        cells += [f"{e['updates']:,}", f"{e['train_seconds'] / 60:.1f} min"]
-        lines.append("| " + " | ".join(cells) + " |")
+            cells |= {"sacreBLEU test": number(e["test_sacrebleu"], 1)}
+            cells |= {"Δ test": difference(e, "test_sacrebleu", mean, spread)}
+        cells |= {"updates": f"{e['updates']:,}", "training": f"{e['train_seconds'] / 60:.1f} min"}
+        rows.append(cells)
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(cells.values()) + " |" for cells in rows]
     shown = ", ".join(f"{k} {v:.2f}" for k, v in spread.items() if v is not None)
     note = f"Base's run-to-run spread (max - min over its seeds): {shown}. * marks a difference beyond it."
     if not mean:
@@ -140,11 +131,9 @@ def table(entries: list[dict]) -> str:
 
 def collect(*folders: str | Path) -> str:
     """One table of one or more sweep folders' runs, written to <first folder>/table3.md."""
-    entries, unfinished = [], []
-    for folder in map(Path, folders):
-        found, left = read_runs(folder)
-        entries, unfinished = entries + found, unfinished + left
-    entries.sort(key=order)
+    found = [read_runs(Path(folder)) for folder in folders]
+    entries = sorted((entry for finished, _ in found for entry in finished), key=order)
+    unfinished = [job for _, left in found for job in left]
     runs = Path(folders[0])
     text = table(entries) if entries else ""
     for job in unfinished:
