@@ -21,7 +21,7 @@ def tune(cfg: DictConfig) -> Decoding:
         raise InputError("split=test: settings are chosen on the development set, never on the test split (§6.1)")
     if cfg.n_best:
         raise InputError(f"n_best={cfg.n_best}: make tune scores each setting's best translation only; leave it out")
-    if not isinstance(cfg.sentences, int) or isinstance(cfg.sentences, bool) or cfg.sentences < 0:
+    if cfg.sentences < 0:  # its type is settings.TuneSettings'
         raise InputError(
             f"sentences={cfg.sentences}: the number of the split's first sentences to tune on, at least 1 "
             f"(0, the default: all of them)"

@@ -141,8 +141,6 @@ def open_engine(cfg) -> Iterator[tuple[Callable[..., list], dict]]:
     ckpt = required(cfg, "ckpt")
     if cfg.engine not in ("torch", "ct2"):
         raise InputError(f"engine={cfg.engine}: choose torch (ours) or ct2 (CTranslate2)")
-    if not isinstance(cfg.compile, bool):
-        raise InputError(f"compile={cfg.compile}: choose true (torch.compile) or false")
     if cfg.engine == "torch":
         from transformer_mt.runtime import compile_decoding  # noqa: PLC0415
         from transformer_mt.search import translate_lines  # noqa: PLC0415
