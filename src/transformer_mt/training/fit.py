@@ -136,10 +136,8 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError(f"trainer.compile={compile_step!r}: must be true, false or auto (on with a CUDA GPU)")
     if compile_step is True and cfg.trainer.get("strategy") == "fsdp":
         raise InputError("trainer.compile with trainer=fsdp is not supported (untested); use ddp, or compile=false")
-    if not cfg.final.enabled:
-        return
     splits = cfg.final.splits
-    if not splits or any(s not in ("validation", "test") for s in splits):
+    if cfg.final.enabled and (not splits or any(s not in ("validation", "test") for s in splits)):
         raise InputError(f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]")
 
 
@@ -288,15 +286,7 @@ def budget_settings(cfg: DictConfig) -> dict | None:
     """trainer.max_time and the `budget` block as TimeBudget's settings; None without a budget."""
     if (seconds := budget_seconds(cfg.trainer.get("max_time"))) is None:
         return None
-    b = cfg.budget
-    return dict(
-        seconds=seconds,
-        margin=b.margin,
-        warmup_share=b.warmup,
-        cooldown_share=b.cooldown,
-        average_span=b.average_span,
-        keep_last=cfg.checkpoint.keep_last,
-    )
+    return dict(seconds=seconds, keep_last=cfg.checkpoint.keep_last, **plain(cfg.budget))
 
 
 def after_fit(config: dict, job: Job, trainer: L.Trainer, loggers: list) -> float | None:

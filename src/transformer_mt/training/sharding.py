@@ -26,8 +26,8 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 class LayerFSDP(DDPStrategy):
     """FSDP2 per layer, gradients reduce-scattered once per update; over gloo on CPU processes too."""
 
-    def __init__(self, precision: str | None = None, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, precision: str | None = None):
+        super().__init__()
         self.precision = precision
 
     def configure_ddp(self) -> None:  # in place of DDP's wrapper
