@@ -71,7 +71,7 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
     if str(args.get("precision")).startswith("16"):  # the module's update applies no loss scale
         raise InputError(f"trainer.precision={args['precision']}: fp16 is not supported; use bf16-mixed or 32-true")
-    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1), sweep)
+    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("devices", 1), sweep)
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() and "32" in str(args["precision"]):
         use_tf32()
         log.info("precision %s on CUDA: fp32 matrix products in TF32 (runtime.use_tf32)", args["precision"])
@@ -141,7 +141,7 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError(f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]")
 
 
-def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = False):
+def make_strategy(name, devices=1, sweep: bool = False):
     """trainer.strategy: FSDP per layer (sharding.py); DDP without the per-forward broadcast of buffers."""
     # Lightning's ddp and fsdp start the other ranks by re-running sys.argv: under `-m` from a shell, the whole sweep
     shell_sweep = sweep and not any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
@@ -151,7 +151,7 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
                 "trainer=fsdp in a Hydra multirun (-m) from a shell would re-run the whole sweep in each of its ranks: "
                 "run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
             )
-        return LayerFSDP(precision)
+        return LayerFSDP()
     if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job
         log.warning("Hydra multirun: using strategy=ddp_spawn instead of ddp (ddp would re-launch the sweep)")
         name = "ddp_spawn"
