@@ -223,12 +223,14 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     datamodule.check_lengths(cfg.model.max_positions)
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
+    seconds = budget_seconds(cfg.trainer.get("max_time"))  # trainer.max_time and the budget block: TimeBudget's
+    budget = dict(seconds=seconds, keep_last=cfg.checkpoint.keep_last, **plain(cfg.budget)) if seconds else None
     module = TranslationModule(
         model_cfg,
         cfg.label_smoothing,
         **plain(cfg.optim),
         val_bleu_sentences=cfg.val_bleu_sentences,
-        budget=budget_settings(cfg),
+        budget=budget,
         config=config,
         tokenizer=datamodule.tokenizer,
     )
@@ -280,13 +282,6 @@ def kept(checkpoint_dir: Path) -> str:
         f"before training went on; the checkpoints in {shown(checkpoint_dir)} are as they were: continue with "
         f'make train ARGS="... ckpt_path=last hydra.run.dir={shown(checkpoint_dir.parent)}"'
     )
-
-
-def budget_settings(cfg: DictConfig) -> dict | None:
-    """trainer.max_time and the `budget` block as TimeBudget's settings; None without a budget."""
-    if (seconds := budget_seconds(cfg.trainer.get("max_time"))) is None:
-        return None
-    return dict(seconds=seconds, keep_last=cfg.checkpoint.keep_last, **plain(cfg.budget))
 
 
 def after_fit(config: dict, job: Job, trainer: L.Trainer, loggers: list) -> float | None:

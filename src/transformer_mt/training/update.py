@@ -175,8 +175,7 @@ class UpdateEnd(L.Callback):
 def gradient_norm(parameters) -> Tensor:
     """The L2 norm of the whole gradient, the same on every rank: FSDP's sharded gradients (DTensors) give a norm of
     the ranks' parts, which full_tensor() reduces."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
 
 
