@@ -346,7 +346,7 @@ def test_the_gloo_entry_point_makes_gloo_every_strategys_default(monkeypatch):
     monkeypatch.setattr("runpy.run_module", lambda *args, **kwargs: None)
     exec(GLOO_TRAIN, {})
     assert DDPStrategy(broadcast_buffers=False).process_group_backend == "gloo"
-    assert LayerFSDP("bf16-mixed").process_group_backend == "gloo"
+    assert LayerFSDP().process_group_backend == "gloo"
     assert DDPStrategy(process_group_backend="nccl").process_group_backend == "nccl"
 
 

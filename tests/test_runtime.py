@@ -21,12 +21,11 @@ from transformer_mt.training.sharding import LayerFSDP, mixed_precision_policy
 
 
 def test_fsdp_is_fsdp2_and_in_bf16_reduces_gradients_in_fp32():
-    strategy = make_strategy("fsdp", "bf16-mixed")
-    assert isinstance(strategy, LayerFSDP) and strategy.precision == "bf16-mixed"
-    mixed = mixed_precision_policy(strategy.precision, "cuda")  # what configure_ddp shards with on a GPU
+    assert isinstance(make_strategy("fsdp"), LayerFSDP)
+    mixed = mixed_precision_policy("bf16-mixed", "cuda")  # what configure_ddp shards with on a GPU (trainer.precision)
     assert isinstance(mixed, MixedPrecisionPolicy)  # fully_shard's (FSDP2), not FSDP1's MixedPrecision
     assert (mixed.param_dtype, mixed.reduce_dtype) == (torch.bfloat16, torch.float32)  # buffers: never cast
-    assert mixed_precision_policy(make_strategy("fsdp", "32-true").precision, "cuda") is None  # fp32: none at all
+    assert mixed_precision_policy("32-true", "cuda") is None  # fp32: none at all
     # the layers' inputs: cast to bf16 on a CPU (its autocast's LayerNorm), left in fp32 on CUDA as under DDP
     assert mixed_precision_policy("bf16-mixed", "cpu").cast_forward_inputs
     assert not mixed_precision_policy("bf16-mixed", "cuda").cast_forward_inputs
@@ -119,7 +118,7 @@ def test_fsdp_skips_the_gradient_sync_inside_an_accumulation_as_ddps_no_sync(mon
     then the sum of both micro-batches reduced at the next synchronised backward)."""
     calls = []
     model = SimpleNamespace(set_requires_gradient_sync=calls.append)
-    strategy = make_strategy("fsdp", "bf16-mixed")
+    strategy = make_strategy("fsdp")
     monkeypatch.setattr(LayerFSDP, "lightning_module", property(lambda self: SimpleNamespace(model=model)))
     with strategy.block_backward_sync():
         assert calls == [False]

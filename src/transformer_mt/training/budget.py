@@ -56,10 +56,10 @@ class TimeBudget:
 
     seconds: float  # of training, on the update clock
     margin: float  # budget.margin: the share of the time left that the horizon leaves unplanned
-    warmup_share: float  # budget.warmup: the warmup's share of the horizon
-    cooldown_share: float  # budget.cooldown: the cool-down's share, at the horizon's end
+    warmup: float  # budget.warmup: the warmup's share of the horizon
+    cooldown: float  # budget.cooldown: the cool-down's share, at the horizon's end
     average_span: float  # budget.average_span: the last keep_last periodic checkpoints span this share of it
-    keep_last: int
+    keep_last: int  # checkpoint.keep_last
     peak: float = 0.0  # the rate at the warmup's end (the module's: Noam's peak at optim.warmup_steps)
     ceiling: int = 0  # trainer.max_steps as configured: the horizon never passes it
     provisional: int = 1  # until the horizon is fixed, Noam's own warmup (optim.warmup_steps), whatever max_steps is
@@ -89,13 +89,13 @@ class TimeBudget:
         """The horizon, fixed after update `step`: the updates after it follow objective.budget_lr from its rate. A
         warmup that would have ended by then (a horizon under ~5x the fix) rises to the peak over the next updates."""
         self.fixed_rate, self.fixed, self.horizon = self.lr(step - 1), (step, clock), horizon
-        ramp = max(1, min(LAST_RAMP, round(self.warmup_share * (horizon - step))))
+        ramp = max(1, min(LAST_RAMP, round(self.warmup * (horizon - step))))
         self.peak_at = max(self.planned_peak, step + ramp) if self.fixed_rate < self.peak else self.planned_peak
 
     @property
     def planned_peak(self) -> int:
         """The warmup's end, budget.warmup's share of the horizon."""
-        return max(1, round(self.warmup_share * self.horizon))
+        return max(1, round(self.warmup * self.horizon))
 
     def refit(self, step: int, horizon: int) -> None:
         """The horizon, corrected where the cool-down begins: from this update's rate down to 0 one update after it."""
@@ -103,7 +103,7 @@ class TimeBudget:
 
     @property
     def cooldown_start(self) -> int:
-        return self.cool_from or self.horizon - round(self.cooldown_share * self.horizon)
+        return self.cool_from or self.horizon - round(self.cooldown * self.horizon)
 
     @property
     def every(self) -> int:
@@ -163,7 +163,7 @@ class TimeBudget:
         if self.planned_peak <= update.step < self.peak_at:
             log.warning(
                 f"time budget: a horizon of {end:,} updates is too short for its warmup (budget.warmup="
-                f"{self.warmup_share:g}: {self.planned_peak:,} updates, over by the fix at update "
+                f"{self.warmup:g}: {self.planned_peak:,} updates, over by the fix at update "
                 f"{update.step:,}): the rate rises from {self.fixed_rate:.3g} to the peak by update {self.peak_at:,}; "
                 "a longer trainer.max_time gives a gradual warmup"
             )

@@ -71,7 +71,7 @@ def trainer_arguments(cfg: DictConfig, sweep: bool = False) -> dict:
             log.info("precision: 32-true (this CPU has no native bf16; set trainer.precision=bf16-mixed to force it)")
     if str(args.get("precision")).startswith("16"):  # the module's update applies no loss scale
         raise InputError(f"trainer.precision={args['precision']}: fp16 is not supported; use bf16-mixed or 32-true")
-    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("precision"), args.get("devices", 1), sweep)
+    args["strategy"] = make_strategy(args.get("strategy", "auto"), args.get("devices", 1), sweep)
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() and "32" in str(args["precision"]):
         use_tf32()
         log.info("precision %s on CUDA: fp32 matrix products in TF32 (runtime.use_tf32)", args["precision"])
@@ -136,14 +136,12 @@ def check_config(cfg: DictConfig) -> None:
         raise InputError(f"trainer.compile={compile_step!r}: must be true, false or auto (on with a CUDA GPU)")
     if compile_step is True and cfg.trainer.get("strategy") == "fsdp":
         raise InputError("trainer.compile with trainer=fsdp is not supported (untested); use ddp, or compile=false")
-    if not cfg.final.enabled:
-        return
     splits = cfg.final.splits
-    if not splits or any(s not in ("validation", "test") for s in splits):
+    if cfg.final.enabled and (not splits or any(s not in ("validation", "test") for s in splits)):
         raise InputError(f"final.splits={splits}: must be a list of validation and/or test, e.g. final.splits=[test]")
 
 
-def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = False):
+def make_strategy(name, devices=1, sweep: bool = False):
     """trainer.strategy: FSDP per layer (sharding.py); DDP without the per-forward broadcast of buffers."""
     # Lightning's ddp and fsdp start the other ranks by re-running sys.argv: under `-m` from a shell, the whole sweep
     shell_sweep = sweep and not any(k in os.environ for k in ("LOCAL_RANK", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"))
@@ -153,7 +151,7 @@ def make_strategy(name, precision: str | None = None, devices=1, sweep: bool = F
                 "trainer=fsdp in a Hydra multirun (-m) from a shell would re-run the whole sweep in each of its ranks: "
                 "run the jobs one by one, or sweep with hydra/launcher=slurm, or start each job with torchrun/srun"
             )
-        return LayerFSDP(precision)
+        return LayerFSDP()
     if name == "ddp" and shell_sweep:  # spawning keeps each job's ranks inside that job
         log.warning("Hydra multirun: using strategy=ddp_spawn instead of ddp (ddp would re-launch the sweep)")
         name = "ddp_spawn"
@@ -225,12 +223,14 @@ def fit(cfg: DictConfig, job: Job, trainer_args: dict, startup: StartupLog) -> f
     datamodule.check_lengths(cfg.model.max_positions)
     startup.mark("data ready")
     model_cfg = {**plain(cfg.model), "vocab_size": len(datamodule.tokenizer), "pad_id": PAD_ID}
+    seconds = budget_seconds(cfg.trainer.get("max_time"))  # trainer.max_time and the budget block: TimeBudget's
+    budget = dict(seconds=seconds, keep_last=cfg.checkpoint.keep_last, **plain(cfg.budget)) if seconds else None
     module = TranslationModule(
         model_cfg,
         cfg.label_smoothing,
         **plain(cfg.optim),
         val_bleu_sentences=cfg.val_bleu_sentences,
-        budget=budget_settings(cfg),
+        budget=budget,
         config=config,
         tokenizer=datamodule.tokenizer,
     )
@@ -281,21 +281,6 @@ def kept(checkpoint_dir: Path) -> str:
     return (
         f"before training went on; the checkpoints in {shown(checkpoint_dir)} are as they were: continue with "
         f'make train ARGS="... ckpt_path=last hydra.run.dir={shown(checkpoint_dir.parent)}"'
-    )
-
-
-def budget_settings(cfg: DictConfig) -> dict | None:
-    """trainer.max_time and the `budget` block as TimeBudget's settings; None without a budget."""
-    if (seconds := budget_seconds(cfg.trainer.get("max_time"))) is None:
-        return None
-    b = cfg.budget
-    return dict(
-        seconds=seconds,
-        margin=b.margin,
-        warmup_share=b.warmup,
-        cooldown_share=b.cooldown,
-        average_span=b.average_span,
-        keep_last=cfg.checkpoint.keep_last,
     )
 
 

@@ -26,13 +26,10 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered on r
 class LayerFSDP(DDPStrategy):
     """FSDP2 per layer, gradients reduce-scattered once per update; over gloo on CPU processes too."""
 
-    def __init__(self, precision: str | None = None, **kwargs):
-        super().__init__(**kwargs)
-        self.precision = precision
-
     def configure_ddp(self) -> None:  # in place of DDP's wrapper
         device = self.root_device.type
-        shard(self.lightning_module.model, device, self.world_size, mixed_precision_policy(self.precision, device))
+        policy = mixed_precision_policy(self.precision_plugin.precision, device)
+        shard(self.lightning_module.model, device, self.world_size, policy)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -76,7 +73,7 @@ def shard(model: Transformer, device_type: str, world_size: int, policy: MixedPr
         register_fsdp_forward_method(model, name)
 
 
-def mixed_precision_policy(precision: str | None, device_type: str) -> MixedPrecisionPolicy | None:
+def mixed_precision_policy(precision: str, device_type: str) -> MixedPrecisionPolicy | None:
     """bf16-mixed: weights gathered in bf16, gradients reduced in fp32; the layers' inputs cast on a CPU only (its
     autocast refuses fp32 into a bf16 LayerNorm; on CUDA the residual stream stays fp32, as under DDP)."""
     bf16 = MixedPrecisionPolicy(torch.bfloat16, torch.float32, cast_forward_inputs=device_type != "cuda")

@@ -128,10 +128,10 @@ class UpdateEnd(L.Callback):
         self.stops = TrainingStops()
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.updates, self.budget = module.updates, getattr(module, "budget", None)
+        self.budget = getattr(module, "budget", None)
         if self.budget is not None:
             self.budget.begin(trainer, module.updates.totals["train_seconds"])
-        self.stops.begin(trainer, self.updates)
+        self.stops.begin(trainer, module.updates)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         update = module.updates.end(trainer)  # the update's one wait for the device
@@ -142,7 +142,7 @@ class UpdateEnd(L.Callback):
                 f"training diverged at update {update.step}: the gradient norm is {update.grad_norm} (optim.lr_factor "
                 "too high?); the checkpoints written so far are finite"
             )
-        tokens = self.updates.totals["target_tokens"]
+        tokens = module.updates.totals["target_tokens"]
         out_of_time = self.budget is not None and self.budget.after_update(trainer, update, tokens)  # fixes its end
         log_update(trainer, update)  # the loggers: losses, gradient norm, the next update's rate
         if self.ema is not None:
@@ -175,8 +175,7 @@ class UpdateEnd(L.Callback):
 def gradient_norm(parameters) -> Tensor:
     """The L2 norm of the whole gradient, the same on every rank: FSDP's sharded gradients (DTensors) give a norm of
     the ranks' parts, which full_tensor() reduces."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())  # one fused kernel
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], foreach=True)
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
 
 
