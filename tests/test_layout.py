@@ -73,7 +73,7 @@ def test_every_module_is_named_in_its_package_map():
 # data (a literal's closing bracket), at most 5; the package at most 6,300 lines as ruff formats it, a function at most
 # 70. No second forward of the model on private ops or caches keyed on tensor identity, no private Hydra.
 FORBIDDEN = ("torch.ops.mkldnn", "._version", "data_ptr", "hydra._internal")
-PACKAGE_LINES = 7180
+PACKAGE_LINES = 7155
 
 
 def test_the_formatter_decides_the_layout_and_the_package_stays_within_its_ceilings():
