@@ -28,14 +28,9 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
     totals = torch.load(variant_run / "checkpoints" / "last.ckpt", weights_only=True)["totals"]
     flops = results["model_flops_per_second"]
     assert flops == pytest.approx(totals["model_flops"] / totals["train_seconds"], rel=1e-3)
-    peak = re.fullmatch(
-        r"([\d.,]+) ([GT])FLOP/s (?:bf16|fp32), a 2048\^3 matrix product timed on this CPU", results["peak"]
-    )
-    shown = float(peak[1].replace(",", "")) * {"G": 1e9, "T": 1e12}[peak[2]]  # 3 significant digits
-    assert results["peak_flops_per_second"] == pytest.approx(shown, rel=0.01)
-    assert results["devices"] == 1 and results["mfu"] == pytest.approx(
-        flops / results["peak_flops_per_second"], rel=1e-3
-    )
+    # a CPU's peak is not known: no MFU (a GPU's: runtime.PEAK_TFLOPS, test_runtime)
+    assert results["peak"] == "no peak known for cpu devices: FLOP/s without MFU"
+    assert results["peak_flops_per_second"] is None and results["mfu"] is None and results["devices"] == 1
     assert results["decoding"] == {
         "beam_size": 4,
         "alpha": 0.6,
