@@ -55,18 +55,24 @@ def test_a_cpu_takes_the_fastest_batch_per_token_and_a_smaller_one_only_when_cle
     assert fastest({4096: 10.0}) == 4096
 
 
-def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path, caplog):
-    """On the training split of a small corpus: each candidate (the fallback, its half and quarter, those that hold the
-    longest pair) timed on the same sentences; the random generators and the gradients as before the probe."""
+def auto_datamodule(tmp_path) -> TranslationDataModule:
+    """A small text corpus's datamodule with data.max_tokens=auto (not yet built)."""
     corpus = write_corpus(tmp_path / "corpus")
-    datamodule = TranslationDataModule(
+    text_files = {"train": "train", "validation": "valid", "test": "test"}
+    return TranslationDataModule(
         name="text",
         path=str(corpus),
         vocab_size=400,
         max_tokens="auto",
-        text_files={"train": "train", "validation": "valid", "test": "test"},
+        text_files=text_files,
         cache_dir=str(tmp_path / "cache"),
     )
+
+
+def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path, caplog):
+    """On the training split of a small corpus: each candidate (the fallback, its half and quarter, those that hold the
+    longest pair) timed on the same sentences; the random generators and the gradients as before the probe."""
+    datamodule = auto_datamodule(tmp_path)
     datamodule.build()
     module = SimpleNamespace(model=Transformer(tiny_config(vocab_size=len(datamodule.tokenizer))))
     state = torch.get_rng_state()
@@ -89,15 +95,7 @@ def test_the_cpu_probe_times_real_batches_and_leaves_the_run_as_it_was(tmp_path,
 def test_the_cpu_probes_choice_is_kept_per_cpu_model_and_precision_and_reused_by_later_starts(
     tmp_path, monkeypatch, caplog
 ):
-    corpus = write_corpus(tmp_path / "corpus")
-    datamodule = TranslationDataModule(
-        name="text",
-        path=str(corpus),
-        vocab_size=400,
-        max_tokens="auto",
-        text_files={"train": "train", "validation": "valid", "test": "test"},
-        cache_dir=str(tmp_path / "cache"),
-    )
+    datamodule = auto_datamodule(tmp_path)
     datamodule.build()
     module = SimpleNamespace(model=Transformer(tiny_config(vocab_size=len(datamodule.tokenizer))))
     steps = mock.Mock(wraps=batch_fit.sequence_losses)
