@@ -305,7 +305,8 @@ def test_the_base_recipe_command_trains_on_the_cpu_and_its_log_gives_the_speed(t
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     log = (tmp_path / "run" / "train.log").read_text(encoding="utf-8")
     speed = progress_speed(log, warmup_lines=1)
-    assert speed.lines == 2 and speed.window == (2, 6) and speed.tokens_per_second > 0 and speed.mfu > 0
+    assert speed.lines == 2 and speed.window == (2, 6) and speed.tokens_per_second > 0
+    assert speed.mfu is None  # a CPU's lines name no peak (a GPU's MFU is parsed in the tests above)
     # the update of 1,000 tokens; on a CPU, data.max_tokens=auto times 1,000, 500 and 250 and takes the fastest
     micro_batches, tokens = (int(n) for n in re.fullmatch(r"(\d+) x (\d+) tokens", update_shape(log)).groups())
     assert len(speed.losses) == 3 and micro_batches * tokens == 1000
