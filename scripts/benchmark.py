@@ -97,7 +97,8 @@ class Usage:
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of the fastest of `repeats` n x n matrix products (after one that allocates and wakes the threads)."""
-    a, b = (torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype) for _ in range(2))
+    values = torch.Generator().manual_seed(0)  # not the global generator
+    a, b = (torch.randn(n, n, generator=values).to(dtype) for _ in range(2))
     a @ b
     fastest = float("inf")
     for _ in range(repeats):

@@ -225,6 +225,7 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
         ("checkpoint.keep_last=null", "checkpoint.keep_last=null: must be given (not null)"),
         ("data.max_len=long", "data.max_len=long: must be a whole number"),
         ("decoding.alpha=high", "decoding.alpha=high: must be a number"),
+        ("final.splits=test", "final.splits=test: must be a list, e.g. [a,b]"),
     ]:
         with pytest.raises(InputError) as error:
             check_command_line("train", [override])
@@ -232,6 +233,16 @@ def test_settings_that_would_fail_late_are_refused_first(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match=r"accelerator=gpu needs a CUDA GPU .* CONFIG=multi30k .* add trainer=cpu"):
             trainer_arguments(compose_train(["trainer=gpu"]).trainer)
+    # the inference commands' keys, a list given one value, and the last of two overrides of a key
+    for command, overrides, message in [
+        ("tune", ["ckpt=x", "beams=4"], "beams=4: must be a list"),
+        ("translate", ["ckpt=x", "ckpt=null"], "ckpt=null: must be given (not null)"),
+    ]:
+        with pytest.raises(InputError, match=re.escape(message)):
+            check_command_line(command, overrides)
+    # a null dict (data.text_files) still takes one from the command line
+    files = compose_train(["data.path=/x", "data.text_files={train: a, validation: b, test: c}"]).data.text_files
+    assert dict(files) == {"train": "a", "validation": "b", "test": "c"}
 
 
 def test_cpu_precision_auto_is_bf16_only_where_the_cpu_computes_it(tmp_path, monkeypatch):

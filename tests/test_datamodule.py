@@ -36,8 +36,11 @@ from transformer_mt.tokenizer import BOS_ID
 def test_impossible_batch_settings_are_refused(tmp_path, key, value):
     with pytest.raises(InputError, match=rf"data\.{key}={value}: "):
         text_datamodule(tmp_path, **{key: value})
+
+
+def test_a_data_setting_of_the_wrong_type_is_refused_as_the_command_line_is_read():
     with pytest.raises(InputError, match=r"data\.max_tokens_fallback=auto: must be a whole number"):
-        check_command_line("train", ["data.max_tokens_fallback=auto"])  # a wrong type: as the command line is read
+        check_command_line("train", ["data.max_tokens_fallback=auto"])
 
 
 def test_a_pair_longer_than_the_models_positions_is_found_when_the_data_is_built(tmp_path):

@@ -29,8 +29,8 @@ def test_a_finished_run_ends_with_results_json_and_a_block_in_its_log(variant_ru
     flops = results["model_flops_per_second"]
     assert flops == pytest.approx(totals["model_flops"] / totals["train_seconds"], rel=1e-3)
     # a CPU's peak is not known: no MFU (a GPU's: runtime.PEAK_TFLOPS, test_runtime)
-    assert results["peak"] == "no peak known for cpu devices: FLOP/s without MFU"
-    assert results["peak_flops_per_second"] is None and results["mfu"] is None and results["devices"] == 1
+    assert results["peak"] is None and results["peak_flops_per_second"] is None and results["mfu"] is None
+    assert results["devices"] == 1
     assert results["decoding"] == {
         "beam_size": 4,
         "alpha": 0.6,

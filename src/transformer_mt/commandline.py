@@ -25,7 +25,8 @@ KINDS = {
     "Integer": "a whole number",
     "Float": "a number",
     "valid bool": "true or false",
-    "Optional": "given (not null)",
+    "is not Optional": "given (not null)",
+    "is not a ListConfig": "a list, e.g. [a,b]",
 }
 
 
@@ -69,12 +70,12 @@ def check_job(config_name: str, overrides: list) -> DictConfig | None:
         raise InputError(f"{group}={option}: no such option; {hint}(the options: {', '.join(e.options)})") from None
     except ConfigCompositionException as e:  # trainer.max_step=5: a key the config lacks; model.d_model=x: a type
         key = str(getattr(e.__cause__, "full_key", None)).split("[")[0]  # alphas[0]: the list alphas
-        given = next((o for o in overrides if o.key_or_group == key), None)
+        given = next((o for o in reversed(overrides) if o.key_or_group == key), None)  # the last one counts
         if given is None:
             return None
         if isinstance(e.__cause__, ValidationError):  # a value of another type than settings.py's
-            said = str(e.__cause__)
-            kind = next((kind for words, kind in KINDS.items() if words in said), said.splitlines()[0])
+            said = str(e.__cause__).splitlines()[0]
+            kind = next((kind for words, kind in KINDS.items() if words in said), said)
             raise InputError(f"{given.key_or_group}={given.get_value_element_as_str()}: must be {kind}") from None
         others = compose(config_name, [o.input_line for o in overrides if o is not given])
         raise InputError(misspelled(given, others)) from None

@@ -32,12 +32,21 @@ OmegaConf.register_new_resolver("own_folder", lambda: f"{datetime.now():%Y-%m-%d
 OmegaConf.register_new_resolver("tune_grid", lambda key: list(TUNE_GRID[key]), replace=True)  # make tune's grid
 ConfigStore.instance().store(group="model", name="schema", node=settings.ModelSettings)  # model/default.yaml's types
 ConfigStore.instance().store(group="data", name="schema", node=settings.DataSettings)  # data/default.yaml's types
-for command in ("train", "evaluate", "translate", "tune"):  # <command>.yaml's types, first in its defaults
-    ConfigStore.instance().store(name=f"{command}_settings", node=getattr(settings, f"{command.title()}Settings"))
-# decoding=beam, the group's default: §6.1's search as decoding.PAPER, typed as Decoding (overridable: not frozen)
-beam = OmegaConf.structured(PAPER)
-OmegaConf.set_readonly(beam, False)
-ConfigStore.instance().store(group="decoding", name="beam", node=beam)
+# <command>.yaml's types, first in its defaults
+ConfigStore.instance().store(name="train_settings", node=settings.TrainSettings)
+ConfigStore.instance().store(name="evaluate_settings", node=settings.EvaluateSettings)
+ConfigStore.instance().store(name="translate_settings", node=settings.TranslateSettings)
+ConfigStore.instance().store(name="tune_settings", node=settings.TuneSettings)
+
+
+def decoding_beam() -> DictConfig:
+    """decoding=beam, the group's default: §6.1's search as decoding.PAPER, typed as Decoding, overridable."""
+    node = OmegaConf.structured(PAPER)
+    OmegaConf.set_readonly(node, False)  # Decoding is frozen
+    return node
+
+
+ConfigStore.instance().store(group="decoding", name="beam", node=decoding_beam())
 
 
 @contextmanager

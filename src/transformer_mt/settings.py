@@ -43,7 +43,7 @@ class DataSettings:
     path: str | None
     hub_name: str | None
     hub_config: str | None
-    text_files: dict[str, str] | None
+    text_files: Any  # {split: file prefix} or null: a typed dict could not be set from the command line
     vocab_size: int
     spm_max_sentences: int
     max_len: int

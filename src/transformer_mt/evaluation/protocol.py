@@ -149,7 +149,7 @@ class Protocol:
             model_flops_per_second=significant(flops_per_second),
             devices=self.devices,
             mfu=significant(mfu),
-            peak=peak.source if peak else None,
+            peak=peak.source if peak and peak.flops else None,  # None: no peak known (a CPU)
             peak_flops_per_second=significant(peak and peak.flops),
             decoding=self.decoding.settings(),
             **self.extra,

@@ -46,8 +46,10 @@ class ProgressLog(L.Callback):
             self.startup.mark("training loop started")
         if trainer.is_global_zero:
             self.peak = device_peak(trainer.strategy.root_device, trainer.precision)
-            over = "model FLOP/s (model.training_flops) per device over %s" if self.peak.flops else "%s"
-            log.info(f"MFU: {over}", self.peak.source)
+            if self.peak.flops:
+                log.info("MFU: model FLOP/s (model.training_flops) per device over %s", self.peak.source)
+            else:
+                log.info("MFU: %s", self.peak.source)
         self.start, self.first_step = bookkeeping.clock(), trainer.global_step
         self.since = self.clock = self.clock_start = module.updates.totals["train_seconds"]  # the update clock
         self.since_step, self.loss_sum, self.tokens, self.flops = trainer.global_step, 0.0, 0, 0.0

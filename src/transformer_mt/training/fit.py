@@ -95,17 +95,17 @@ def make_callbacks(cfg: DictConfig, checkpoint_dir: Path, startup: StartupLog, s
     return callbacks + [c for c in (ema, bar) if c is not None] + checkpoints
 
 
-# Numbers that must be 0 or more (their types are settings.py's): counts, the optimiser's, and budget.*'s shares
-COUNTS = ("seed", "val_bleu_sentences", "progress_every_n_updates", "progress_every_seconds", "final.average_last")
+# Numbers that must be 0 or more (their types are settings.py's), and budget.*'s shares (below 1 too)
+AT_LEAST_0 = ("seed", "val_bleu_sentences", "progress_every_n_updates", "progress_every_seconds", "final.average_last")
 OPTIM = ("label_smoothing", "optim.lr_factor", "optim.warmup_steps", "optim.eps")
-SHARES = ("warmup", "cooldown", "average_span", "margin")  # below 1 too
+SHARES = ("warmup", "cooldown", "average_span", "margin")
 
 
 def check_config(cfg: DictConfig) -> None:
     """Settings that only fail late (after the data is built, or at the first validation) are refused first."""
-    for key in (*COUNTS, *OPTIM, *(f"budget.{share}" for share in SHARES)):
-        if OmegaConf.select(cfg, key) < 0:
-            raise InputError(f"{key}={OmegaConf.select(cfg, key)}: must be 0 or more")
+    for key in (*AT_LEAST_0, *OPTIM, *(f"budget.{share}" for share in SHARES)):
+        if (value := OmegaConf.select(cfg, key)) < 0:
+            raise InputError(f"{key}={value}: must be 0 or more")
     interval = cfg.trainer.val_check_interval  # Lightning's argument (trainer=*): updates between validations
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
         raise InputError(f"trainer.val_check_interval={interval!r}: must be a number of updates, 0 or more")
