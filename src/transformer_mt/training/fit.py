@@ -27,6 +27,7 @@ from transformer_mt.files import RunFolder, RunFolderLock, shown
 from transformer_mt.launcher import Job, check_device, first_process, launched_rank
 from transformer_mt.model import TransformerConfig
 from transformer_mt.runtime import code_record, cpu_has_native_bf16, use_tf32
+from transformer_mt.settings import ModelSettings
 from transformer_mt.stops import Stopped, exit_after_training, peer_ended
 from transformer_mt.tokenizer import PAD_ID
 from transformer_mt.training.batch_fit import FitBatch, shape_updates
@@ -109,7 +110,7 @@ def check_config(cfg: DictConfig) -> None:
     interval = cfg.trainer.val_check_interval  # Lightning's argument (trainer=*): updates between validations
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
         raise InputError(f"trainer.val_check_interval={interval!r}: must be a number of updates, 0 or more")
-    known = {f.name for f in fields(TransformerConfig)} - {"vocab_size", "pad_id"}  # those two come from the data
+    known = {f.name for f in fields(ModelSettings)}  # +model.<key> composes on the typed node: nothing reads it
     if unknown := sorted(set(cfg.model) - known):
         raise InputError(f"model.{unknown[0]}: not a model setting; the model takes {', '.join(sorted(known))}")
     try:  # the model's own checks (types, positive sizes, heads dividing d_model); the vocabulary comes later
